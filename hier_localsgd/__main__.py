@@ -1,0 +1,5 @@
+import sys
+
+from hier_localsgd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""The ``hier-localsgd`` command.
+
+    hier-localsgd lighthouse [overrides...]   serve the global and/or cluster lighthouses
+    hier-localsgd train      [overrides...]   run one replica group (run.cluster, run.replica)
+    hier-localsgd demo       [overrides...]   a whole job on this machine, with a summary
+
+Overrides are hydra syntax (``topology.clusters=3 model=tiny``); see configs/.
+A configuration error exits with code 2 and a message naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "lighthouse": "serve the global and/or per-cluster lighthouses (lighthouse.serve=all|global|cluster)",
+    "train": "run one replica group: run.cluster=C run.replica=R",
+    "demo": "start lighthouses and every replica group on this machine, train, summarize",
+}
+
+
+class _Tag(logging.Filter):
+    """Puts the process's identity (and role) into every log line."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+        self.role = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.tag = self.tag + self.role
+        return True
+
+
+def setup_logging(level: str, tag: str) -> _Tag:
+    flt = _Tag(tag)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(tag)s] %(name)s: %(message)s"))
+    handler.addFilter(flt)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("hier_localsgd").setLevel(level.upper())
+    return flt
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    # torchft's Rust logger reads RUST_LOG at import; its INFO level is very chatty.
+    os.environ.setdefault("RUST_LOG", "warn")
+    parser = argparse.ArgumentParser(prog="hier-localsgd", description="Fault-tolerant hierarchical LocalSGD/DiLoCo on torchft.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, text in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("overrides", nargs="*", help="hydra overrides, e.g. topology.clusters=3 model=tiny")
+        p.add_argument("--print-config", action="store_true", help="print the composed config and exit")
+    args = parser.parse_args(argv)
+
+    if args.command == "train":
+        # Before any other thread exists: signals go to the runtime's signal thread.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+    from hier_localsgd.config import ConfigError, dump, load_config
+
+    try:
+        cfg = load_config(args.overrides, validate_for=args.command)
+    except ConfigError as e:
+        print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(dump(cfg))
+        return 0
+
+    if args.command == "lighthouse":
+        setup_logging(cfg.run.log_level, "lighthouse")
+        from hier_localsgd import lighthouse
+
+        return lighthouse.serve(cfg)
+    if args.command == "demo":
+        setup_logging(cfg.run.log_level, "demo")
+        from hier_localsgd.demo import run_demo
+
+        return run_demo(cfg, args.overrides)
+    return _train(cfg)
+
+
+def _train(cfg: "Config") -> int:  # type: ignore[name-defined]  # noqa: F821
+    from hier_localsgd.runtime import Runtime
+    from hier_localsgd.trainer import train
+
+    t = cfg.timeouts_obj()
+    tag = f"c{cfg.run.cluster}r{cfg.run.replica}"
+    setup_logging(cfg.run.log_level, tag)
+    rt = Runtime(tag, shutdown_timeout=t.shutdown, watchdog_grace=t.watchdog_grace)
+    rt.install()
+    rt.run(lambda: train(cfg, rt))
+    return 0  # not reached: Runtime.run exits the process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Configuration: hydra-composed YAML under ``configs/``, typed and validated here.
+
+``load_config(overrides)`` composes ``configs/config.yaml`` (plus the ``model``
+and ``data`` groups) with hydra, applying command-line overrides such as
+``topology.clusters=3 sync.inner.every=20 model=tiny``; every value can be
+overridden. The result is merged into the dataclass schema below, so a wrong
+type or an unknown key fails naming the field, and then :func:`validate` checks
+meaning (ranges, list lengths, addresses) and raises :class:`ConfigError` naming
+the field.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from hier_localsgd.faults import Fault
+from hier_localsgd.level import ALGORITHMS
+from hier_localsgd.managers import parse_address
+from hier_localsgd.timeouts import Timeouts
+
+MODES = ("hier", "flat", "ddp")
+DATA_KINDS = ("markov", "text", "parquet")
+LIGHTHOUSE_ROLES = ("all", "global", "cluster")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the field's path."""
+
+
+@dataclass
+class TopologyConfig:
+    clusters: int = 2
+    replicas_per_cluster: int = 2
+    ranks_per_replica: int = 1
+
+
+@dataclass
+class LevelConfig:
+    algorithm: str = "diloco"
+    every: int = 10  # inner: local steps per round; outer: inner rounds per outer round
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class SyncConfig:
+    mode: str = "hier"
+    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10))
+    outer: LevelConfig = field(default_factory=lambda: LevelConfig(every=3))
+    flat: LevelConfig = field(default_factory=lambda: LevelConfig(every=30))
+    min_replicas: int = 1
+    min_clusters: int = 2
+    max_quorum_failures: int = 3
+    max_commit_failures: int = 5
+
+
+@dataclass
+class LighthouseConfig:
+    global_addr: str = "http://127.0.0.1:29510"
+    cluster_addrs: List[str] = field(default_factory=lambda: ["http://127.0.0.1:29511", "http://127.0.0.1:29512"])
+    join_timeout_ms: int = 30000
+    quorum_tick_ms: int = 100
+    heartbeat_timeout_ms: int = 5000
+    serve: str = "all"
+    cluster: int = 0
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama3_debugmodel"
+    dim: int = 64
+
+
+@dataclass
+class DataConfig:
+    kind: str = "markov"
+    states: int = 128
+    branching: int = 4
+    concentration: float = 0.5
+    seed: int = 1234
+    path: str = ""
+    text_column: str = "text"
+    eval_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 4
+    seq_len: int = 64
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+    eval_batches: int = 8
+    eval_every: int = 0
+    log_every: int = 10
+    threads: int = 1
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/latest"
+    cluster: int = 0
+    replica: int = 0
+    hostname: str = ""  # address peers use to reach this process; "" = socket.gethostname()
+    log_level: str = "INFO"
+
+
+@dataclass
+class DemoConfig:
+    summary: str = ""  # default: <run.dir>/summary.json
+    timeout_s: float = 600.0
+    progress: bool = True
+    free_ports: bool = True
+
+
+@dataclass
+class TimeoutsConfig:
+    connect: float = 10
+    inner_quorum: float = 60
+    inner_reduce: float = 60
+    inner_commit: float = 30
+    outer_quorum: float = 120
+    outer_reduce: float = 120
+    outer_commit: float = 30
+    broadcast: float = 60
+    local_step: float = 120
+    watchdog_grace: float = 30
+    shutdown: float = 10
+
+
+@dataclass
+class Config:
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    faults: List[Dict[str, Any]] = field(default_factory=list)
+
+    # -- derived ---------------------------------------------------------------
+    def timeouts_obj(self) -> Timeouts:
+        return Timeouts.from_seconds(OmegaConf.to_container(OmegaConf.structured(self.timeouts)))  # type: ignore[arg-type]
+
+    def fault_list(self) -> List[Fault]:
+        return [Fault.from_mapping(i, f) for i, f in enumerate(self.faults)]
+
+    @property
+    def shard(self) -> int:
+        return self.run.cluster * self.topology.replicas_per_cluster + self.run.replica
+
+    @property
+    def num_shards(self) -> int:
+        return self.topology.clusters * self.topology.replicas_per_cluster
+
+
+def config_dir() -> Path:
+    """The configs/ directory (the repository's, or the installed copy)."""
+    repo = Path(__file__).resolve().parent.parent / "configs"
+    if (repo / "config.yaml").is_file():
+        return repo
+    return Path(str(resources.files("hier_localsgd.configs")))
+
+
+def load_config(overrides: Sequence[str] = (), config_name: str = "config", validate_for: str = "train") -> Config:
+    """Composes, types and validates the configuration.
+
+    Args:
+        overrides: hydra overrides, e.g. ``["topology.clusters=3", "model=tiny"]``.
+        validate_for: which command's checks to run (see :func:`validate`).
+
+    Raises:
+        ConfigError: naming the offending field.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            raw = compose(config_name=config_name, overrides=list(overrides))
+        schema = OmegaConf.structured(Config)
+        merged = OmegaConf.merge(schema, raw)
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_hydra_message(e)) from e
+    validate(cfg, validate_for)
+    return cfg
+
+
+def _hydra_message(e: Exception) -> str:
+    msg = str(e).strip()
+    key = getattr(e, "full_key", None)
+    if key and key not in msg.splitlines()[0]:
+        msg = f"{key}: {msg}"
+    return msg
+
+
+def to_overrides(cfg: Config, keys: Sequence[str]) -> List[str]:
+    """Renders selected fields of ``cfg`` as hydra overrides (for launching children)."""
+    c = OmegaConf.structured(cfg)
+    out = []
+    for k in keys:
+        v = OmegaConf.select(c, k)
+        if isinstance(v, (DictConfig,)):
+            raise ValueError(f"{k} is a section, not a value")
+        out.append(f"{k}={_render(v)}")
+    return out
+
+
+def _render(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if OmegaConf.is_list(v) or isinstance(v, list):
+        return "[" + ",".join(_render(x) for x in v) + "]"
+    return str(v)
+
+
+def validate(cfg: Config, command: str = "train") -> None:
+    """Semantic checks; raises :class:`ConfigError` whose message starts with the field path.
+
+    ``command``: "train" checks the identity of this process too; "demo", "chaos"
+    and "lighthouse" skip the lighthouse address list checks that they fill in.
+    """
+
+    def err(path: str, msg: str) -> None:
+        raise ConfigError(f"{path}: {msg}")
+
+    t, s = cfg.topology, cfg.sync
+    if t.clusters < 1:
+        err("topology.clusters", f"{t.clusters} — need at least one cluster (empty topology)")
+    if t.replicas_per_cluster < 1:
+        err("topology.replicas_per_cluster", f"{t.replicas_per_cluster} — need at least one replica group per cluster (empty topology)")
+    if t.ranks_per_replica != 1:
+        err("topology.ranks_per_replica", f"{t.ranks_per_replica} — multi-rank replica groups are not supported yet (launch with 1)")
+    if s.mode not in MODES:
+        err("sync.mode", f"unknown mode {s.mode!r} (expected one of {MODES})")
+    for name in ("inner", "outer", "flat"):
+        lv: LevelConfig = getattr(s, name)
+        if lv.algorithm not in ALGORITHMS:
+            err(f"sync.{name}.algorithm", f"unknown algorithm {lv.algorithm!r} (expected one of {ALGORITHMS})")
+        if lv.every < 1:
+            err(f"sync.{name}.every", f"{lv.every} — H must be at least 1")
+        if lv.lr <= 0:
+            err(f"sync.{name}.lr", f"{lv.lr} — must be positive")
+        if not 0 <= lv.momentum < 1:
+            err(f"sync.{name}.momentum", f"{lv.momentum} — must be in [0, 1)")
+    if not 1 <= s.min_replicas <= t.replicas_per_cluster:
+        err("sync.min_replicas", f"{s.min_replicas} — must be in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
+    if not 1 <= s.min_clusters <= t.clusters:
+        err("sync.min_clusters", f"{s.min_clusters} — must be in [1, topology.clusters={t.clusters}]")
+    if s.max_quorum_failures < 1:
+        err("sync.max_quorum_failures", f"{s.max_quorum_failures} — must be at least 1")
+    if s.max_commit_failures < 0:
+        err("sync.max_commit_failures", f"{s.max_commit_failures} — must be at least 0")
+
+    tr = cfg.train
+    for name in ("steps", "batch_size", "eval_batches", "log_every", "threads"):
+        if getattr(tr, name) < 1:
+            err(f"train.{name}", f"{getattr(tr, name)} — must be at least 1")
+    if tr.seq_len < 2:
+        err("train.seq_len", f"{tr.seq_len} — must be at least 2")
+    if tr.lr <= 0:
+        err("train.lr", f"{tr.lr} — must be positive")
+    if tr.eval_every < 0:
+        err("train.eval_every", f"{tr.eval_every} — must be 0 (start and end only) or positive")
+    if s.mode == "hier":
+        period = s.inner.every * s.outer.every
+        if tr.steps % period:
+            err("train.steps", f"{tr.steps} must be a multiple of sync.inner.every*sync.outer.every={period} so the run ends on an outer sync")
+    elif s.mode == "flat" and tr.steps % s.flat.every:
+        err("train.steps", f"{tr.steps} must be a multiple of sync.flat.every={s.flat.every} so the run ends on a sync")
+
+    d = cfg.data
+    if d.kind not in DATA_KINDS:
+        err("data.kind", f"unknown data kind {d.kind!r} (expected one of {DATA_KINDS})")
+    if d.kind == "markov":
+        if d.states < 2:
+            err("data.states", f"{d.states} — need at least 2")
+        if not 1 <= d.branching <= d.states:
+            err("data.branching", f"{d.branching} — must be in [1, data.states={d.states}]")
+        if d.concentration <= 0:
+            err("data.concentration", f"{d.concentration} — must be positive")
+    else:
+        if not d.path:
+            err("data.path", f"required for data.kind={d.kind}")
+        if not os.path.isfile(d.path):
+            err("data.path", f"{d.path!r}: no such file")
+        if not 0 < d.eval_fraction < 1:
+            err("data.eval_fraction", f"{d.eval_fraction} — must be in (0, 1)")
+
+    if cfg.model.name != "tiny" and not cfg.model.name.startswith("llama3_"):
+        err("model.name", f"unknown model {cfg.model.name!r} (expected 'tiny' or 'llama3_<flavor>', e.g. llama3_debugmodel)")
+    if cfg.model.dim < 1:
+        err("model.dim", f"{cfg.model.dim} — must be positive")
+
+    lh = cfg.lighthouse
+    for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+        if getattr(lh, name) < 1:
+            err(f"lighthouse.{name}", f"{getattr(lh, name)} — must be positive")
+    if lh.serve not in LIGHTHOUSE_ROLES:
+        err("lighthouse.serve", f"{lh.serve!r} — expected one of {LIGHTHOUSE_ROLES}")
+    _check_address("lighthouse.global_addr", lh.global_addr, err)
+    for i, a in enumerate(lh.cluster_addrs):
+        _check_address(f"lighthouse.cluster_addrs[{i}]", a, err)
+    if s.mode == "hier" and command in ("train", "lighthouse") and len(lh.cluster_addrs) != t.clusters:
+        err("lighthouse.cluster_addrs", f"has {len(lh.cluster_addrs)} address(es) but topology.clusters={t.clusters}: one lighthouse per cluster")
+    if command == "lighthouse" and lh.serve == "cluster" and not 0 <= lh.cluster < len(lh.cluster_addrs):
+        err("lighthouse.cluster", f"{lh.cluster} — must index lighthouse.cluster_addrs (0..{len(lh.cluster_addrs) - 1})")
+
+    if command == "train":
+        if not 0 <= cfg.run.cluster < t.clusters:
+            err("run.cluster", f"{cfg.run.cluster} — must be in [0, topology.clusters={t.clusters})")
+        if not 0 <= cfg.run.replica < t.replicas_per_cluster:
+            err("run.replica", f"{cfg.run.replica} — must be in [0, topology.replicas_per_cluster={t.replicas_per_cluster})")
+
+    try:
+        cfg.timeouts_obj()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    try:
+        cfg.fault_list()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _check_address(path: str, addr: str, err: Any) -> None:
+    try:
+        parse_address(path, addr)
+    except ValueError as e:
+        err(path, str(e).split(": ", 1)[1])
+
+
+def dump(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def cluster_addr(cfg: Config, cluster: int) -> str:
+    return cfg.lighthouse.cluster_addrs[cluster]
+
+
+def optional_str(v: str) -> Optional[str]:
+    return v or None

@@ -1,0 +1,189 @@
+"""Runs a whole job on this machine: lighthouses and one process per replica group.
+
+Used by ``hier-localsgd demo``, the tests, and experiments. It does what the shell
+scripts in ``launch/`` do on real hosts: start the lighthouses, then start
+``hier-localsgd train run.cluster=C run.replica=R`` per replica group, with the
+same overrides for everyone. Each process logs to ``<run.dir>/logs/c<C>r<R>.log``
+(appending across restarts) and publishes its status files (status.py).
+
+Every wait here is bounded: lighthouse start-up by ``timeouts.connect``-scaled
+probing, the job by the caller's timeout; :meth:`LocalJob.stop` sends SIGTERM
+and, after a grace period, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from hier_localsgd.config import Config
+from hier_localsgd.managers import LighthouseUnreachable, probe_lighthouse
+from hier_localsgd.status import read_json, replica_dir
+
+Key = Tuple[int, int]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("RUST_LOG", "warn")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    started: float
+    log: Path
+    restarts: int = 0
+
+
+@dataclass
+class LocalJob:
+    """One job's processes on this host.
+
+    Args:
+        cfg: the validated config (topology, run.dir, timeouts).
+        overrides: the user's hydra overrides, passed to every child unchanged.
+        free_ports: pick free loopback ports for the lighthouses (else use
+            ``lighthouse.*`` as configured).
+    """
+
+    cfg: Config
+    overrides: Sequence[str]
+    free_ports: bool = True
+    python: str = sys.executable
+    lighthouse: Optional[Proc] = None
+    replicas: Dict[Key, Proc] = field(default_factory=dict)
+    addr_overrides: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.cfg.run.dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.free_ports:
+            g = f"http://127.0.0.1:{free_port()}"
+            cs = [f"http://127.0.0.1:{free_port()}" for _ in range(self.cfg.topology.clusters)]
+            self.addr_overrides = [f"lighthouse.global_addr='{g}'", "lighthouse.cluster_addrs=[" + ",".join(f"'{a}'" for a in cs) + "]"]
+            self.global_addr, self.cluster_addrs = g, cs
+        else:
+            self.global_addr, self.cluster_addrs = self.cfg.lighthouse.global_addr, list(self.cfg.lighthouse.cluster_addrs)
+
+    # -- processes -------------------------------------------------------------
+    def _args(self) -> List[str]:
+        return list(self.overrides) + self.addr_overrides + [f"run.dir={self.run_dir}"]
+
+    def _spawn(self, name: str, argv: List[str]) -> Proc:
+        log = self.run_dir / "logs" / f"{name}.log"
+        f = open(log, "ab")
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        f.close()
+        return Proc(name=name, popen=p, started=time.time(), log=log)
+
+    def start_lighthouses(self, timeout_s: float = 60.0) -> None:
+        """Starts every lighthouse in one process and waits until each accepts connections."""
+        argv = [self.python, "-m", "hier_localsgd", "lighthouse", *self._args(), "lighthouse.serve=all"]
+        self.lighthouse = self._spawn("lighthouses", argv)
+        addrs = [("lighthouse.global_addr", self.global_addr)]
+        if self.cfg.sync.mode == "hier":
+            addrs += [(f"lighthouse.cluster_addrs[{i}]", a) for i, a in enumerate(self.cluster_addrs)]
+        deadline = time.time() + timeout_s
+        from datetime import timedelta
+
+        for fieldname, addr in addrs:
+            while True:
+                if self.lighthouse.popen.poll() is not None:
+                    raise RuntimeError(f"lighthouse process exited with {self.lighthouse.popen.returncode}; see {self.lighthouse.log}")
+                try:
+                    probe_lighthouse(fieldname, addr, timedelta(seconds=1))
+                    break
+                except LighthouseUnreachable:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+    def start_replica(self, cluster: int, replica: int, extra: Sequence[str] = ()) -> Proc:
+        argv = [self.python, "-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *extra]
+        prev = self.replicas.get((cluster, replica))
+        proc = self._spawn(f"c{cluster}r{replica}", argv)
+        if prev is not None:
+            proc.restarts = prev.restarts + 1
+        self.replicas[(cluster, replica)] = proc
+        return proc
+
+    def start_all(self, order: Optional[Sequence[Key]] = None, stagger_s: float = 0.0) -> None:
+        keys = list(order) if order is not None else self.keys()
+        for i, (c, r) in enumerate(keys):
+            if i and stagger_s:
+                time.sleep(stagger_s)
+            self.start_replica(c, r)
+
+    def keys(self) -> List[Key]:
+        t = self.cfg.topology
+        return [(c, r) for c in range(t.clusters) for r in range(t.replicas_per_cluster)]
+
+    # -- observation -----------------------------------------------------------
+    def status(self, key: Key) -> Optional[dict]:
+        return read_json(replica_dir(self.run_dir, *key) / "status.json")
+
+    def result(self, key: Key) -> Optional[dict]:
+        return read_json(replica_dir(self.run_dir, *key) / "result.json")
+
+    def exit_codes(self) -> Dict[Key, Optional[int]]:
+        return {k: p.popen.poll() for k, p in self.replicas.items()}
+
+    def wait(self, timeout_s: float, tick: Optional[Callable[[], None]] = None, tick_every_s: float = 1.0) -> Dict[Key, Optional[int]]:
+        """Waits until every replica process exits or ``timeout_s`` passes; returns exit codes (None: still running)."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            codes = self.exit_codes()
+            if all(c is not None for c in codes.values()):
+                break
+            if tick is not None:
+                tick()
+            time.sleep(tick_every_s)
+        if tick is not None:
+            tick()
+        return self.exit_codes()
+
+    # -- teardown --------------------------------------------------------------
+    def kill(self, key: Key, sig: int = signal.SIGKILL) -> None:
+        p = self.replicas[key].popen
+        if p.poll() is None:
+            os.killpg(p.pid, sig) if sig == signal.SIGKILL else p.send_signal(sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        procs = [p for p in self.replicas.values()] + ([self.lighthouse] if self.lighthouse else [])
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.popen.wait(timeout=10)
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,96 @@
+"""Lighthouses: one global (cluster Managers) and one per cluster (replica-group Managers).
+
+Quorum "rooms" inside one lighthouse were removed from torchft as split-brain
+prone, so each level of each cluster gets its own lighthouse.
+
+``min_replicas``: a cluster lighthouse forms a quorum from ``sync.min_replicas``
+replica groups; the global one from ``sync.min_clusters`` leaders. Both wait up
+to ``lighthouse.join_timeout_ms`` for heartbeating stragglers and count a replica
+dead after ``lighthouse.heartbeat_timeout_ms`` without a heartbeat.
+
+``hier-localsgd lighthouse`` serves ``lighthouse.serve``: ``all`` (single host:
+global + every cluster in one process), ``global``, or ``cluster`` (with
+``lighthouse.cluster``). Each binds the port of its configured address on all
+interfaces, or on loopback when the address is loopback. It prints one line per
+lighthouse and runs until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import List
+
+from hier_localsgd.config import Config
+from hier_localsgd.managers import parse_address
+
+logger = logging.getLogger(__name__)
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass(frozen=True)
+class LighthouseSpec:
+    role: str  # "global" or "cluster<i>"
+    field: str  # the config field holding its address
+    addr: str
+    min_replicas: int
+
+
+def specs(cfg: Config) -> List[LighthouseSpec]:
+    lh, s = cfg.lighthouse, cfg.sync
+    out = []
+    if lh.serve in ("all", "global"):
+        out.append(LighthouseSpec("global", "lighthouse.global_addr", lh.global_addr, s.min_clusters))
+    clusters = range(len(lh.cluster_addrs)) if lh.serve == "all" else ([lh.cluster] if lh.serve == "cluster" else [])
+    for c in clusters:
+        out.append(LighthouseSpec(f"cluster{c}", f"lighthouse.cluster_addrs[{c}]", lh.cluster_addrs[c], s.min_replicas))
+    if cfg.sync.mode in ("flat", "ddp"):
+        # The baselines use the global lighthouse for every replica group.
+        out = [LighthouseSpec("global", "lighthouse.global_addr", lh.global_addr, 1)] if lh.serve in ("all", "global") else []
+    return out
+
+
+def bind_address(field: str, addr: str) -> str:
+    host, port = parse_address(field, addr)
+    return f"127.0.0.1:{port}" if host in _LOOPBACK else f"[::]:{port}"
+
+
+def start(cfg: Config) -> list:
+    """Starts the configured lighthouses in this process; returns the server objects."""
+    from torchft.coordination import LighthouseServer
+
+    servers = []
+    for sp in specs(cfg):
+        try:
+            server = LighthouseServer(
+                bind=bind_address(sp.field, sp.addr),
+                min_replicas=sp.min_replicas,
+                join_timeout_ms=cfg.lighthouse.join_timeout_ms,
+                quorum_tick_ms=cfg.lighthouse.quorum_tick_ms,
+                heartbeat_timeout_ms=cfg.lighthouse.heartbeat_timeout_ms,
+            )
+        except Exception as e:
+            for s in servers:
+                s.shutdown()
+            raise RuntimeError(f"{sp.field}={sp.addr}: cannot start the {sp.role} lighthouse: {e}") from e
+        servers.append(server)
+        print(f"lighthouse {sp.role} serving {sp.addr} (min_replicas={sp.min_replicas})", flush=True)
+    return servers
+
+
+def serve(cfg: Config) -> int:
+    """The ``lighthouse`` command: serve until a signal arrives."""
+    stop = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # before the servers start their threads
+    servers = start(cfg)
+    if not servers:
+        print("lighthouse: nothing to serve for this configuration", file=sys.stderr)
+        return 2
+    sig = signal.sigwait(stop)
+    logger.info("lighthouses stopping on %s", signal.Signals(sig).name)
+    for s in servers:
+        s.shutdown()
+    return 0

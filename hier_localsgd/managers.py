@@ -1,0 +1,229 @@
+"""One torchft Manager per level, each with its own store, process group and checkpoint server.
+
+A replica group holds an inner (replica-group) Manager talking to its cluster's
+lighthouse and, only while it is its cluster's leader, an outer (cluster)
+Manager talking to the global lighthouse.
+
+Store discovery: each Manager gets a TCPStore of its own, hosted in this process
+on a free port. Nothing is shared or pre-arranged: torchft's quorum names one
+up-to-date member's store as the rendezvous for the level's process group, so
+launching needs only the lighthouse addresses. (Two Managers in one process
+need separate stores: rank 0 writes unprefixed ``manager_addr``/``replica_id``
+keys.)
+
+Failure semantics:
+
+* :func:`probe_lighthouse` fails fast, naming the config field and address, when a
+  lighthouse does not accept connections within ``timeouts.connect``.
+* :meth:`LevelManager.start_quorum` raises :class:`QuorumFailed` when no quorum
+  forms in time. torchft 0.2.0 keeps a failed quorum future and re-raises it from
+  every later ``start_quorum``; we drop it so the next round can try a fresh
+  quorum. A heal that fails after the quorum formed does not raise: the Manager is
+  left errored and the round's commit vote fails.
+* :meth:`LevelManager.shutdown` stops the heartbeat at once (``wait=False``:
+  never block behind an in-flight quorum) and aborts the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+from urllib.parse import urlparse
+
+from torch.distributed import TCPStore
+from torchft import Manager
+from torchft.checkpointing import HTTPTransport
+
+from hier_localsgd.invariants import check_group_rank
+from hier_localsgd.link import LinkProcessGroup
+
+logger = logging.getLogger(__name__)
+
+
+STORE_TIMEOUT_FLOOR = timedelta(seconds=15)
+
+
+class LighthouseUnreachable(RuntimeError):
+    pass
+
+
+class QuorumFailed(RuntimeError):
+    pass
+
+
+def parse_address(field: str, addr: str) -> tuple[str, int]:
+    """Splits ``http://host:port`` (scheme optional) into host and port, or raises ValueError naming ``field``."""
+    text = addr if "://" in addr else f"http://{addr}"
+    parsed = urlparse(text)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if not parsed.hostname or port is None:
+        raise ValueError(f"{field}={addr!r}: expected an address like http://host:port")
+    return parsed.hostname, port
+
+
+def probe_lighthouse(field: str, addr: str, timeout: timedelta) -> None:
+    """Raises :class:`LighthouseUnreachable` unless ``addr`` accepts a TCP connection."""
+    host, port = parse_address(field, addr)
+    try:
+        with socket.create_connection((host, port), timeout=timeout.total_seconds()):
+            pass
+    except OSError as e:
+        raise LighthouseUnreachable(
+            f"{field}={addr}: lighthouse unreachable ({e.__class__.__name__}: {e}); "
+            f"start it first (hier-localsgd lighthouse) or fix the address"
+        ) from e
+
+
+@dataclass(frozen=True)
+class QuorumView:
+    """What a round needs from a formed quorum."""
+
+    rank: int  # this replica's rank among the participants (sorted by replica id)
+    size: int  # number of participants
+    healed: bool  # whether this replica loaded state from a peer in this quorum
+
+
+class LevelManager:
+    """A torchft Manager for one level of one replica group.
+
+    Args:
+        level: "inner", "outer" or a baseline's name (logs, errors).
+        replica_id: torchft replica id; must end in digits (torchft parses them).
+        lighthouse_addr: the level's lighthouse.
+        lighthouse_field: the config field that holds ``lighthouse_addr`` (errors).
+        pg: the level's process group.
+        state_dict / load_state_dict: the committed state a donor serves and a
+            healing replica loads (through torchft's HTTP checkpoint transport).
+        min_replicas: fewest participants for this Manager to commit.
+        quorum_timeout, op_timeout, heal_timeout, connect_timeout: see timeouts.py.
+        hostname: address peers use to reach this process's servers.
+        group_rank / group_world_size: this rank inside its replica group.
+        max_commit_failures: consecutive failed commits before the Manager raises.
+        use_async_quorum: False for hier/flat (sync quorum, heal before the round).
+    """
+
+    def __init__(
+        self,
+        level: str,
+        replica_id: str,
+        lighthouse_addr: str,
+        lighthouse_field: str,
+        pg: LinkProcessGroup,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+        min_replicas: int,
+        quorum_timeout: timedelta,
+        op_timeout: timedelta,
+        heal_timeout: timedelta,
+        connect_timeout: timedelta,
+        hostname: str,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        max_commit_failures: Optional[int] = None,
+        use_async_quorum: bool = False,
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+    ) -> None:
+        if not replica_id[-1:].isdigit():
+            raise ValueError(f"replica id {replica_id!r} must end in digits (torchft parses them)")
+        check_group_rank(level, group_rank, group_world_size)
+        probe_lighthouse(lighthouse_field, lighthouse_addr, connect_timeout)
+        self.level = level
+        self.replica_id = replica_id
+        self.pg = pg
+        self._healed = False
+        self._load = load_state_dict
+        # Our own store (rank 0 hosts it): peers find it through the quorum.
+        # Its timeout has a floor: on the development VM about one c10d store
+        # connection in 25 stalls 5 s before c10d's own retry succeeds, so a
+        # shorter timeout turns that stall into a failure (docs/runbook.md).
+        self._store = TCPStore(
+            host_name=hostname,
+            port=0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=max(connect_timeout, STORE_TIMEOUT_FLOOR),
+        )
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=min_replicas,
+            use_async_quorum=use_async_quorum,
+            timeout=max(op_timeout, heal_timeout),
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=hostname,
+            store_port=self._store.port,
+            lighthouse_addr=lighthouse_addr,
+            replica_id=replica_id,
+            hostname=hostname,
+            heartbeat_interval=heartbeat_interval,
+            checkpoint_transport=HTTPTransport(timeout=heal_timeout, num_chunks=0),
+            init_sync=False,  # every replica builds identical initial weights from the seed
+            max_retries=max_commit_failures,
+        )
+        self.manager.register_state_dict_fn(level, self._load_and_mark, state_dict)
+        self._closed = False
+        logger.info("%s manager %s up (lighthouse %s)", level, replica_id, lighthouse_addr)
+
+    def _load_and_mark(self, sd: Any) -> None:
+        self._healed = True
+        self._load(sd)
+
+    def start_quorum(self, timeout: timedelta) -> QuorumView:
+        """Forms a quorum (and heals from a peer if behind). Raises :class:`QuorumFailed` if none forms."""
+        self._healed = False
+        try:
+            self.manager.start_quorum(timeout=timeout)
+            rank = self.manager.participating_rank()
+            size = self.manager.num_participants()
+        except Exception as e:
+            # torchft 0.2.0 would re-raise this failed future from every later
+            # start_quorum; drop it so the next round starts from a fresh quorum.
+            self.manager._quorum_future = None
+            raise QuorumFailed(f"{self.level} quorum failed: {e}") from e
+        if self.pg.violation is not None:
+            raise self.pg.violation  # e.g. I1: never continue in a group that breaks it
+        if rank is None:
+            raise QuorumFailed(f"{self.level} quorum formed without this replica participating")
+        # A heal or process-group reconfiguration that failed after the quorum formed
+        # leaves the Manager errored: the caller still runs the round's collectives
+        # (its peers expect them) and its commit vote fails.
+        return QuorumView(rank=rank, size=size, healed=self._healed)
+
+    def should_commit(self, timeout: timedelta) -> bool:
+        return self.manager.should_commit(timeout=timeout)
+
+    def report_error(self, e: Exception) -> None:
+        self.manager.report_error(e)
+
+    def errored(self) -> Optional[Exception]:
+        return self.manager.errored()
+
+    @property
+    def step(self) -> int:
+        return self.manager.current_step()
+
+    def shutdown(self) -> None:
+        """Stops the heartbeat now and aborts the process group. Idempotent, never blocks long."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # shutting down on a failure path must not raise
+            logger.exception("%s manager shutdown failed", self.level)
+        try:
+            self.pg.abort(errored=False)
+        except Exception:
+            logger.exception("%s process group abort failed", self.level)
+        logger.info("%s manager %s shut down (heartbeat stopped)", self.level, self.replica_id)
+

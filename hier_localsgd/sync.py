@@ -1,0 +1,575 @@
+"""Hierarchical LocalSGD/DiLoCo: one sync round of one replica group, top to bottom.
+
+Every ``h_inner`` local steps the replica groups of a cluster run an inner round
+through the cluster's lighthouse; every ``h_outer`` inner rounds (``step`` a
+multiple of ``h_inner * h_outer``) the round also carries the outer level: the
+cluster's leader (rank 0 of the inner quorum) syncs across clusters through the
+global lighthouse and broadcasts the result to its cluster, inside the same inner
+quorum. Only leaders touch the slow links; slow-link traffic per outer round is
+one model per cluster whatever the number of replica groups.
+
+One round (the phases are in :mod:`hier_localsgd.phases`)::
+
+    INNER_QUORUM   join the cluster quorum; heal from a live peer if behind
+                   (torchft checkpoint transport); rank 0 is the leader
+    INNER_REDUCE   consistency guard (guard.py), then all-reduce the weighted
+                   pseudo-gradient ``backup - live``; stage the level's update
+    [outer round, leader only]
+      OUTER_QUORUM   join the global quorum with the cluster Manager; heal from
+                     another cluster if behind
+      OUTER_REDUCE   guard, then all-reduce ``global_backup - cluster_model``
+      OUTER_COMMIT   cluster Managers vote; on success the outer update is final
+    [outer round, every member]
+      BROADCAST      the leader sends a header (status, outer round, step) and the
+                     resulting model over the inner process group
+    INNER_COMMIT   inner Managers vote; on success adopt the staged state,
+                   otherwise roll back to the last commit
+
+Why the broadcast comes before the inner commit: the non-leaders wait for the
+leader inside an already formed quorum, on a process group with a bounded
+timeout, instead of at the lighthouse where a slow outer sync would let a quorum
+form without the leader. The inner commit then makes the cluster adopt the outer
+result atomically with its own round.
+
+Failure semantics. Once a quorum has formed every member runs every collective of
+the round, in order, even after an error (errors only decide the commit vote), so
+a failure costs one round, not a timeout. A quorum that does not form rolls back at
+once. A replica whose commit failed restores its last commit: model, inner
+optimizer, the levels' backups and momenta (staged updates are simply dropped).
+An outer commit is final: a leader whose outer commit succeeded adopts the new
+global model even if its cluster's inner commit then fails; the guard or torchft's
+healing brings the cluster along next round. ``max_quorum_failures`` consecutive
+quorum failures of one level end the process (:class:`FatalSyncError`), as does any
+invariant violation.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from hier_localsgd import guard
+from hier_localsgd.comm import LevelComm
+from hier_localsgd.faults import FaultPlan, InjectedFault
+from hier_localsgd.flat import FlatParams, checksum, checksum_int
+from hier_localsgd.invariants import CollectiveGate, check_disjoint_tensors
+from hier_localsgd.level import Level, LevelAlgorithm, Staged
+from hier_localsgd.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
+from hier_localsgd.managers import LevelManager, LighthouseUnreachable, QuorumFailed, QuorumView
+from hier_localsgd.phases import Phase, PhaseTracker
+from hier_localsgd.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[..., None]
+
+
+class FatalSyncError(RuntimeError):
+    """The sync cannot continue (repeated quorum failures); the process must exit."""
+
+
+class Status(enum.IntEnum):
+    """What the leader's broadcast carries."""
+
+    ABORT = 0  # the leader's round failed: nothing to adopt
+    INNER_ONLY = 1  # the cluster model (outer level failed or skipped)
+    OUTER_COMMITTED = 2  # the new global model
+
+
+@dataclass
+class Counters:
+    """Replicated counters. ``step`` is advanced by the training loop of every replica (I5)."""
+
+    step: int = 0  # local steps taken: the training position
+    inner_round: int = 0  # inner rounds committed
+    outer_round: int = 0  # outer rounds committed
+
+
+@dataclass(frozen=True)
+class Identity:
+    cluster: int
+    replica: int
+
+    @property
+    def inner_replica_id(self) -> str:
+        # Sorted by the lighthouse: zero padding makes lexical order numeric order,
+        # so the leader is the live replica group with the lowest index.
+        return f"c{self.cluster}_r{self.replica:04d}"
+
+    @property
+    def outer_replica_id(self) -> str:
+        # Trailing digits = cluster id: the outer link checks they are distinct (I1).
+        return f"cluster{self.cluster:04d}"
+
+    def __str__(self) -> str:
+        return f"c{self.cluster}r{self.replica}"
+
+
+@dataclass(frozen=True)
+class HierSettings:
+    h_inner: int
+    h_outer: int
+    inner: LevelAlgorithm
+    outer: LevelAlgorithm
+    cluster_lighthouse: str
+    cluster_lighthouse_field: str
+    global_lighthouse: str
+    global_lighthouse_field: str
+    min_replicas: int
+    min_clusters: int
+    max_quorum_failures: int
+    max_commit_failures: Optional[int]
+    hostname: str
+    group_rank: int = 0
+    group_world_size: int = 1
+
+
+@dataclass
+class _OuterResult:
+    status: Status
+    params: Optional[torch.Tensor]
+    outer_round: int
+    step: int
+
+
+class HierarchicalSync:
+    """Runs the hierarchical sync for one replica group (see the module docstring).
+
+    The training loop calls :meth:`start` once, then :meth:`after_optimizer_step`
+    after every local step (having advanced ``counters.step`` itself).
+    """
+
+    def __init__(
+        self,
+        settings: HierSettings,
+        identity: Identity,
+        timeouts: Timeouts,
+        flat: FlatParams,
+        inner_optimizer: Optimizer,
+        tracker: PhaseTracker,
+        events: EventSink,
+        faults: Optional[FaultPlan] = None,
+    ) -> None:
+        self.s = settings
+        self.id = identity
+        self.t = timeouts
+        self.flat = flat
+        self.opt = inner_optimizer
+        self.tracker = tracker
+        self.events = events
+        self.faults = faults or FaultPlan([], identity.cluster, identity.replica)
+        self.counters = Counters()
+
+        # Three optimizers, three owners (I2): the inner optimizer owns the model's
+        # parameters; each level owns its backup and its momentum buffer.
+        self.inner = Level("inner", settings.inner, flat.data)
+        self.outer = Level("outer", settings.outer, flat.data)
+        check_disjoint_tensors(
+            [
+                ("model parameters (inner optimizer)", [flat.data]),
+                ("inner level backup and outer optimizer", self.inner.state_tensors()),
+                ("outer level backup and outer optimizer", self.outer.state_tensors()),
+            ]
+        )
+        self._opt_backup = copy.deepcopy(inner_optimizer.state_dict())
+        self._gate = CollectiveGate()
+        self._leader = False
+        self._quorum_failures = {"inner": 0, "outer": 0}
+        self._outer_healed: Optional[tuple[int, int]] = None
+
+        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg)
+        self.inner_mgr = LevelManager(
+            level="inner",
+            replica_id=identity.inner_replica_id,
+            lighthouse_addr=settings.cluster_lighthouse,
+            lighthouse_field=settings.cluster_lighthouse_field,
+            pg=self.inner_link,
+            state_dict=self._inner_state_dict,
+            load_state_dict=self._load_inner_state,
+            min_replicas=settings.min_replicas,
+            quorum_timeout=timeouts.inner_quorum,
+            op_timeout=max(timeouts.inner_reduce, timeouts.inner_commit),
+            heal_timeout=timeouts.inner_quorum,
+            connect_timeout=timeouts.connect,
+            hostname=settings.hostname,
+            group_rank=settings.group_rank,
+            group_world_size=settings.group_world_size,
+            max_commit_failures=settings.max_commit_failures,
+        )
+        self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate)
+        # The cluster Manager exists only while this replica group leads its cluster:
+        # a Manager that heartbeats without joining would stall the global lighthouse.
+        self.outer_stats = LinkStats()
+        self.outer_mgr: Optional[LevelManager] = None
+        self.outer_comm: Optional[LevelComm] = None
+
+    # ------------------------------------------------------------------ loop API
+    def start(self) -> None:
+        """The join round: sync once before the first local step.
+
+        A fresh job makes it a no-op round (every weight is 0); a restarted replica
+        group heals from a live peer here, before it spends compute on local steps.
+        """
+        self.tracker.set_counters(step=self.counters.step)
+        self.round(join=True)
+
+    def before_forward(self) -> None:
+        """Nothing to do: hierarchical syncs happen only at round boundaries."""
+
+    def before_optimizer_step(self) -> bool:
+        """Local steps always apply; a failed round rolls them back later."""
+        return True
+
+    def after_optimizer_step(self) -> None:
+        self.tracker.set_counters(step=self.counters.step)
+        if self.counters.step % self.s.h_inner == 0:
+            self.round()
+        else:
+            self.tracker.enter(Phase.LOCAL, self.t.local_step)
+
+    def is_outer_round(self) -> bool:
+        step = self.counters.step
+        return step > 0 and step % (self.s.h_inner * self.s.h_outer) == 0
+
+    @property
+    def leader(self) -> bool:
+        return self._leader
+
+    def link_stats(self) -> Dict[str, Dict[str, object]]:
+        return {"inner": self.inner_link.stats.as_dict(), "outer": self.outer_stats.as_dict()}
+
+    def close(self) -> None:
+        if self.outer_mgr is not None:
+            self.outer_mgr.shutdown()
+            self.outer_mgr = None
+        self.inner_mgr.shutdown()
+
+    # ------------------------------------------------------------------ one round
+    def round(self, join: bool = False) -> bool:
+        """Runs one sync round; returns whether this replica committed it."""
+        t, tr, c = self.t, self.tracker, self.counters
+        tr.enter(Phase.INNER_QUORUM, t.inner_quorum, reason="join" if join else "")
+        self._fault_point(Phase.INNER_QUORUM)
+        try:
+            q = self.inner_mgr.start_quorum(tr.remaining())
+        except QuorumFailed as e:
+            self._quorum_failed("inner", e)
+            self._rollback(f"inner quorum failed: {e}")
+            return False
+        self._quorum_failures["inner"] = 0
+        if q.healed:
+            self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
+        self._set_leader(q.rank == 0)
+
+        tr.enter(Phase.INNER_REDUCE, t.inner_reduce)
+        self._fault_point(Phase.INNER_REDUCE)
+        weight = 0.0 if (join or q.healed or self.inner_mgr.errored() is not None) else 1.0
+        plan = self._consistency(
+            self.inner_comm, q, "inner",
+            guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
+            tensors=self.inner.state_tensors() + [self.outer.backup],
+        )
+        staged = self._reduce(self.inner, self.inner_comm, self.flat.data, plan, q.rank)
+
+        result: Optional[_OuterResult] = None
+        if self.is_outer_round():
+            if self._leader:
+                inner_ok = self.inner_mgr.errored() is None
+                # The cluster model carries the whole cluster's work since the last outer
+                # commit, so it contributes whenever its inner round is valid.
+                result = self._outer_round(staged.backup, contribute=inner_ok, inner_ok=inner_ok)
+            tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, self._leader))
+            self._fault_point(Phase.BROADCAST)
+            result = self._broadcast(result)
+
+        tr.enter(Phase.INNER_COMMIT, t.inner_commit)
+        try:
+            ok = self.inner_mgr.should_commit(tr.remaining())
+        except RuntimeError as e:  # torchft raises after max_retries consecutive failures
+            raise FatalSyncError(f"inner commits keep failing: {e}") from e
+        return self._apply(ok, staged, result, plan)
+
+    # ------------------------------------------------------------------ pieces
+    def _consistency(
+        self,
+        comm: LevelComm,
+        q: QuorumView,
+        level: str,
+        mine: guard.Fingerprint,
+        tensors: List[torch.Tensor],
+    ) -> guard.GuardPlan:
+        """Exchanges fingerprints; if members disagree, resyncs from the newest one."""
+        v = guard.encode(q.rank, q.size, mine)
+        if not comm.allreduce_sum(v, CONTROL):
+            # The round is lost (commit will fail); keep collectives matched: weight 0.
+            return guard.GuardPlan([mine] * q.size, None, [0.0] * q.size)
+        fps = guard.decode(v, q.size)
+        p = guard.plan(fps)
+        if p.source is None:
+            return p
+        src = fps[p.source]
+        logger.warning("%s %s level diverged: resync from rank %d (%s)", self.id, level, p.source, src)
+        buf = guard.pack(tensors) if q.rank == p.source else torch.empty(sum(t.numel() for t in tensors))
+        if comm.broadcast(buf, p.source, CONTROL) and q.rank != p.source:
+            guard.unpack_into(buf, tensors)
+            if level == "inner":
+                self.counters.outer_round, self.counters.inner_round = src.outer_round, src.inner_round
+                self.counters.step = src.step
+            else:
+                self._outer_healed = (src.outer_round, src.step)
+        self.events("resync", level=level, source=p.source, diverged=p.diverged(q.rank), step=self.counters.step)
+        return p
+
+    def _reduce(self, level: Level, comm: LevelComm, live: torch.Tensor, plan: guard.GuardPlan, rank: int) -> Staged:
+        """All-reduces the weighted pseudo-gradient and stages the level's update."""
+        if plan.total_weight == 0:  # every member knows this from the guard: skip the reduce
+            return level.unchanged()
+        grad = level.pseudo_grad(live)
+        w = plan.weights[rank]
+        if w != 1.0:
+            grad.mul_(w)
+        comm.allreduce_sum(grad, PAYLOAD)
+        grad.div_(plan.total_weight)
+        return level.stage(grad)
+
+    def _outer_round(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool) -> _OuterResult:
+        """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT."""
+        t, tr, c = self.t, self.tracker, self.counters
+        fallback = _OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, c.outer_round, c.step)
+        tr.enter(Phase.OUTER_QUORUM, t.outer_quorum)
+        self._fault_point(Phase.OUTER_QUORUM)
+        self._outer_healed = None
+        try:
+            mgr, comm = self._ensure_outer()
+            q = mgr.start_quorum(tr.remaining())
+        except (QuorumFailed, LighthouseUnreachable) as e:
+            self._quorum_failed("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=c.step)
+            return fallback
+        self._quorum_failures["outer"] = 0
+        if q.healed:
+            self.events("heal", level="outer", step=c.step, outer_round=self._outer_healed[0] if self._outer_healed else None)
+
+        tr.enter(Phase.OUTER_REDUCE, t.outer_reduce)
+        self._fault_point(Phase.OUTER_REDUCE)
+        view_round, view_step = self._outer_healed or (c.outer_round, c.step)
+        # A cluster that just healed to a newer global model measured its work from
+        # an older one: it contributes weight 0 this round.
+        moved = self._outer_healed is not None and view_round != c.outer_round
+        weight = 1.0 if contribute and not moved and mgr.errored() is None else 0.0
+        plan = self._consistency(
+            comm, q, "outer",
+            guard.Fingerprint(self.outer.fingerprint(), view_round, 0, view_step, weight),
+            tensors=self.outer.state_tensors(),
+        )
+        view_round, view_step = self._outer_healed or (view_round, view_step)
+        staged = self._reduce(self.outer, comm, cluster_model, plan, q.rank)
+
+        tr.enter(Phase.OUTER_COMMIT, t.outer_commit)
+        try:
+            ok = mgr.should_commit(tr.remaining())
+        except RuntimeError as e:
+            raise FatalSyncError(f"outer commits keep failing: {e}") from e
+        if not ok:
+            self.events("rollback", level="outer", reason="outer commit vote failed", step=c.step)
+            return _OuterResult(fallback.status, cluster_model, view_round, view_step)
+        self.outer.commit(staged)
+        new_round = view_round + (1 if plan.total_weight > 0 else 0)
+        tr.mark_commit("outer", new_round)
+        self.events(
+            "commit", level="outer", outer_round=new_round, step=view_step,
+            participants=q.size, total_weight=plan.total_weight, checksum=checksum(self.outer.backup),
+        )
+        return _OuterResult(Status.OUTER_COMMITTED, self.outer.backup.clone(), new_round, view_step)
+
+    def _broadcast(self, result: Optional[_OuterResult]) -> _OuterResult:
+        """BROADCAST: the leader (inner rank 0) sends status + model to its cluster.
+
+        Both broadcasts run on every member unless the header *says* ABORT: a
+        receiver that lost the header still joins the model broadcast (its result
+        is discarded), so the leader never waits for a peer that bailed out.
+        """
+        header = torch.zeros(3, dtype=torch.float64)
+        if self._leader:
+            assert result is not None
+            header[:] = torch.tensor([int(result.status), result.outer_round, result.step], dtype=torch.float64)
+        header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
+        if self._leader:
+            assert result is not None
+            status: Optional[Status] = result.status
+        else:
+            status = Status(int(header[0])) if header_ok else None  # None: unknown
+        outer_round, step = int(header[1]), int(header[2])
+        if status == Status.ABORT:
+            self.inner_mgr.report_error(RuntimeError("the leader aborted this round"))
+            return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
+        params = result.params if self._leader and result is not None else torch.empty_like(self.flat.data)
+        assert params is not None
+        params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
+        if not (header_ok and params_ok) or status is None:
+            return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
+        return _OuterResult(status, params, outer_round, step)
+
+    def _apply(self, ok: bool, staged: Staged, result: Optional[_OuterResult], plan: guard.GuardPlan) -> bool:
+        """INNER_COMMIT's outcome: adopt the staged state, or roll back."""
+        c = self.counters
+        outer_final = self._leader and result is not None and result.status == Status.OUTER_COMMITTED
+        if not ok:
+            if outer_final:
+                # The outer commit is final even though our cluster's round failed.
+                assert result is not None and result.params is not None
+                self.inner.set_backup(result.params)
+                c.outer_round, c.step = result.outer_round, result.step
+            self._rollback("inner commit vote failed")
+            return False
+
+        self.inner.commit(staged)
+        adopted = result is not None and result.status != Status.ABORT and result.params is not None
+        if adopted:
+            assert result is not None and result.params is not None
+            self.inner.set_backup(result.params)
+            c.outer_round, c.step = result.outer_round, result.step
+            if result.status == Status.OUTER_COMMITTED:
+                self.outer.set_backup(result.params)
+        if plan.total_weight > 0 or adopted:
+            c.inner_round += 1
+        self.flat.load_(self.inner.backup)
+        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self.tracker.set_counters(step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
+        self.tracker.mark_commit("inner", c.inner_round)
+        self.events(
+            "commit", level="inner", inner_round=c.inner_round, outer_round=c.outer_round, step=c.step,
+            outer=bool(result is not None and result.status == Status.OUTER_COMMITTED),
+            total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self.inner.backup),
+        )
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        return True
+
+    def _rollback(self, reason: str) -> None:
+        self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
+        self.flat.load_(self.inner.backup)
+        self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
+        self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
+        self.events("rollback", level="inner", reason=reason, step=self.counters.step)
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+
+    def _quorum_failed(self, level: str, e: Exception) -> None:
+        self._quorum_failures[level] += 1
+        n = self._quorum_failures[level]
+        logger.warning("%s %s quorum failed (%d in a row): %s", self.id, level, n, e)
+        if n >= self.s.max_quorum_failures:
+            raise FatalSyncError(f"{level} quorum failed {n} times in a row (last: {e})") from e
+
+    # ------------------------------------------------------------------ leadership
+    def _set_leader(self, leader: bool) -> None:
+        if leader != self._leader:
+            self._leader = leader
+            self.tracker.set_counters(leader=leader)
+            self.events("leader", leader=leader, step=self.counters.step)
+            logger.info("%s %s its cluster's leader", self.id, "is now" if leader else "is no longer")
+        if not leader and self.outer_mgr is not None:
+            self.outer_mgr.shutdown()
+            self.outer_mgr, self.outer_comm = None, None
+        if leader and self.outer_mgr is None:
+            # Join the global lighthouse early so the first outer quorum waits for us.
+            try:
+                self._ensure_outer()
+            except LighthouseUnreachable as e:
+                logger.error("%s cannot reach the global lighthouse yet: %s", self.id, e)
+
+    def _ensure_outer(self) -> tuple[LevelManager, LevelComm]:
+        if self.outer_mgr is None or self.outer_comm is None:
+            t = self.t
+            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True)
+            link.stats = self.outer_stats  # one account across leadership changes
+            self.outer_link = link
+            self.outer_mgr = LevelManager(
+                level="outer",
+                replica_id=self.id.outer_replica_id,
+                lighthouse_addr=self.s.global_lighthouse,
+                lighthouse_field=self.s.global_lighthouse_field,
+                pg=link,
+                state_dict=self._outer_state_dict,
+                load_state_dict=self._load_outer_state,
+                min_replicas=self.s.min_clusters,
+                quorum_timeout=t.outer_quorum,
+                op_timeout=max(t.outer_reduce, t.outer_commit),
+                heal_timeout=t.outer_quorum,
+                connect_timeout=t.connect,
+                hostname=self.s.hostname,
+                group_rank=self.s.group_rank,
+                group_world_size=self.s.group_world_size,
+                max_commit_failures=self.s.max_commit_failures,
+            )
+            self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate)
+        return self.outer_mgr, self.outer_comm
+
+    # ------------------------------------------------------------------ state
+    def _inner_hash(self) -> int:
+        return checksum_int(*self.inner.state_tensors(), self.outer.backup)
+
+    def _inner_state_dict(self) -> Dict[str, object]:
+        """What a donor serves a healing peer of its cluster: committed state only."""
+        c = self.counters
+        return {
+            "inner": self.inner.state_dict(),
+            "outer_backup": self.outer.backup.clone(),
+            "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
+            "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
+        }
+
+    def _load_inner_state(self, sd: Dict[str, object]) -> None:
+        self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
+        self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
+        self._opt_backup = copy.deepcopy(sd["optimizer"])
+        self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
+        counters = sd["counters"]
+        assert isinstance(counters, dict)
+        self.counters.step = int(counters["step"])
+        self.counters.inner_round = int(counters["inner_round"])
+        self.counters.outer_round = int(counters["outer_round"])
+        self.flat.load_(self.inner.backup)
+        self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
+        logger.info("%s healed from a peer of its cluster: %s", self.id, counters)
+
+    def _outer_state_dict(self) -> Dict[str, object]:
+        """What a leader serves another cluster's healing leader."""
+        return {
+            "outer": self.outer.state_dict(),
+            "counters": {"outer_round": self.counters.outer_round, "step": self.counters.step},
+        }
+
+    def _load_outer_state(self, sd: Dict[str, object]) -> None:
+        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        counters = sd["counters"]
+        assert isinstance(counters, dict)
+        self._outer_healed = (int(counters["outer_round"]), int(counters["step"]))
+        logger.info("%s healed its outer level from another cluster: %s", self.id, counters)
+
+    # ------------------------------------------------------------------ faults
+    def _fault_point(self, phase: Phase) -> None:
+        """Fires a planned fault for this step and phase (tests, experiments)."""
+        step = self.counters.step
+        f = self.faults.take(step, phase.value, ("fail", "raise", "hang", "exit"))
+        if f is None:
+            return
+        self.events("fault", action=f.action, phase=phase.value, step=step)
+        logger.warning("%s injecting fault %s", self.id, f)
+        if f.action == "fail":
+            link = self.outer_link if phase == Phase.OUTER_REDUCE else self.inner_link
+            link.arm_failure(InjectedFault(f"injected {phase.value} failure at step {step}"))
+        elif f.action == "raise":
+            raise InjectedFault(f"injected exception in {phase.value} at step {step}")
+        elif f.action == "hang":
+            while True:  # only the watchdog (or a signal) ends this
+                time.sleep(1.0)
+        elif f.action == "exit":
+            os._exit(17)

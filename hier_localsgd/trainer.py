@@ -1,0 +1,173 @@
+"""The training loop of one replica-group process — read this first.
+
+It composes the pieces the config names: data shard, model, inner optimizer and a
+sync strategy (``hier``: :class:`hier_localsgd.sync.HierarchicalSync`; ``flat``
+and ``ddp``: :mod:`hier_localsgd.baselines`). The strategy owns the counters, so
+a replica group that heals from a peer resumes at the peer's step (and its data
+position, since batches are addressed by step).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any, Dict
+
+import torch
+
+from hier_localsgd.config import Config
+from hier_localsgd.data import ByteTextData, MarkovChain, MarkovData
+from hier_localsgd.faults import FaultPlan, InjectedFault
+from hier_localsgd.flat import FlatParams, checksum
+from hier_localsgd.level import LevelAlgorithm
+from hier_localsgd.model import build_model, evaluate, lm_loss
+from hier_localsgd.phases import Phase, PhaseTracker
+from hier_localsgd.runtime import Runtime
+from hier_localsgd.status import ReplicaPublisher
+from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity
+
+logger = logging.getLogger(__name__)
+
+
+def build_data(cfg: Config):  # type: ignore[no-untyped-def]
+    d, tr = cfg.data, cfg.train
+    if d.kind == "markov":
+        chain = MarkovChain(d.states, d.branching, d.seed, d.concentration)
+        return MarkovData(chain, d.seed, cfg.shard, tr.batch_size, tr.seq_len, tr.eval_batches)
+    return ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard, cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
+
+
+def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher):  # type: ignore[no-untyped-def]
+    s, t = cfg.sync, cfg.timeouts_obj()
+    hostname = cfg.run.hostname or socket.gethostname()
+    if s.mode == "hier":
+        settings = HierSettings(
+            h_inner=s.inner.every,
+            h_outer=s.outer.every,
+            inner=LevelAlgorithm.build(s.inner.algorithm, s.inner.lr, s.inner.momentum, s.inner.nesterov),
+            outer=LevelAlgorithm.build(s.outer.algorithm, s.outer.lr, s.outer.momentum, s.outer.nesterov),
+            cluster_lighthouse=cfg.lighthouse.cluster_addrs[identity.cluster],
+            cluster_lighthouse_field=f"lighthouse.cluster_addrs[{identity.cluster}]",
+            global_lighthouse=cfg.lighthouse.global_addr,
+            global_lighthouse_field="lighthouse.global_addr",
+            min_replicas=s.min_replicas,
+            min_clusters=s.min_clusters,
+            max_quorum_failures=s.max_quorum_failures,
+            max_commit_failures=s.max_commit_failures,
+            hostname=hostname,
+        )
+        faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
+        return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults)
+
+    from hier_localsgd.baselines import DDPSync, FlatSync
+
+    common = dict(
+        identity=identity,
+        replicas_per_cluster=cfg.topology.replicas_per_cluster,
+        timeouts=t,
+        flat=flat,
+        optimizer=opt,
+        tracker=tracker,
+        events=pub.event,
+        global_lighthouse=cfg.lighthouse.global_addr,
+        hostname=hostname,
+        max_quorum_failures=s.max_quorum_failures,
+        max_commit_failures=s.max_commit_failures,
+    )
+    if s.mode == "ddp":
+        return DDPSync(**common)
+    f = s.flat
+    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov)
+
+
+def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
+    """Trains one replica group to ``train.steps`` and returns its result record."""
+    t0 = time.time()
+    identity = Identity(cfg.run.cluster, cfg.run.replica)
+    tr = cfg.train
+    pub = ReplicaPublisher(cfg.run.dir, identity.cluster, identity.replica, {"cluster": identity.cluster, "replica": identity.replica, "mode": cfg.sync.mode, "steps_total": tr.steps})
+    rt.on_exit(lambda code, reason: pub.close("done" if code == 0 else f"failed ({reason})"))
+    tracker = PhaseTracker(describe=str(identity), listeners=[pub.on_transition])
+    rt.watch(tracker)
+    torch.set_num_threads(tr.threads)
+
+    # -- data, model, inner optimizer -------------------------------------------
+    data = build_data(cfg)
+    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
+    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
+    opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
+    eval_set = data.eval_batches()
+    floor = data.entropy_floor
+    eval_start = evaluate(model, eval_set)
+    pub.update(model_params=flat.numel, model_bytes=flat.nbytes, entropy_floor=floor, eval_loss_start=eval_start)
+    pub.event("eval", step=0, loss=eval_start, floor=floor)
+
+    # -- sync strategy (hier / flat / ddp) --------------------------------------------
+    sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub)
+    rt.add_closer(sync.close)
+    c = sync.counters
+    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
+    sync.start()  # join round: a restarted group heals here, before any local step
+    loss_val = float("nan")
+
+    while c.step < tr.steps:
+        sync.before_forward()  # ddp: quorum (and heal) for this step
+        if plan.take(c.step, Phase.LOCAL.value, ("raise",)):
+            raise InjectedFault(f"injected exception in the training loop at step {c.step}")
+        if plan.take(c.step, Phase.LOCAL.value, ("hang",)):
+            while True:  # the watchdog ends this
+                time.sleep(1.0)
+        if plan.take(c.step, Phase.LOCAL.value, ("exit",)):
+            import os
+
+            os._exit(17)
+        x, y = data.batch(c.step)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        if sync.before_optimizer_step():  # ddp: gradient all-reduce + commit vote
+            opt.step()
+        if flat.grad is not None:
+            flat.zero_grad()
+        else:
+            opt.zero_grad()
+        c.step += 1  # every replica advances its own step counter (I5)
+        sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
+        loss_val = float(loss)
+
+        if c.step % tr.log_every == 0 or c.step == tr.steps:
+            logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
+            pub.update(loss=loss_val, loss_step=c.step, link=sync.link_stats())
+            pub.event("loss", step=c.step, loss=loss_val)
+        if tr.eval_every and c.step % tr.eval_every == 0 and c.step < tr.steps:
+            ev = evaluate(model, eval_set)
+            pub.event("eval", step=c.step, loss=ev, floor=floor)
+            pub.update(eval_loss=ev, eval_step=c.step)
+
+    # -- final evaluation and result ---------------------------------------------
+    final = evaluate(model, eval_set)
+    pub.event("eval", step=c.step, loss=final, floor=floor)
+    result = {
+        "cluster": identity.cluster,
+        "replica": identity.replica,
+        "mode": cfg.sync.mode,
+        "steps": c.step,
+        "inner_rounds": c.inner_round,
+        "outer_rounds": c.outer_round,
+        "leader": sync.leader,
+        "eval_loss_start": eval_start,
+        "eval_loss": final,
+        "entropy_floor": floor,
+        "train_loss": loss_val,
+        "checksum": checksum(flat.data),
+        "model_params": flat.numel,
+        "model_bytes": flat.nbytes,
+        "link": sync.link_stats(),
+        "wall_s": time.time() - t0,
+    }
+    flat.check_in_place()
+    pub.result(result)
+    pub.update(state="finished", eval_loss=final, eval_step=c.step, loss=loss_val, link=sync.link_stats())
+    tracker.enter(Phase.STOPPED, None, reason="finished")
+    logger.info("%s finished: eval loss %.4f (floor %s) checksum %s", identity, final, floor, result["checksum"])
+    return result

@@ -1,0 +1,158 @@
+"""Test harnesses with real lighthouses, real torchft Managers and real Gloo groups.
+
+``ThreadedHier`` runs every replica group of a small topology as a thread of the
+test process (torchft's own integration tests do the same): lighthouses are real
+``LighthouseServer`` objects, each replica group has its own Managers, stores,
+checkpoint servers and Gloo process groups. It is for algorithm-level checks that
+need control over the local updates; whole-process behaviour (signals, exits,
+restarts) is tested with real processes through ``hier_localsgd.launcher``.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torchft.coordination import LighthouseServer
+
+from hier_localsgd.faults import Fault, FaultPlan
+from hier_localsgd.flat import FlatParams
+from hier_localsgd.level import LevelAlgorithm
+from hier_localsgd.phases import PhaseTracker
+from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity
+from hier_localsgd.timeouts import Timeouts
+
+FAST_TIMEOUTS = Timeouts.from_seconds(
+    dict(connect=5, inner_quorum=30, inner_reduce=30, inner_commit=15, outer_quorum=30, outer_reduce=30, outer_commit=15, broadcast=30)
+)
+
+
+class Vec(nn.Module):
+    """A 'model' that is one parameter vector; tests move it by hand."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+
+@dataclass
+class Replica:
+    key: Tuple[int, int]
+    sync: HierarchicalSync
+    flat: FlatParams
+    opt: torch.optim.Optimizer
+    events: List[Tuple[str, Dict[str, Any]]] = field(default_factory=list)
+
+    def kinds(self, kind: str, **match: Any) -> List[Dict[str, Any]]:
+        return [e for k, e in self.events if k == kind and all(e.get(a) == b for a, b in match.items())]
+
+
+class ThreadedHier:
+    """C clusters x R replica groups as threads over real lighthouses."""
+
+    def __init__(
+        self,
+        clusters: int,
+        replicas: int,
+        h_inner: int,
+        h_outer: int,
+        inner: LevelAlgorithm = LevelAlgorithm.build("diloco"),
+        outer: LevelAlgorithm = LevelAlgorithm.build("diloco"),
+        numel: int = 3,
+        faults: Sequence[Fault] = (),
+        min_clusters: Optional[int] = None,
+        timeouts: Timeouts = FAST_TIMEOUTS,
+        heartbeat_timeout_ms: int = 2000,
+    ) -> None:
+        self.C, self.R = clusters, replicas
+        kw = dict(join_timeout_ms=20000, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
+        self.global_lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters or clusters, **kw)
+        self.cluster_lh = [LighthouseServer(bind="127.0.0.1:0", min_replicas=1, **kw) for _ in range(clusters)]
+        self.h_inner, self.h_outer = h_inner, h_outer
+        self.inner, self.outer = inner, outer
+        self.numel, self.faults, self.t = numel, list(faults), timeouts
+        self.min_clusters = min_clusters or clusters
+        self.replicas: Dict[Tuple[int, int], Replica] = {}
+
+    def make(self, c: int, r: int) -> Replica:
+        model = Vec(self.numel)
+        flat = FlatParams(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        settings = HierSettings(
+            h_inner=self.h_inner,
+            h_outer=self.h_outer,
+            inner=self.inner,
+            outer=self.outer,
+            cluster_lighthouse=self.cluster_lh[c].address(),
+            cluster_lighthouse_field=f"lighthouse.cluster_addrs[{c}]",
+            global_lighthouse=self.global_lh.address(),
+            global_lighthouse_field="lighthouse.global_addr",
+            min_replicas=1,
+            min_clusters=self.min_clusters,
+            max_quorum_failures=3,
+            max_commit_failures=5,
+            hostname="127.0.0.1",
+        )
+        events: List[Tuple[str, Dict[str, Any]]] = []
+        sync = HierarchicalSync(
+            settings, Identity(c, r), self.t, flat, opt, PhaseTracker(describe=f"c{c}r{r}"),
+            lambda kind, **kw: events.append((kind, kw)), FaultPlan(self.faults, c, r),
+        )
+        rep = Replica((c, r), sync, flat, opt, events)
+        self.replicas[(c, r)] = rep
+        return rep
+
+    def run(self, body: Callable[[Replica], None], timeout_s: float = 120.0) -> None:
+        """Runs ``body(replica)`` in one thread per replica group; re-raises the first failure.
+
+        Every replica group's Managers are up (heartbeating) before any body starts,
+        so the first quorum includes everyone (otherwise the first arrival forms a
+        quorum alone and the others heal from it: correct, but not what a test of
+        exact arithmetic wants).
+        """
+        errors: List[str] = []
+        ready = threading.Barrier(self.C * self.R, timeout=timeout_s)
+
+        def target(c: int, r: int) -> None:
+            try:
+                rep = self.make(c, r)
+                ready.wait()
+                try:
+                    body(rep)
+                finally:
+                    rep.sync.close()
+            except BaseException:
+                errors.append(f"c{c}r{r}:\n{traceback.format_exc()}")
+
+        threads = [threading.Thread(target=target, args=(c, r), name=f"c{c}r{r}") for c in range(self.C) for r in range(self.R)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout_s)
+        alive = [th.name for th in threads if th.is_alive()]
+        if alive:
+            raise AssertionError(f"replica threads still running after {timeout_s}s: {alive}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+
+    def close(self) -> None:
+        self.global_lh.shutdown()
+        for lh in self.cluster_lh:
+            lh.shutdown()
+
+
+def local_steps(rep: Replica, updates: Callable[[int, int, int], torch.Tensor], steps: int, record: Optional[Callable[[Replica], None]] = None) -> None:
+    """Drives a replica: join, then per step add ``updates(c, r, step)`` to the model and let the sync run."""
+    rep.sync.start()
+    c, r = rep.key
+    for _ in range(steps):
+        with torch.no_grad():
+            rep.flat.data.add_(updates(c, r, rep.sync.counters.step))
+        rep.sync.counters.step += 1
+        rep.sync.after_optimizer_step()
+        if record is not None:
+            record(rep)

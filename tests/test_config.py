@@ -1,0 +1,89 @@
+"""Bad configuration fails fast, naming the field or address (through the real CLI too)."""
+
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+
+from hier_localsgd.config import ConfigError, load_config
+from hier_localsgd.managers import LighthouseUnreachable, probe_lighthouse
+
+
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (["sync.inner.algorithm=adam"], "sync.inner.algorithm", "unknown algorithm 'adam'"),
+        (["sync.outer.algorithm=foo"], "sync.outer.algorithm", "unknown algorithm 'foo'"),
+        (["sync.inner.every=0"], "sync.inner.every", "H must be at least 1"),
+        (["sync.outer.every=-3"], "sync.outer.every", "H must be at least 1"),
+        (["topology.clusters=0"], "topology.clusters", "empty topology"),
+        (["topology.replicas_per_cluster=0"], "topology.replicas_per_cluster", "empty topology"),
+        (["sync.mode=ring"], "sync.mode", "unknown mode"),
+        (["lighthouse.global_addr=not-an-address"], "lighthouse.global_addr", "http://host:port"),
+        (["lighthouse.cluster_addrs=[http://127.0.0.1:1]"], "lighthouse.cluster_addrs", "one lighthouse per cluster"),
+        (["train.steps=100"], "train.steps", "multiple of"),
+        (["train.steps=abc"], "train.steps", "could not be converted"),
+        (["data.branching=999"], "data.branching", "must be in"),
+        (["run.replica=5"], "run.replica", "must be in"),
+        (["faults=[{cluster:0,replica:0,step:1,action:explode}]"], "faults[0].action", "expected one of"),
+        (["timeouts.inner_quorum=0"], "timeouts.inner_quorum", "positive"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, field, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(["model=tiny", *overrides])
+    msg = str(e.value)
+    assert msg.startswith(field), msg
+    assert words in msg, msg
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match="nosuchkey"):
+        load_config(["nosuchkey=1"])
+
+
+def test_every_value_can_be_overridden():
+    cfg = load_config(["model=tiny", "topology.clusters=3", "lighthouse.cluster_addrs=[http://h:1,http://h:2,http://h:3]", "sync.inner.every=7", "train.steps=63", "timeouts.broadcast=5"])
+    assert (cfg.topology.clusters, cfg.sync.inner.every, cfg.train.steps) == (3, 7, 63)
+    assert cfg.timeouts_obj().broadcast == timedelta(seconds=5)
+    assert cfg.timeouts_obj().broadcast_wait == timedelta(seconds=cfg.timeouts.outer_quorum + cfg.timeouts.outer_reduce + cfg.timeouts.outer_commit + 5)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_lighthouse_fails_fast_naming_field_and_address():
+    addr = f"http://127.0.0.1:{_closed_port()}"
+    t0 = time.time()
+    with pytest.raises(LighthouseUnreachable) as e:
+        probe_lighthouse("lighthouse.cluster_addrs[1]", addr, timedelta(seconds=2))
+    assert time.time() - t0 < 3
+    assert "lighthouse.cluster_addrs[1]" in str(e.value) and addr in str(e.value)
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hier_localsgd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_config_error_exits_2_with_the_field():
+    p = run_cli("train", "model=tiny", "sync.inner.algorithm=adam")
+    assert p.returncode == 2
+    assert "sync.inner.algorithm: unknown algorithm 'adam'" in p.stderr
+
+
+def test_cli_train_with_unreachable_lighthouse_exits_nonzero_naming_address(tmp_path):
+    g, c0, c1 = (f"http://127.0.0.1:{_closed_port()}" for _ in range(3))
+    t0 = time.time()
+    p = run_cli(
+        "train", "model=tiny", f"run.dir={tmp_path}", f"lighthouse.global_addr={g}",
+        f"lighthouse.cluster_addrs=[{c0},{c1}]", "run.cluster=1", "timeouts.connect=2",
+    )
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert f"lighthouse.cluster_addrs[1]={c1}: lighthouse unreachable" in p.stderr
+    assert time.time() - t0 < 60

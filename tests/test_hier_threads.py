@@ -1,0 +1,200 @@
+"""The hierarchical sync's arithmetic and failure handling, over real lighthouses and Managers.
+
+Replica groups run as threads (tests/harness.py) so the test controls every local
+update exactly; lighthouses, torchft Managers, stores, checkpoint servers and Gloo
+groups are all real.
+"""
+
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from harness import ThreadedHier, local_steps
+from hier_localsgd.faults import Fault
+from hier_localsgd.invariants import InvariantViolation
+from hier_localsgd.level import LevelAlgorithm
+
+C, R, H_IN, H_OUT = 2, 2, 1, 2
+
+
+def update(c: int, r: int, k: int) -> torch.Tensor:
+    """A distinct, hand-checkable local move for every replica and step."""
+    sign = 1.0 if r == 0 else -0.5
+    return torch.tensor([0.1 * (c + 1), sign * 0.2, 0.05 * (k + 1) * (r + 1)])
+
+
+def nesterov(p: torch.Tensor, buf: torch.Tensor, g: torch.Tensor, lr: float = 0.7, mu: float = 0.9):
+    buf = mu * buf + g
+    return p - lr * (g + mu * buf), buf
+
+
+def reference(steps: int):
+    """Hand computation of two-level DiLoCo (float64) for update() above."""
+    z = torch.zeros(3, dtype=torch.float64)
+    theta_g, gbuf = z.clone(), z.clone()
+    theta_c, cbuf = [z.clone() for _ in range(C)], [z.clone() for _ in range(C)]
+    expected: Dict[Tuple[int, int], List[torch.Tensor]] = {(c, r): [] for c in range(C) for r in range(R)}
+    for k in range(steps):
+        for c in range(C):
+            # pseudo-gradient of each member: backup - (backup + u) = -u; averaged
+            avg = -sum(update(c, r, k).double() for r in range(R)) / R
+            theta_c[c], cbuf[c] = nesterov(theta_c[c], cbuf[c], avg)
+        if (k + 1) % (H_IN * H_OUT) == 0:
+            d = sum(theta_g - theta_c[c] for c in range(C)) / C
+            theta_g, gbuf = nesterov(theta_g, gbuf, d)
+            theta_c = [theta_g.clone() for _ in range(C)]
+        for c in range(C):
+            for r in range(R):
+                expected[(c, r)].append(theta_c[c].clone())
+    return expected, theta_g, gbuf, cbuf
+
+
+def test_diloco_at_both_levels_matches_hand_computation_and_keeps_momentum():
+    steps = 4  # two outer rounds: the second depends on both levels' momentum
+    expected, theta_g, gbuf, cbuf = reference(steps)
+    seen: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+    bufs = {}
+    h = ThreadedHier(C, R, H_IN, H_OUT)
+    try:
+        def body(rep):
+            seen[rep.key] = []
+            local_steps(rep, update, steps, record=lambda r: seen[r.key].append(r.flat.data.clone()))
+            bufs[rep.key] = (rep.sync.inner.opt.buf.clone(), rep.sync.outer.opt.buf.clone(), rep.sync.leader)
+
+        h.run(body)
+    finally:
+        h.close()
+    for key, traj in seen.items():
+        for k, (got, want) in enumerate(zip(traj, expected[key])):
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5, msg=f"{key} after step {k + 1}")
+    for (c, r), (ibuf, obuf, leader) in bufs.items():
+        torch.testing.assert_close(ibuf.double(), cbuf[c], rtol=0, atol=1e-5)
+        if leader:  # the outer optimizer's state lives with the leader
+            torch.testing.assert_close(obuf.double(), gbuf, rtol=0, atol=1e-5)
+    assert sum(leader for _, _, leader in bufs.values()) == C
+
+
+def test_localsgd_both_levels_is_plain_averaging():
+    h = ThreadedHier(C, R, H_IN, H_OUT, inner=LevelAlgorithm.build("localsgd"), outer=LevelAlgorithm.build("localsgd"))
+    final = {}
+    try:
+        h.run(lambda rep: (local_steps(rep, update, 2), final.__setitem__(rep.key, rep.flat.data.clone())))
+    finally:
+        h.close()
+    # Two local moves from 0, averaged over the cluster then over the clusters:
+    want = sum(update(c, r, k) for c in range(C) for r in range(R) for k in range(2)) / (C * R)
+    for key, got in final.items():
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=str(key))
+
+
+@pytest.mark.parametrize(
+    "phase, victim, step",
+    [("INNER_REDUCE", (0, 1), 1), ("OUTER_REDUCE", (0, 0), 2), ("BROADCAST", (0, 1), 2)],
+)
+def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phase, victim, step):
+    fault = Fault(cluster=victim[0], replica=victim[1], step=step, action="fail", phase=phase)
+    h = ThreadedHier(C, R, H_IN, H_OUT, faults=[fault])
+    traj: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+    backups: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+    reps = {}
+
+    def record(rep):
+        traj[rep.key].append(rep.flat.data.clone())
+        backups[rep.key].append(rep.sync.inner.backup.clone())
+
+    def body(rep):
+        reps[rep.key] = rep
+        traj[rep.key], backups[rep.key] = [], []
+        backups[rep.key].append(rep.sync.inner.backup.clone())  # before the join round
+        local_steps(rep, update, 6, record=record)
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+
+    v = reps[victim]
+    level = "outer" if phase == "OUTER_REDUCE" else "inner"
+    rollbacks = v.kinds("rollback", level=level)
+    assert [e["step"] for e in rollbacks] == [step], [(k, e) for k, e in v.events if k != "phase"]
+    if level == "inner":
+        # Rolled back: the model equals the commit before the failed round.
+        torch.testing.assert_close(traj[victim][step - 1], backups[victim][step - 1])
+        # The next round (one step later) heals the victim from its leader and commits.
+        assert [e["step"] for e in v.kinds("heal", level="inner")] == [step + H_IN]
+        assert any(e["step"] == step + 1 for e in v.kinds("commit", level="inner"))
+    else:
+        # The leader's outer level kept its last commit; its cluster committed the
+        # inner result; the next outer round heals it from the other cluster.
+        assert not any(e["step"] == step for e in v.kinds("commit", level="outer"))
+        assert [e["step"] for e in v.kinds("heal", level="outer")] == [step + H_IN * H_OUT]
+        assert any(e["step"] == step + H_IN * H_OUT for e in v.kinds("commit", level="outer"))
+    finals = {k: t[-1] for k, t in traj.items()}
+    first = next(iter(finals.values()))
+    for key, f in finals.items():
+        assert torch.equal(f, first), f"{key} differs after the last outer round"
+    for key, rep in reps.items():
+        if key != victim:
+            assert not rep.kinds("rollback", level="inner"), f"{key} should not have rolled back"
+
+
+def test_guard_resyncs_a_member_whose_state_diverged_with_equal_steps():
+    h = ThreadedHier(C, R, H_IN, H_OUT)
+    reps = {}
+    finals = {}
+
+    def body(rep):
+        reps[rep.key] = rep
+
+        def record(r):
+            # After the round at step 1 (inner only), silently corrupt c1r1's committed
+            # state: steps stay equal, so torchft would not heal it; the guard must.
+            if r.key == (1, 1) and r.sync.counters.step == 1:
+                r.sync.inner.backup.add_(1.0)
+                r.flat.load_(r.sync.inner.backup)
+
+        local_steps(rep, update, 4, record=record)
+        finals[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    # Detected and repaired in the next round, at step 2.
+    resyncs = reps[(1, 1)].kinds("resync", level="inner")
+    assert [(e["step"], e["diverged"]) for e in resyncs] == [(2, True)]
+    assert [(e["step"], e["diverged"]) for e in reps[(1, 0)].kinds("resync", level="inner")] == [(2, False)]
+    commits = [e for e in reps[(1, 1)].kinds("commit", level="inner") if e["step"] == 2]
+    assert commits and commits[0]["total_weight"] == 1.0  # the diverged member contributed 0
+    assert len({f.numpy().tobytes() for f in finals.values()}) == 1
+
+
+def test_two_leaders_of_one_cluster_in_the_outer_group_violate_i1():
+    """Two processes both claiming cluster 0 would share the inner and the outer group."""
+    h = ThreadedHier(2, 1, H_IN, H_OUT)
+    errors = {}
+
+    def body(rep):
+        try:
+            local_steps(rep, update, 2)
+        except InvariantViolation as e:
+            errors[rep.key] = e
+
+    # Both replica groups say they are cluster 0 (outer replica id cluster0000) but
+    # each leads its own cluster lighthouse: the global quorum gets cluster 0 twice.
+    orig = h.make
+
+    def make_as_cluster0(c, r):
+        rep = orig(c, r)
+        rep.sync.id = type(rep.sync.id)(0, c)
+        return rep
+
+    h.make = make_as_cluster0  # type: ignore[method-assign]
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    assert len(errors) == 2, errors
+    for e in errors.values():
+        assert e.invariant.startswith("I1") and "cluster(s) [0]" in str(e)
