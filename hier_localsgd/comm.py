@@ -5,21 +5,26 @@ Every collective the hierarchy issues goes through :class:`LevelComm`:
 1. it must run inside the level's open quorum (invariant I3, checked by the
    phase tracker);
 2. no other level's collective may be in flight in this process (I1, the gate);
-3. it is skipped if the level's Manager already recorded an error this round (the
-   round is lost anyway; torchft's own all-reduce does the same);
-4. its wait is bounded by the time left in the current phase; an error or a
-   timeout is reported to the Manager, which makes the round's commit vote fail,
-   and the call returns False. It never raises for a network failure.
+3. it runs even if the level's Manager already recorded an error this round:
+   peers in the same quorum are waiting for it, and skipping it (as torchft's
+   own all-reduce does) would make them wait for their timeout. The error has
+   already doomed this member's commit vote;
+4. it carries its own Gloo timeout, the time left in the current phase, so the
+   process group's default timeout only bounds rendezvous (see timeouts.py); the
+   wait for its result is bounded the same way. An error or timeout is reported
+   to the Manager, which makes the round's commit vote fail, and the call returns
+   False. It never raises for a network failure.
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Callable
 
 import torch
 from torch.distributed import ReduceOp
-from torch.distributed.distributed_c10d import AllreduceOptions, Work
+from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions, Work
 
 from hier_localsgd.invariants import CollectiveGate
 from hier_localsgd.link import LinkProcessGroup
@@ -39,33 +44,44 @@ class LevelComm:
         self._tracker = tracker
         self._gate = gate
 
-    def _run(self, op: str, kind: str, issue: Callable[[], Work]) -> bool:
+    def _run(self, op: str, kind: str, issue: Callable[[timedelta], Work]) -> bool:
         self._tracker.require(self.level)
-        if self.mgr.errored() is not None:
-            logger.info("%s %s skipped: round already failed (%s)", self.level, op, self.mgr.errored())
-            return False
+        already_failed = self.mgr.errored() is not None
         with self._gate.collective(self.level, op), self.link.kind(kind):
             try:
-                work = issue()
-                fut = self.mgr.manager.wrap_future(
-                    work.get_future(), default=_FAILED, timeout=self._tracker.remaining()
-                )
+                remaining = self._tracker.remaining()
+                work = issue(remaining)
+                fut = self.mgr.manager.wrap_future(work.get_future(), default=_FAILED, timeout=remaining)
                 result = fut.wait()
             except Exception as e:  # a broken group can raise at issue time
                 logger.warning("%s %s failed: %s", self.level, op, e)
                 self.mgr.report_error(e)
                 return False
         if result is _FAILED or self.mgr.errored() is not None:
-            logger.warning("%s %s failed: %s", self.level, op, self.mgr.errored())
+            if not already_failed:
+                logger.warning("%s %s failed: %s", self.level, op, self.mgr.errored())
             return False
         return True
 
     def allreduce_sum(self, tensor: torch.Tensor, kind: str) -> bool:
         """Sums ``tensor`` in place across the level's quorum."""
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
-        return self._run("allreduce", kind, lambda: self.link.allreduce([tensor], opts))
+
+        def issue(timeout: timedelta) -> Work:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            opts.timeout = timeout
+            return self.link.allreduce([tensor], opts)
+
+        return self._run("allreduce", kind, issue)
 
     def broadcast(self, tensor: torch.Tensor, root: int, kind: str) -> bool:
         """Broadcasts ``tensor`` from quorum rank ``root`` (in place on the receivers)."""
-        return self._run("broadcast", kind, lambda: self.link.broadcast_one(tensor, root))
+
+        def issue(timeout: timedelta) -> Work:
+            opts = BroadcastOptions()
+            opts.rootRank = root
+            opts.rootTensor = 0
+            opts.timeout = timeout
+            return self.link.broadcast([tensor], opts)
+
+        return self._run("broadcast", kind, issue)

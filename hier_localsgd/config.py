@@ -134,6 +134,7 @@ class TimeoutsConfig:
     outer_commit: float = 30
     broadcast: float = 60
     local_step: float = 120
+    startup: float = 60
     watchdog_grace: float = 30
     shutdown: float = 10
 

@@ -128,6 +128,7 @@ class HierSettings:
     max_quorum_failures: int
     max_commit_failures: Optional[int]
     hostname: str
+    replicas_per_cluster: int = 1
     group_rank: int = 0
     group_world_size: int = 1
 
@@ -184,6 +185,7 @@ class HierarchicalSync:
         self._leader = False
         self._quorum_failures = {"inner": 0, "outer": 0}
         self._outer_healed: Optional[tuple[int, int]] = None
+        self._last_quorum_size = 0
 
         self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg)
         self.inner_mgr = LevelManager(
@@ -215,11 +217,23 @@ class HierarchicalSync:
     def start(self) -> None:
         """The join round: sync once before the first local step.
 
-        A fresh job makes it a no-op round (every weight is 0); a restarted replica
-        group heals from a live peer here, before it spends compute on local steps.
+        A restarted replica group heals from a live peer here, before it spends
+        compute on local steps, and starts at once. In a fresh job (nobody has
+        trained yet) join rounds are no-op rounds (every weight is 0), repeated
+        until every replica group of the cluster is in the quorum or
+        ``timeouts.startup`` passes, so a cluster starts together and its leader
+        is the lowest replica group from the first round.
         """
-        self.tracker.set_counters(step=self.counters.step)
-        self.round(join=True)
+        deadline = time.time() + self.t.startup.total_seconds()
+        while True:
+            self.tracker.set_counters(step=self.counters.step)
+            self.round(join=True)
+            if self.counters.step > 0 or self._last_quorum_size >= self.s.replicas_per_cluster:
+                return
+            if time.time() > deadline:
+                logger.warning("%s starting with %d of %d replica groups after %s", self.id, self._last_quorum_size, self.s.replicas_per_cluster, self.t.startup)
+                return
+            time.sleep(0.2)
 
     def before_forward(self) -> None:
         """Nothing to do: hierarchical syncs happen only at round boundaries."""
@@ -265,6 +279,7 @@ class HierarchicalSync:
             self._rollback(f"inner quorum failed: {e}")
             return False
         self._quorum_failures["inner"] = 0
+        self._last_quorum_size = q.size
         if q.healed:
             self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self._set_leader(q.rank == 0)

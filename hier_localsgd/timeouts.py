@@ -14,8 +14,12 @@ Derived waits (computed, never configured separately):
 * ``broadcast_wait`` — how long a non-leader waits in BROADCAST: the leader runs
   the whole outer level (quorum, reduce, commit) before it sends, so the wait is
   the sum of those phase timeouts plus ``broadcast``.
-* ``inner_pg`` / ``outer_pg`` — the Gloo process-group timeout of each level must
-  cover the longest single collective issued on it.
+* ``inner_pg`` / ``outer_pg`` — the Gloo process-group timeout of each level. It
+  bounds the group's rendezvous (done inside the level's QUORUM phase, so it is
+  at most that phase's timeout) and nothing else: every collective passes its own
+  timeout, the time left in its phase (comm.py). A long default here would let a
+  rendezvous with a member that never comes (a quorum that included a timed-out
+  join) outlast the phase, and the watchdog would end the process.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Timeouts:
         outer_commit: OUTER_COMMIT.
         broadcast: BROADCAST from the leader once it has its result.
         local_step: one local training step (LOCAL); only the watchdog uses it.
+        startup: how long a fresh replica group (no one has trained yet) keeps
+            repeating its join round until every replica group of its cluster is in
+            the quorum; then it starts with whoever is there.
         watchdog_grace: slack past a phase deadline before the watchdog ends the process.
         shutdown: how long a failing process waits for its managers to stop before exiting.
     """
@@ -56,6 +63,7 @@ class Timeouts:
     outer_commit: timedelta = timedelta(seconds=30)
     broadcast: timedelta = timedelta(seconds=60)
     local_step: timedelta = timedelta(seconds=120)
+    startup: timedelta = timedelta(seconds=60)
     watchdog_grace: timedelta = timedelta(seconds=30)
     shutdown: timedelta = timedelta(seconds=10)
 
@@ -80,13 +88,13 @@ class Timeouts:
 
     @property
     def inner_pg(self) -> timedelta:
-        """Gloo timeout of the inner process group (covers the non-leaders' broadcast wait)."""
-        return max(self.inner_reduce, self.broadcast_wait)
+        """Gloo default timeout of the inner process group: bounds its rendezvous."""
+        return min(self.inner_quorum, self.inner_reduce)
 
     @property
     def outer_pg(self) -> timedelta:
-        """Gloo timeout of the outer process group."""
-        return self.outer_reduce
+        """Gloo default timeout of the outer process group: bounds its rendezvous."""
+        return min(self.outer_quorum, self.outer_reduce)
 
     def phase(self, phase: Phase, leader: bool = True) -> timedelta:
         """The deadline budget of one phase of the sync state machine."""

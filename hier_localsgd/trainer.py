@@ -56,6 +56,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             max_quorum_failures=s.max_quorum_failures,
             max_commit_failures=s.max_commit_failures,
             hostname=hostname,
+            replicas_per_cluster=cfg.topology.replicas_per_cluster,
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults)

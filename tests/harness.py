@@ -96,6 +96,7 @@ class ThreadedHier:
             max_quorum_failures=3,
             max_commit_failures=5,
             hostname="127.0.0.1",
+            replicas_per_cluster=self.R,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(
@@ -156,3 +157,67 @@ def local_steps(rep: Replica, updates: Callable[[int, int, int], torch.Tensor], 
         rep.sync.after_optimizer_step()
         if record is not None:
             record(rep)
+
+
+# ---------------------------------------------------------------------------
+# Whole jobs as real processes (lighthouses + one `hier-localsgd train` each).
+
+import time as _time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from hier_localsgd.config import load_config  # noqa: E402
+from hier_localsgd.demo import summarize  # noqa: E402
+from hier_localsgd.launcher import LocalJob  # noqa: E402
+from hier_localsgd.status import read_events, replica_dir  # noqa: E402
+
+# Small topologies on 2 cores: short but bounded timeouts, fast lighthouses.
+FAST_JOB = [
+    "model=tiny",
+    "train.batch_size=16",
+    "lighthouse.quorum_tick_ms=50",
+    "lighthouse.heartbeat_timeout_ms=2000",
+    "lighthouse.join_timeout_ms=10000",
+    "timeouts.connect=10",
+    "timeouts.inner_quorum=30",
+    "timeouts.inner_reduce=30",
+    "timeouts.inner_commit=15",
+    "timeouts.outer_quorum=30",
+    "timeouts.outer_reduce=30",
+    "timeouts.outer_commit=15",
+    "timeouts.broadcast=30",
+    "timeouts.local_step=30",
+    "timeouts.watchdog_grace=10",
+]
+
+
+@dataclass
+class JobRun:
+    job: LocalJob
+    codes: Dict[Tuple[int, int], Optional[int]]
+    summary: Dict[str, Any]
+    events: Dict[Tuple[int, int], List[Dict[str, Any]]]
+
+    def kinds(self, key: Tuple[int, int], kind: str, **match: Any) -> List[Dict[str, Any]]:
+        return [e for e in self.events[key] if e["kind"] == kind and all(e.get(a) == b for a, b in match.items())]
+
+
+def run_job(run_dir: Path, overrides: Sequence[str], timeout_s: float = 240.0) -> JobRun:
+    """Runs a whole job to completion as real processes and collects what they published."""
+    overrides = [*FAST_JOB, *overrides, f"run.dir={run_dir}"]
+    cfg = load_config(overrides, validate_for="demo")
+    t0 = _time.time()
+    job = LocalJob(cfg, overrides)
+    with job:
+        job.start_lighthouses()
+        job.start_all()
+        codes = job.wait(timeout_s)
+    summary = summarize(cfg, job, _time.time() - t0)
+    events = {k: read_events(replica_dir(run_dir, *k) / "events.jsonl") for k in job.keys()}
+    return JobRun(job, codes, summary, events)
+
+
+def logs_tail(run: JobRun, n: int = 3000) -> str:
+    out = []
+    for p in sorted((run.job.run_dir / "logs").glob("*.log")):
+        out.append(f"==== {p.name}\n{p.read_text(errors='replace')[-n:]}")
+    return "\n".join(out)

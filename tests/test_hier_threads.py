@@ -122,7 +122,7 @@ def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phas
         # Rolled back: the model equals the commit before the failed round.
         torch.testing.assert_close(traj[victim][step - 1], backups[victim][step - 1])
         # The next round (one step later) heals the victim from its leader and commits.
-        assert [e["step"] for e in v.kinds("heal", level="inner")] == [step + H_IN]
+        assert [e["step"] for e in v.kinds("heal", level="inner") if e["step"] > 0] == [step + H_IN]
         assert any(e["step"] == step + 1 for e in v.kinds("commit", level="inner"))
     else:
         # The leader's outer level kept its last commit; its cluster committed the

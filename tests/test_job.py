@@ -1,0 +1,147 @@
+"""Whole jobs as real processes: lighthouses plus one `hier-localsgd train` per replica group."""
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from harness import logs_tail, run_job
+from hier_localsgd.link import ring_allreduce_bytes
+
+pytestmark = pytest.mark.slow
+
+C, R, H_IN, H_OUT, STEPS = 2, 2, 5, 2, 40
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """A failure-free 2x2 run: 8 inner rounds per cluster, 4 outer rounds."""
+    return run_job(
+        tmp_path_factory.mktemp("clean"),
+        [f"train.steps={STEPS}", f"sync.inner.every={H_IN}", f"sync.outer.every={H_OUT}"],
+    )
+
+
+def commits_by_step(run, level):
+    out = defaultdict(dict)  # step -> key -> checksum
+    for key, evs in run.events.items():
+        for e in evs:
+            if e["kind"] == "commit" and e["level"] == level:
+                out[e["step"]][key] = e
+    return out
+
+
+def test_job_completes_and_every_process_reports(clean_run):
+    assert all(code == 0 for code in clean_run.codes.values()), logs_tail(clean_run)
+    s = clean_run.summary
+    assert s["missing_results"] == []
+    assert s["steps"] == STEPS
+    assert s["outer_rounds_committed"] == STEPS // (H_IN * H_OUT)
+    assert s["inner_rounds_committed"]["per_cluster"] == {"0": STEPS // H_IN, "1": STEPS // H_IN}
+
+
+def test_inner_sync_makes_a_clusters_replicas_identical(clean_run):
+    inner = commits_by_step(clean_run, "inner")
+    rounds = [s for s in inner if s > 0]
+    assert len(rounds) == STEPS // H_IN
+    differs_across_clusters = 0
+    for step in rounds:
+        per = inner[step]
+        assert len(per) == C * R, (step, per.keys())
+        for c in range(C):
+            sums = {per[(c, r)]["checksum"] for r in range(R)}
+            assert len(sums) == 1, f"cluster {c} replicas differ after the inner round at step {step}"
+        if per[(0, 0)]["checksum"] != per[(1, 0)]["checksum"]:
+            differs_across_clusters += 1
+            assert step % (H_IN * H_OUT), "clusters must agree after an outer round"
+    # Between outer rounds the clusters train on different shards: they do differ.
+    assert differs_across_clusters == (STEPS // H_IN) - (STEPS // (H_IN * H_OUT))
+
+
+def test_outer_sync_and_broadcast_make_every_replica_identical(clean_run):
+    inner = commits_by_step(clean_run, "inner")
+    outer_steps = [s for s in inner if s > 0 and s % (H_IN * H_OUT) == 0]
+    assert len(outer_steps) == STEPS // (H_IN * H_OUT)
+    for step in outer_steps:
+        per = inner[step]
+        assert all(e["outer"] for e in per.values())
+        assert len({e["checksum"] for e in per.values()}) == 1, f"replicas differ after the outer round at step {step}"
+    # ...and it is the model the leaders committed at the outer level.
+    outer = commits_by_step(clean_run, "outer")
+    for step in outer_steps:
+        leaders = outer[step]
+        assert len(leaders) == C  # only leaders hold cluster Managers
+        assert {e["checksum"] for e in leaders.values()} == {e["checksum"] for e in inner[step].values()}
+    assert clean_run.summary["consistent"] is True
+    assert len(set(clean_run.summary["checksums"].values())) == 1
+
+
+def test_slow_link_bytes_per_outer_round_is_one_model_per_cluster(clean_run):
+    s = clean_run.summary
+    rounds = s["outer_rounds_committed"]
+    expected = C * ring_allreduce_bytes(s["model_bytes"], C)
+    assert s["bytes_sent"]["outer"]["payload"] == pytest.approx(rounds * expected, rel=1e-12)
+    # Only leaders put bytes on the slow links.
+    for key, res in ((k, clean_run.job.result(k)) for k in clean_run.job.keys()):
+        outer_sent = res["link"]["outer"]["sent_bytes"]
+        if res["leader"]:
+            assert outer_sent.get("payload", 0) == pytest.approx(rounds * ring_allreduce_bytes(s["model_bytes"], C))
+        else:
+            assert outer_sent == {}, key
+    # Control traffic (consistency check) is small next to the model.
+    assert s["bytes_sent"]["outer"]["control"] < 0.01 * s["bytes_sent"]["outer"]["payload"]
+
+
+def test_counters_advance_on_every_replica_not_only_leaders(clean_run):
+    """Seed 004 counted local steps inside a leader-only path (I5)."""
+    results = [clean_run.job.result(k) for k in clean_run.job.keys()]
+    assert {r["steps"] for r in results} == {STEPS}
+    assert {r["outer_rounds"] for r in results} == {STEPS // (H_IN * H_OUT)}
+    assert {r["inner_rounds"] for r in results} == {STEPS // H_IN}
+    assert sorted(r["leader"] for r in results) == [False, False, True, True]
+
+
+def test_injected_allreduce_failures_roll_back_and_next_round_succeeds(tmp_path):
+    faults = (
+        "faults=[{cluster:0,replica:1,step:10,action:fail,phase:INNER_REDUCE},"
+        "{cluster:1,replica:0,step:10,action:fail,phase:OUTER_REDUCE}]"
+    )
+    run = run_job(tmp_path, [f"train.steps={STEPS}", f"sync.inner.every={H_IN}", f"sync.outer.every={H_OUT}", faults])
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    # c0r1: its inner all-reduce at step 10 failed -> rollback; the next round heals and commits.
+    assert [e["step"] for e in run.kinds((0, 1), "rollback", level="inner")] == [10]
+    # (a heal at step 0 is the start-up join, when a peer committed a join round first)
+    assert [e["step"] for e in run.kinds((0, 1), "heal", level="inner") if e["step"] > 0] == [15]
+    assert any(e["step"] == 15 for e in run.kinds((0, 1), "commit", level="inner"))
+    # c1r0 (leader): its outer all-reduce at step 10 failed -> its outer level keeps its
+    # last commit, the cluster commits its inner result; the next outer round heals it.
+    assert [e["step"] for e in run.kinds((1, 0), "rollback", level="outer")] == [10]
+    assert [e["step"] for e in run.kinds((1, 0), "heal", level="outer")] == [20]
+    assert [e["step"] for e in run.kinds((1, 0), "commit", level="outer")] == [20, 30, 40]
+    assert not run.kinds((1, 1), "rollback") and not run.kinds((0, 0), "rollback")
+    assert run.summary["consistent"] is True
+
+
+def test_demo_command_with_torchtitan_debugmodel_writes_summary(tmp_path):
+    """The README's demo command, shortened: torchtitan Llama3 debugmodel, 2x2, real processes."""
+    summary_path = tmp_path / "summary.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "hier_localsgd", "demo", f"run.dir={tmp_path / 'run'}", f"demo.summary={summary_path}",
+         "train.steps=20", "sync.inner.every=5", "sync.outer.every=2", "train.eval_batches=2", "demo.progress=false"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads(summary_path.read_text())
+    for key in ("topology", "steps", "inner_rounds_committed", "outer_rounds_committed", "final_eval_loss", "entropy_floor",
+                "excess_loss", "excess_loss_start", "bytes_sent", "model_bytes", "consistent"):
+        assert key in s, key
+    assert s["model"] == "llama3_debugmodel" and s["model_params"] == 6163712
+    assert s["model_bytes"] == 6163712 * 4
+    assert s["topology"]["clusters"] == 2 and s["topology"]["replicas_per_cluster"] == 2
+    assert s["steps"] == 20 and s["outer_rounds_committed"] == 2
+    assert s["consistent"] is True
+    assert s["excess_loss"] < s["excess_loss_start"]
+    assert s["bytes_sent"]["outer"]["payload"] == pytest.approx(2 * 2 * ring_allreduce_bytes(s["model_bytes"], 2))
+    assert "consistent: True" in p.stdout
