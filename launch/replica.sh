@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Start one replica group of one cluster; restart it if it dies.
+#
+#   launch/replica.sh [--no-restart] [--max-restarts N] CLUSTER REPLICA GLOBAL_ADDR CLUSTER_ADDRS [overrides...]
+#
+#   CLUSTER, REPLICA  this replica group's cluster id and index in its cluster (0-based)
+#   GLOBAL_ADDR       the global lighthouse, e.g. http://coord:29510
+#   CLUSTER_ADDRS     every cluster's lighthouse, comma-separated, in cluster order,
+#                     e.g. http://hostA:29511,http://hostB:29511
+#   overrides         hydra overrides shared by the whole job (topology, model, sync, ...)
+#
+# Run the same command on each host with its own CLUSTER/REPLICA. Nothing else needs
+# to be shared: every replica group creates its own stores and finds its peers
+# through the lighthouses' quorums. Set run.hostname=<address peers can reach> when
+# this host's name does not resolve on the other hosts.
+#
+# A replica group that exits non-zero is restarted (as torchelastic or Slurm would)
+# after RESTART_DELAY seconds (default 2), at most --max-restarts times (default 100);
+# it rejoins its cluster and heals from a live peer. Exit code 2 (configuration
+# error) is never retried. --no-restart runs it once.
+set -uo pipefail
+restart=1; max_restarts=100
+while [[ $# -gt 0 && "$1" == --* ]]; do
+  case "$1" in
+    --no-restart) restart=0; shift ;;
+    --max-restarts) max_restarts="$2"; shift 2 ;;
+    *) echo "replica.sh: unknown flag $1" >&2; exit 2 ;;
+  esac
+done
+if [[ $# -lt 4 ]]; then
+  sed -n '2,23p' "$0" >&2; exit 2
+fi
+cluster="$1"; replica="$2"; global_addr="$3"; cluster_addrs="$4"; shift 4
+cmd=("${PYTHON:-python3}" -m hier_localsgd train
+     "run.cluster=$cluster" "run.replica=$replica"
+     "lighthouse.global_addr='$global_addr'"
+     "lighthouse.cluster_addrs=[${cluster_addrs}]" "$@")
+restarts=0
+child=0
+trap 'if [[ $child -ne 0 ]]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 143' TERM INT
+while true; do
+  "${cmd[@]}" & child=$!
+  wait "$child"; rc=$?; child=0
+  if [[ $rc -eq 0 ]]; then exit 0; fi
+  if [[ $rc -eq 2 || $restart -eq 0 || $restarts -ge $max_restarts ]]; then
+    echo "replica.sh: c${cluster}r${replica} exited with $rc; not restarting" >&2
+    exit "$rc"
+  fi
+  restarts=$((restarts + 1))
+  echo "replica.sh: c${cluster}r${replica} exited with $rc; restart $restarts/$max_restarts in ${RESTART_DELAY:-2}s" >&2
+  sleep "${RESTART_DELAY:-2}"
+done
