@@ -113,6 +113,7 @@ class RunConfig:
     replica: int = 0
     hostname: str = ""  # address peers use to reach this process; "" = socket.gethostname()
     log_level: str = "INFO"
+    start_gate: str = ""  # local jobs: wait (up to timeouts.startup) for this file before training
 
 
 @dataclass

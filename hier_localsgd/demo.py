@@ -134,7 +134,11 @@ def human(summary: Dict[str, Any]) -> str:
     lines = [
         f"hier_localsgd {t['mode']}: {t['clusters']} clusters x {t['replicas_per_cluster']} replica groups, "
         f"{summary['model']} ({summary['model_params']} params), {summary['steps']}/{summary['steps_target']} steps in {summary['wall_s']:.1f} s",
-        f"  rounds committed: inner {summary['inner_rounds_committed']['per_cluster']} per cluster, outer {summary['outer_rounds_committed']}",
+        (
+            f"  rounds committed: inner {summary['inner_rounds_committed']['per_cluster']} per cluster, outer {summary['outer_rounds_committed']}"
+            if t["mode"] == "hier"
+            else f"  syncs committed per replica group ({t['mode']}): {summary['inner_rounds_committed']['per_cluster']} (max per cluster)"
+        ),
         f"  eval loss {f(summary['eval_loss_start'])} -> {f(summary['final_eval_loss'])}; entropy floor {f(summary['entropy_floor'])}; "
         f"excess {f(summary['excess_loss_start'])} -> {f(summary['excess_loss'])}",
     ]

@@ -75,6 +75,7 @@ class LocalJob:
     def __post_init__(self) -> None:
         self.run_dir = Path(self.cfg.run.dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.gate_path.unlink(missing_ok=True)
         if self.free_ports:
             g = f"http://127.0.0.1:{free_port()}"
             cs = [f"http://127.0.0.1:{free_port()}" for _ in range(self.cfg.topology.clusters)]
@@ -125,12 +126,35 @@ class LocalJob:
         self.replicas[(cluster, replica)] = proc
         return proc
 
-    def start_all(self, order: Optional[Sequence[Key]] = None, stagger_s: float = 0.0) -> None:
+    def start_all(self, order: Optional[Sequence[Key]] = None, stagger_s: float = 0.0, gate: bool = True) -> None:
+        """Starts every replica group (in ``order``, ``stagger_s`` apart).
+
+        With ``gate``, they all wait at a start gate that opens once every one of
+        them reports ``ready`` (model built, Managers heartbeating), so a fast
+        starter does not train alone while the others are still importing.
+        """
         keys = list(order) if order is not None else self.keys()
+        extra = [f"run.start_gate={self.gate_path}"] if gate else []
         for i, (c, r) in enumerate(keys):
             if i and stagger_s:
                 time.sleep(stagger_s)
-            self.start_replica(c, r)
+            self.start_replica(c, r, extra)
+        if gate:
+            self.open_gate_when_ready(self.cfg.timeouts.startup)
+
+    @property
+    def gate_path(self) -> Path:
+        return self.run_dir / "start_gate"
+
+    def open_gate_when_ready(self, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            states = [(self.status(k) or {}).get("state") for k in self.replicas]
+            exited = [p.popen.poll() is not None for p in self.replicas.values()]
+            if all(s in ("ready", "running", "finished") or e for s, e in zip(states, exited)):
+                break
+            time.sleep(0.1)
+        self.gate_path.touch()
 
     def keys(self) -> List[Key]:
         t = self.cfg.topology

@@ -73,6 +73,7 @@ TRANSITIONS: Dict[Phase, FrozenSet[Phase]] = {
 COLLECTIVE_PHASES: Dict[str, FrozenSet[Phase]] = {
     "inner": frozenset({Phase.INNER_REDUCE, Phase.BROADCAST}),
     "outer": frozenset({Phase.OUTER_REDUCE}),
+    "ddp": frozenset({Phase.INNER_REDUCE}),  # the ddp baseline's per-step gradient all-reduce
 }
 
 

@@ -10,6 +10,7 @@ position, since batches are addressed by step).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Any, Dict
@@ -82,6 +83,19 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
     return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov)
 
 
+def wait_for_gate(path: str, timeout_s: float) -> None:
+    """Local jobs start every replica group together: the launcher creates ``path``
+    once all are ready (Managers heartbeating). Bounded by ``timeouts.startup``."""
+    if not path:
+        return
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            logger.warning("start gate %s not opened after %.0fs; starting anyway", path, timeout_s)
+            return
+        time.sleep(0.1)
+
+
 def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     """Trains one replica group to ``train.steps`` and returns its result record."""
     t0 = time.time()
@@ -109,6 +123,9 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     rt.add_closer(sync.close)
     c = sync.counters
     plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
+    pub.update(state="ready")
+    wait_for_gate(cfg.run.start_gate, cfg.timeouts_obj().startup.total_seconds())
+    pub.update(state="running")
     sync.start()  # join round: a restarted group heals here, before any local step
     loss_val = float("nan")
 
@@ -120,8 +137,6 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             while True:  # the watchdog ends this
                 time.sleep(1.0)
         if plan.take(c.step, Phase.LOCAL.value, ("exit",)):
-            import os
-
             os._exit(17)
         x, y = data.batch(c.step)
         loss = lm_loss(model, x, y)
