@@ -3,6 +3,7 @@
     hier-localsgd lighthouse [overrides...]   serve the global and/or cluster lighthouses
     hier-localsgd train      [overrides...]   run one replica group (run.cluster, run.replica)
     hier-localsgd demo       [overrides...]   a whole job on this machine, with a summary
+    hier-localsgd chaos      [overrides...]   the same while killing processes; a recovery report
 
 Overrides are hydra syntax (``topology.clusters=3 model=tiny``); see configs/.
 A configuration error exits with code 2 and a message naming the field.
@@ -21,6 +22,7 @@ COMMANDS = {
     "lighthouse": "serve the global and/or per-cluster lighthouses (lighthouse.serve=all|global|cluster)",
     "train": "run one replica group: run.cluster=C run.replica=R",
     "demo": "start lighthouses and every replica group on this machine, train, summarize",
+    "chaos": "like demo, while SIGKILLing processes on a seeded schedule; report the recovery",
 }
 
 
@@ -85,6 +87,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hier_localsgd.demo import run_demo
 
         return run_demo(cfg, args.overrides)
+    if args.command == "chaos":
+        setup_logging(cfg.run.log_level, "chaos")
+        from hier_localsgd.chaos import run_chaos
+
+        return run_chaos(cfg, args.overrides)
     return _train(cfg)
 
 

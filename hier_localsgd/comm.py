@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.distributed import ReduceOp
@@ -37,8 +37,16 @@ _FAILED = object()
 
 
 class LevelComm:
-    def __init__(self, mgr: LevelManager, link: LinkProcessGroup, tracker: PhaseTracker, gate: CollectiveGate) -> None:
+    def __init__(
+        self,
+        mgr: LevelManager,
+        link: LinkProcessGroup,
+        tracker: PhaseTracker,
+        gate: CollectiveGate,
+        events: Optional[Callable[..., None]] = None,
+    ) -> None:
         self.mgr = mgr
+        self._events = events
         self.link = link
         self.level = mgr.level
         self._tracker = tracker
@@ -58,8 +66,11 @@ class LevelComm:
                 self.mgr.report_error(e)
                 return False
         if result is _FAILED or self.mgr.errored() is not None:
+            err = self.mgr.errored()
             if not already_failed:
-                logger.warning("%s %s failed: %s", self.level, op, self.mgr.errored())
+                logger.warning("%s %s failed: %s", self.level, op, err)
+                if self._events is not None and "did not complete within" in str(err):
+                    self._events("timeout", level=self.level, op=op, phase=self._tracker.phase.value)
             return False
         return True
 

@@ -104,6 +104,7 @@ class TrainConfig:
     log_every: int = 10
     threads: int = 1
     seed: int = 0
+    min_step_time_s: float = 0.0  # pad each local step to this duration (emulates a bigger model)
 
 
 @dataclass
@@ -122,6 +123,18 @@ class DemoConfig:
     timeout_s: float = 600.0
     progress: bool = True
     free_ports: bool = True
+
+
+@dataclass
+class ChaosConfig:
+    seed: int = 0
+    kill_every_s: float = 30.0  # mean time between kills (exponential intervals)
+    roles: List[str] = field(default_factory=lambda: ["non_leader", "leader", "cluster"])
+    restart_delay_s: float = 2.0
+    stop_kills_at: float = 0.8  # no kills once every process has passed this fraction of the steps
+    baseline: bool = True  # run a failure-free job with the same seed first
+    report: str = ""  # JSON report path; "" = <run.dir>/chaos_report.json
+    timeout_s: float = 1200.0
 
 
 @dataclass
@@ -150,6 +163,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -324,6 +338,23 @@ def validate(cfg: Config, command: str = "train") -> None:
         err("lighthouse.cluster_addrs", f"has {len(lh.cluster_addrs)} address(es) but topology.clusters={t.clusters}: one lighthouse per cluster")
     if command == "lighthouse" and lh.serve == "cluster" and not 0 <= lh.cluster < len(lh.cluster_addrs):
         err("lighthouse.cluster", f"{lh.cluster} — must index lighthouse.cluster_addrs (0..{len(lh.cluster_addrs) - 1})")
+
+    ch = cfg.chaos
+    from hier_localsgd.chaos import ROLES
+
+    for i, role in enumerate(ch.roles):
+        if role not in ROLES:
+            err(f"chaos.roles[{i}]", f"unknown role {role!r} (expected one of {ROLES})")
+    if not ch.roles:
+        err("chaos.roles", "needs at least one role")
+    if ch.kill_every_s <= 0:
+        err("chaos.kill_every_s", f"{ch.kill_every_s} — must be positive")
+    if not 0 < ch.stop_kills_at <= 1:
+        err("chaos.stop_kills_at", f"{ch.stop_kills_at} — must be in (0, 1]")
+    if ch.restart_delay_s < 0:
+        err("chaos.restart_delay_s", f"{ch.restart_delay_s} — must be at least 0")
+    if command == "chaos" and s.mode != "hier":
+        err("sync.mode", f"{s.mode!r} — chaos runs measure the hierarchical mode (hier)")
 
     if command == "train":
         if not 0 <= cfg.run.cluster < t.clusters:

@@ -7,7 +7,9 @@ and what happens:
   payload collective (the model-sized transfer) completes on the wire but its
   result is reported as failed, as a broken link would be
   (:meth:`hier_localsgd.link.LinkProcessGroup.arm_failure`);
-* ``raise``: the training loop raises an exception at that step;
+* ``raise``: the training loop raises an exception at that step, while another
+  non-daemon thread of the process is still blocked (seed 004's failed process
+  that kept heartbeating: a normal interpreter exit would wait for that thread);
 * ``hang``: the process stops making progress at that step, inside the given
   phase (LOCAL by default), holding its heartbeat (only the watchdog can end it);
 * ``exit``: the process exits with code 17 at once, without any cleanup

@@ -50,6 +50,7 @@ class Proc:
     popen: subprocess.Popen
     started: float
     log: Path
+    extra: Sequence[str] = ()
     restarts: int = 0
 
 
@@ -67,13 +68,15 @@ class LocalJob:
     cfg: Config
     overrides: Sequence[str]
     free_ports: bool = True
+    run_dir_override: Optional[Path] = None  # default: cfg.run.dir
     python: str = sys.executable
     lighthouse: Optional[Proc] = None
     replicas: Dict[Key, Proc] = field(default_factory=dict)
     addr_overrides: List[str] = field(default_factory=list)
+    history: List[dict] = field(default_factory=list)  # exits and restarts, with times
 
     def __post_init__(self) -> None:
-        self.run_dir = Path(self.cfg.run.dir)
+        self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.gate_path.unlink(missing_ok=True)
         if self.free_ports:
@@ -118,12 +121,16 @@ class LocalJob:
                     time.sleep(0.2)
 
     def start_replica(self, cluster: int, replica: int, extra: Sequence[str] = ()) -> Proc:
-        argv = [self.python, "-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *extra]
         prev = self.replicas.get((cluster, replica))
+        if prev is not None and not extra:
+            extra = prev.extra  # a restart keeps the original arguments
+        argv = [self.python, "-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *extra]
         proc = self._spawn(f"c{cluster}r{replica}", argv)
+        proc.extra = tuple(extra)
         if prev is not None:
             proc.restarts = prev.restarts + 1
         self.replicas[(cluster, replica)] = proc
+        self.history.append({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid})
         return proc
 
     def start_all(self, order: Optional[Sequence[Key]] = None, stagger_s: float = 0.0, gate: bool = True) -> None:
@@ -170,16 +177,43 @@ class LocalJob:
     def exit_codes(self) -> Dict[Key, Optional[int]]:
         return {k: p.popen.poll() for k, p in self.replicas.items()}
 
-    def wait(self, timeout_s: float, tick: Optional[Callable[[], None]] = None, tick_every_s: float = 1.0) -> Dict[Key, Optional[int]]:
-        """Waits until every replica process exits or ``timeout_s`` passes; returns exit codes (None: still running)."""
+    def wait(
+        self,
+        timeout_s: float,
+        tick: Optional[Callable[[], None]] = None,
+        tick_every_s: float = 1.0,
+        restart: bool = False,
+        restart_delay_s: float = 2.0,
+        max_restarts: int = 100,
+    ) -> Dict[Key, Optional[int]]:
+        """Waits until every replica process has exited for good or ``timeout_s`` passes.
+
+        With ``restart``, a replica group that exits non-zero (other than 2, a
+        configuration error) is started again after ``restart_delay_s``, as the
+        launch script or torchelastic would; it rejoins and heals. Returns the
+        exit codes (None: still running).
+        """
         deadline = time.time() + timeout_s
+        seen_exit: Dict[Key, int] = {}
+        due: Dict[Key, float] = {}
         while time.time() < deadline:
-            codes = self.exit_codes()
-            if all(c is not None for c in codes.values()):
+            now = time.time()
+            for key, proc in self.replicas.items():
+                code = proc.popen.poll()
+                if code is None or seen_exit.get(key) == proc.popen.pid:
+                    continue
+                seen_exit[key] = proc.popen.pid
+                self.history.append({"t": now, "event": "exit", "key": key, "code": code, "pid": proc.popen.pid})
+                if restart and code not in (0, 2) and proc.restarts < max_restarts:
+                    due[key] = now + restart_delay_s
+            for key in [k for k, t in due.items() if t <= now]:
+                del due[key]
+                self.start_replica(*key)
+            if not due and all(p.popen.poll() is not None for p in self.replicas.values()):
                 break
             if tick is not None:
                 tick()
-            time.sleep(tick_every_s)
+            time.sleep(min(tick_every_s, 0.2) if due else tick_every_s)
         if tick is not None:
             tick()
         return self.exit_codes()

@@ -104,6 +104,7 @@ class _State:
     last_commit_at: Optional[float] = None
     last_commit_level: Optional[str] = None
     last_commit_round: Optional[int] = None
+    extra: Dict[str, object] = field(default_factory=dict)
 
 
 class PhaseTracker:
@@ -200,6 +201,11 @@ class PhaseTracker:
             if leader is not None:
                 self._s.leader = leader
 
+    def set_extra(self, **values: object) -> None:
+        """Extra fields published with every snapshot (e.g. work accounting)."""
+        with self._lock:
+            self._s.extra.update(values)
+
     def mark_commit(self, level: str, round_: int) -> None:
         with self._lock:
             self._s.last_commit_at = time.time()
@@ -241,4 +247,5 @@ class PhaseTracker:
             "last_commit_at": s.last_commit_at,
             "last_commit_level": s.last_commit_level,
             "last_commit_round": s.last_commit_round,
+            **s.extra,
         }

@@ -139,6 +139,7 @@ class _OuterResult:
     params: Optional[torch.Tensor]
     outer_round: int
     step: int
+    cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
 
 
 class HierarchicalSync:
@@ -186,6 +187,12 @@ class HierarchicalSync:
         self._quorum_failures = {"inner": 0, "outer": 0}
         self._outer_healed: Optional[tuple[int, int]] = None
         self._last_quorum_size = 0
+        self._last_rank = 0
+        # Work accounting: local steps run, and those discarded by a rollback (or
+        # contributed with weight 0) — what chaos reports as efficiency.
+        self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
+        self._since_outer = 0  # steps committed at the inner level since the last outer commit
+        tracker.set_extra(**self.work)
 
         self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg)
         self.inner_mgr = LevelManager(
@@ -206,7 +213,7 @@ class HierarchicalSync:
             group_world_size=settings.group_world_size,
             max_commit_failures=settings.max_commit_failures,
         )
-        self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate)
+        self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events)
         # The cluster Manager exists only while this replica group leads its cluster:
         # a Manager that heartbeats without joining would stall the global lighthouse.
         self.outer_stats = LinkStats()
@@ -243,6 +250,8 @@ class HierarchicalSync:
         return True
 
     def after_optimizer_step(self) -> None:
+        self.work["steps_run"] += 1
+        self.work["steps_since_commit"] += 1
         self.tracker.set_counters(step=self.counters.step)
         if self.counters.step % self.s.h_inner == 0:
             self.round()
@@ -279,7 +288,7 @@ class HierarchicalSync:
             self._rollback(f"inner quorum failed: {e}")
             return False
         self._quorum_failures["inner"] = 0
-        self._last_quorum_size = q.size
+        self._last_quorum_size, self._last_rank = q.size, q.rank
         if q.healed:
             self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self._set_leader(q.rank == 0)
@@ -403,7 +412,7 @@ class HierarchicalSync:
             "commit", level="outer", outer_round=new_round, step=view_step,
             participants=q.size, total_weight=plan.total_weight, checksum=checksum(self.outer.backup),
         )
-        return _OuterResult(Status.OUTER_COMMITTED, self.outer.backup.clone(), new_round, view_step)
+        return _OuterResult(Status.OUTER_COMMITTED, self.outer.backup.clone(), new_round, view_step, plan.weights[q.rank])
 
     def _broadcast(self, result: Optional[_OuterResult]) -> _OuterResult:
         """BROADCAST: the leader (inner rank 0) sends status + model to its cluster.
@@ -412,10 +421,10 @@ class HierarchicalSync:
         receiver that lost the header still joins the model broadcast (its result
         is discarded), so the leader never waits for a peer that bailed out.
         """
-        header = torch.zeros(3, dtype=torch.float64)
+        header = torch.zeros(4, dtype=torch.float64)
         if self._leader:
             assert result is not None
-            header[:] = torch.tensor([int(result.status), result.outer_round, result.step], dtype=torch.float64)
+            header[:] = torch.tensor([int(result.status), result.outer_round, result.step, result.cluster_weight], dtype=torch.float64)
         header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
         if self._leader:
             assert result is not None
@@ -431,7 +440,7 @@ class HierarchicalSync:
         params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
         if not (header_ok and params_ok) or status is None:
             return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
-        return _OuterResult(status, params, outer_round, step)
+        return _OuterResult(status, params, outer_round, step, float(header[3]))
 
     def _apply(self, ok: bool, staged: Staged, result: Optional[_OuterResult], plan: guard.GuardPlan) -> bool:
         """INNER_COMMIT's outcome: adopt the staged state, or roll back."""
@@ -447,7 +456,18 @@ class HierarchicalSync:
             return False
 
         self.inner.commit(staged)
+        if plan.weights and plan.weights[min(self._last_rank, len(plan.weights) - 1)] == 0:
+            self._discard_local_work()  # committed, but our steps carried weight 0
+        self._since_outer += self.work["steps_since_commit"]
+        self.work["steps_since_commit"] = 0
         adopted = result is not None and result.status != Status.ABORT and result.params is not None
+        if adopted and result is not None and result.status == Status.OUTER_COMMITTED:
+            if result.cluster_weight == 0:
+                # The global model moved without this cluster's work (it had just
+                # healed to a newer one): everything since its last outer commit is lost.
+                self.work["steps_discarded"] += self._since_outer
+            self._since_outer = 0
+        self.tracker.set_extra(**self.work)
         if adopted:
             assert result is not None and result.params is not None
             self.inner.set_backup(result.params)
@@ -468,7 +488,13 @@ class HierarchicalSync:
         self.tracker.enter(Phase.LOCAL, self.t.local_step)
         return True
 
+    def _discard_local_work(self) -> None:
+        self.work["steps_discarded"] += self.work["steps_since_commit"]
+        self.work["steps_since_commit"] = 0
+
     def _rollback(self, reason: str) -> None:
+        self._discard_local_work()
+        self.tracker.set_extra(**self.work)
         self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
         self.flat.load_(self.inner.backup)
         self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
@@ -479,6 +505,7 @@ class HierarchicalSync:
     def _quorum_failed(self, level: str, e: Exception) -> None:
         self._quorum_failures[level] += 1
         n = self._quorum_failures[level]
+        self.events("timeout" if "imeout" in str(e) else "quorum_failed", level=level, op="quorum", phase=self.tracker.phase.value, detail=str(e)[:200])
         logger.warning("%s %s quorum failed (%d in a row): %s", self.id, level, n, e)
         if n >= self.s.max_quorum_failures:
             raise FatalSyncError(f"{level} quorum failed {n} times in a row (last: {e})") from e
@@ -524,7 +551,7 @@ class HierarchicalSync:
                 group_world_size=self.s.group_world_size,
                 max_commit_failures=self.s.max_commit_failures,
             )
-            self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate)
+            self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate, self.events)
         return self.outer_mgr, self.outer_comm
 
     # ------------------------------------------------------------------ state

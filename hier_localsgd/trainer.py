@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any, Dict
 
@@ -132,12 +133,16 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     while c.step < tr.steps:
         sync.before_forward()  # ddp: quorum (and heal) for this step
         if plan.take(c.step, Phase.LOCAL.value, ("raise",)):
+            # As in seed 004, another non-daemon thread is still blocked when the loop
+            # dies; an interpreter exit would wait for it, heartbeat and all.
+            threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
             raise InjectedFault(f"injected exception in the training loop at step {c.step}")
         if plan.take(c.step, Phase.LOCAL.value, ("hang",)):
             while True:  # the watchdog ends this
                 time.sleep(1.0)
         if plan.take(c.step, Phase.LOCAL.value, ("exit",)):
             os._exit(17)
+        t_step = time.time()
         x, y = data.batch(c.step)
         loss = lm_loss(model, x, y)
         loss.backward()
@@ -147,9 +152,13 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             flat.zero_grad()
         else:
             opt.zero_grad()
+        if tr.min_step_time_s > 0:  # emulated compute: pad the step
+            time.sleep(max(0.0, tr.min_step_time_s - (time.time() - t_step)))
         c.step += 1  # every replica advances its own step counter (I5)
         sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
-        loss_val = float(loss)
+        loss_val = float(loss.detach())
+        # Every step: a killed process's last status says how much work it had done.
+        pub.update(step=c.step, **getattr(sync, "work", {}))
 
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
@@ -179,6 +188,7 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         "model_params": flat.numel,
         "model_bytes": flat.nbytes,
         "link": sync.link_stats(),
+        "work": dict(getattr(sync, "work", {})),
         "wall_s": time.time() - t0,
     }
     flat.check_in_place()

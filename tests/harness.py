@@ -201,19 +201,58 @@ class JobRun:
         return [e for e in self.events[key] if e["kind"] == kind and all(e.get(a) == b for a, b in match.items())]
 
 
-def run_job(run_dir: Path, overrides: Sequence[str], timeout_s: float = 240.0) -> JobRun:
-    """Runs a whole job to completion as real processes and collects what they published."""
+def run_job(
+    run_dir: Path,
+    overrides: Sequence[str],
+    timeout_s: float = 240.0,
+    during: Optional[Callable[[LocalJob], None]] = None,
+    restart: bool = False,
+    restart_delay_s: float = 1.0,
+    order: Optional[Sequence[Tuple[int, int]]] = None,
+    stagger_s: float = 0.0,
+    gate: bool = True,
+) -> JobRun:
+    """Runs a whole job to completion as real processes and collects what they published.
+
+    ``during(job)`` is called about every 0.2 s while the job runs (to kill or
+    signal processes); ``restart`` restarts replica groups that exit non-zero.
+    """
     overrides = [*FAST_JOB, *overrides, f"run.dir={run_dir}"]
     cfg = load_config(overrides, validate_for="demo")
     t0 = _time.time()
     job = LocalJob(cfg, overrides)
     with job:
         job.start_lighthouses()
-        job.start_all()
-        codes = job.wait(timeout_s)
+        job.start_all(order=order, stagger_s=stagger_s, gate=gate)
+        tick = (lambda: during(job)) if during is not None else None
+        codes = job.wait(timeout_s, tick=tick, tick_every_s=0.2, restart=restart, restart_delay_s=restart_delay_s)
     summary = summarize(cfg, job, _time.time() - t0)
     events = {k: read_events(replica_dir(run_dir, *k) / "events.jsonl") for k in job.keys()}
     return JobRun(job, codes, summary, events)
+
+
+def when_step(key: Tuple[int, int], step: int, action: Callable[[LocalJob], None]) -> Callable[[LocalJob], None]:
+    """A ``during`` callback that runs ``action`` once, when ``key`` reports ``step``."""
+    fired = {"done": False}
+
+    def cb(job: LocalJob) -> None:
+        if fired["done"]:
+            return
+        st = job.status(key) or {}
+        if int(st.get("step", 0)) >= step and st.get("state") == "running":
+            fired["done"] = True
+            fired["t"] = _time.time()
+            fired["phase"] = st.get("phase")
+            action(job)
+
+    cb.fired = fired  # type: ignore[attr-defined]
+    return cb
+
+
+def first_commit_after(run: JobRun, keys: Sequence[Tuple[int, int]], t: float, level: str = "inner") -> Optional[float]:
+    """Seconds from ``t`` to the first commit (at ``level``) by any of ``keys`` after ``t``."""
+    times = [e["t"] for k in keys for e in run.kinds(k, "commit", level=level) if e["t"] > t]
+    return min(times) - t if times else None
 
 
 def logs_tail(run: JobRun, n: int = 3000) -> str:

@@ -1,0 +1,188 @@
+"""Every failure mode, with real processes: exception, SIGTERM, SIGKILL, hang, a silent
+lighthouse, a leader kill, a whole cluster lost, and the start orders of seed 004."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from harness import first_commit_after, logs_tail, run_job, when_step
+
+pytestmark = pytest.mark.slow
+
+HB_S = 2.0  # lighthouse.heartbeat_timeout_ms in harness.FAST_JOB
+PHASE_S = 30.0  # the longest single phase timeout in harness.FAST_JOB (quorum, reduce, broadcast)
+PACED = ["train.min_step_time_s=0.05", "sync.inner.every=5", "sync.outer.every=2"]
+ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def exit_time(run, key):
+    exits = [h["t"] for h in run.job.history if h["event"] == "exit" and h["key"] == key]
+    return exits[0] if exits else None
+
+
+def consistent_among(run, keys):
+    sums = {run.job.result(k)["checksum"] for k in keys if run.job.result(k)}
+    return len(sums) == 1 and all(run.job.result(k) for k in keys)
+
+
+def test_exception_in_training_loop_exits_nonzero_and_peers_carry_on(tmp_path):
+    run = run_job(tmp_path, [*PACED, "train.steps=60", "faults=[{cluster:0,replica:1,step:12,action:raise}]"])
+    assert run.codes[(0, 1)] == 1, logs_tail(run)
+    assert all(run.codes[k] == 0 for k in ALL if k != (0, 1)), logs_tail(run)
+    log = (run.job.run_dir / "logs" / "c0r1.log").read_text()
+    assert "InjectedFault: injected exception in the training loop at step 12" in log
+    assert "inner manager c0_r0001 shut down (heartbeat stopped)" in log
+    t = exit_time(run, (0, 1))
+    dt = first_commit_after(run, [(0, 0)], t)
+    assert dt is not None and dt <= HB_S + PHASE_S, dt
+    print(f"exception: survivor's next commit {dt:.2f}s after the exit")
+    assert consistent_among(run, [(0, 0), (1, 0), (1, 1)])
+
+
+def test_sigterm_stops_heartbeat_and_exits_143(tmp_path):
+    killer = when_step((0, 1), 12, lambda job: job.kill((0, 1), signal.SIGTERM))
+    run = run_job(tmp_path, [*PACED, "train.steps=60"], during=killer)
+    assert run.codes[(0, 1)] == 143, logs_tail(run)
+    t_exit = exit_time(run, (0, 1))
+    assert t_exit - killer.fired["t"] < 5.0  # tick granularity + shutdown
+    log = (run.job.run_dir / "logs" / "c0r1.log").read_text()
+    assert "received SIGTERM" in log and "inner manager c0_r0001 shut down (heartbeat stopped)" in log
+    dt = first_commit_after(run, [(0, 0)], t_exit)
+    assert dt is not None and dt <= HB_S + PHASE_S, dt
+    print(f"SIGTERM: exit {t_exit - killer.fired['t']:.2f}s after the signal; survivor's next commit {dt:.2f}s later")
+    assert consistent_among(run, [(0, 0), (1, 0), (1, 1)])
+
+
+def test_sigkill_non_leader_is_restarted_and_heals_from_a_peer(tmp_path):
+    killer = when_step((0, 1), 12, lambda job: job.kill((0, 1), signal.SIGKILL))
+    run = run_job(tmp_path, [*PACED, "train.steps=80"], during=killer, restart=True)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    t_kill = killer.fired["t"]
+    dt = first_commit_after(run, [(0, 0)], t_kill)
+    assert dt is not None and dt <= HB_S + PHASE_S, dt
+    restarts = [h for h in run.job.history if h["event"] == "restart"]
+    assert [h["key"] for h in restarts] == [(0, 1)]
+    # The restarted process heals in its join round, before any local step...
+    heals = [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > restarts[0]["t"]]
+    assert heals and heals[0]["step"] > 0
+    # ...and after its first sync holds exactly its peer's parameters.
+    first = [e for e in run.kinds((0, 1), "commit", level="inner") if e["t"] > restarts[0]["t"] and e["step"] > heals[0]["step"]][0]
+    peer = [e for e in run.kinds((0, 0), "commit", level="inner") if e["step"] == first["step"]][-1]
+    assert first["checksum"] == peer["checksum"]
+    print(f"SIGKILL: survivor's next commit {dt:.2f}s after the kill; restarted replica identical {first['t'] - restarts[0]['t']:.2f}s after its restart")
+    assert run.summary["consistent"] is True
+
+
+def test_hang_inside_a_phase_is_ended_by_the_watchdog(tmp_path):
+    run = run_job(
+        tmp_path,
+        [*PACED, "train.steps=80", "timeouts.inner_reduce=5", "timeouts.watchdog_grace=3",
+         "faults=[{cluster:0,replica:1,step:10,action:hang,phase:INNER_REDUCE}]"],
+        restart=True,
+    )
+    log = (run.job.run_dir / "logs" / "c0r1.log").read_text()
+    assert "exiting with code 3: watchdog: stuck in phase INNER_REDUCE" in log, logs_tail(run)
+    exits = [h for h in run.job.history if h["event"] == "exit" and h["key"] == (0, 1)]
+    assert exits[0]["code"] == 3
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    # The peer's collective hit its phase timeout instead of hanging with it.
+    assert any(e["op"] in ("allreduce", "broadcast") for e in run.kinds((0, 0), "timeout"))
+    assert run.summary["consistent"] is True
+
+
+def test_a_lighthouse_that_stops_answering_ends_every_process_nonzero(tmp_path):
+    paused = {}
+
+    def pause(job):
+        if not paused and all(int((job.status(k) or {}).get("step", 0)) >= 10 for k in ALL):
+            paused["t"] = time.time()
+            os.kill(job.lighthouse.popen.pid, signal.SIGSTOP)
+
+    try:
+        run = run_job(
+            tmp_path,
+            [*PACED, "train.steps=2000", "timeouts.inner_quorum=4", "timeouts.outer_quorum=4", "sync.max_quorum_failures=2"],
+            during=pause,
+            timeout_s=120,
+        )
+    finally:
+        pass
+    assert paused, "never paused the lighthouse"
+    for key in ALL:
+        assert run.codes[key] == 1, logs_tail(run)
+        log = (run.job.run_dir / "logs" / f"c{key[0]}r{key[1]}.log").read_text()
+        assert "quorum failed 2 times in a row" in log
+        assert f"inner manager c{key[0]}_r{key[1]:04d} shut down (heartbeat stopped)" in log
+        # bounded: two quorum timeouts plus at most a round of local work and slack
+        assert exit_time(run, key) - paused["t"] < 2 * 4 + 15
+
+
+def test_leader_kill_fails_over_and_the_old_leader_returns(tmp_path):
+    killer = when_step((0, 0), 12, lambda job: job.kill((0, 0), signal.SIGKILL))
+    run = run_job(tmp_path, [*PACED, "train.steps=100"], during=killer, restart=True, restart_delay_s=2.0)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    t_kill = killer.fired["t"]
+    # c0r1 takes over at the next round after the kill and heals the outer state
+    # from cluster 1 with its new cluster Manager.
+    took_over = [e for e in run.kinds((0, 1), "leader", leader=True) if e["t"] > t_kill]
+    assert took_over, logs_tail(run)
+    assert [e for e in run.kinds((0, 1), "commit", level="outer") if e["t"] > t_kill], "new leader never committed an outer round"
+    # Cluster 1 was not stalled beyond heartbeat timeout + one phase timeout.
+    gaps = sorted(e["t"] for e in run.kinds((1, 0), "commit", level="outer"))
+    around = [b - a for a, b in zip(gaps, gaps[1:]) if b > t_kill]
+    assert around and around[0] <= HB_S + PHASE_S, around
+    # The restarted c0r0 has the lowest index again: it leads, c0r1 steps down.
+    assert run.job.result((0, 0))["leader"] is True and run.job.result((0, 1))["leader"] is False
+    assert run.summary["consistent"] is True
+    print(f"leader kill: cluster 1's outer commits {around[0]:.2f}s apart across the failover")
+
+
+def test_whole_cluster_lost_others_carry_on_and_it_heals_on_return(tmp_path):
+    def kill_cluster(job):
+        job.kill((1, 0), signal.SIGKILL)
+        job.kill((1, 1), signal.SIGKILL)
+
+    killer = when_step((1, 0), 12, kill_cluster)
+    run = run_job(
+        tmp_path,
+        ["train.min_step_time_s=0.1", "sync.inner.every=5", "sync.outer.every=2", "train.steps=150", "sync.min_clusters=1"],
+        during=killer, restart=True, restart_delay_s=3.0,
+    )
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    t_kill = killer.fired["t"]
+    # Cluster 0 kept committing outer rounds alone while cluster 1 was down.
+    alone = [e for e in run.kinds((0, 0), "commit", level="outer") if e["t"] > t_kill and e["participants"] == 1]
+    assert alone, logs_tail(run)
+    dt = first_commit_after(run, [(0, 0)], t_kill, level="outer")
+    assert dt is not None and dt <= HB_S + PHASE_S, dt
+    # The returned cluster's leader healed its outer level from cluster 0 ...
+    restarted = max(h["t"] for h in run.job.history if h["event"] == "restart")
+    heals = [e for e in run.kinds((1, 0), "heal", level="outer") if e["t"] > restarted]
+    assert heals, logs_tail(run)
+    # ... and both clusters ended identical.
+    assert run.summary["consistent"] is True
+    print(f"cluster kill: cluster 0's next outer commit {dt:.2f}s after the kill; cluster 1 healed {heals[0]['t'] - restarted:.2f}s after its restart")
+
+
+@pytest.mark.parametrize(
+    "name, order",
+    [
+        ("replica group 1 before 0", [(0, 1), (1, 1), (0, 0), (1, 0)]),
+        ("cluster 1 before cluster 0", [(1, 0), (1, 1), (0, 0), (0, 1)]),
+    ],
+)
+def test_start_order_does_not_matter(tmp_path, name, order):
+    """Seed 004: starting replica group 1 before 0 locked the HTTP checkpoint transport, and
+    starting cluster 1 before 0 failed healing with "rank not found"."""
+    run = run_job(tmp_path, [*PACED, "train.steps=40"], order=order, stagger_s=3.0, gate=False)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    logs = "".join((run.job.run_dir / "logs" / f"c{c}r{r}.log").read_text() for c, r in ALL)
+    for bad in ("rank not found", "Exception in checkpoint server", "got exception in recovery", "TimeoutError"):
+        assert bad not in logs, bad
+    # The late starters healed from the early ones through the HTTP checkpoint transport.
+    late = order[2:]
+    assert all(run.kinds(k, "heal", level="inner") for k in late if k[0] == order[0][0] or k[0] == order[1][0]), logs_tail(run)
+    assert run.summary["consistent"] is True
+    assert run.summary["steps"] == 40
