@@ -34,6 +34,13 @@ from hier_localsgd.phases import PhaseTracker
 logger = logging.getLogger(__name__)
 
 _FAILED = object()
+# How a timeout reads: torchft's future_timeout, Gloo's own per-operation timeout, a gRPC deadline.
+_TIMEOUT_WORDS = ("did not complete within", "timed out", "timeout expired")
+
+
+def is_timeout(err: object) -> bool:
+    text = str(err).lower()
+    return any(w in text for w in _TIMEOUT_WORDS)
 
 
 class LevelComm:
@@ -69,7 +76,7 @@ class LevelComm:
             err = self.mgr.errored()
             if not already_failed:
                 logger.warning("%s %s failed: %s", self.level, op, err)
-                if self._events is not None and "did not complete within" in str(err):
+                if self._events is not None and is_timeout(err):
                     self._events("timeout", level=self.level, op=op, phase=self._tracker.phase.value)
             return False
         return True

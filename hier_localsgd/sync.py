@@ -57,7 +57,7 @@ import torch
 from torch.optim import Optimizer
 
 from hier_localsgd import guard
-from hier_localsgd.comm import LevelComm
+from hier_localsgd.comm import LevelComm, is_timeout
 from hier_localsgd.faults import FaultPlan, InjectedFault
 from hier_localsgd.flat import FlatParams, checksum, checksum_int
 from hier_localsgd.invariants import CollectiveGate, check_disjoint_tensors
@@ -505,7 +505,7 @@ class HierarchicalSync:
     def _quorum_failed(self, level: str, e: Exception) -> None:
         self._quorum_failures[level] += 1
         n = self._quorum_failures[level]
-        self.events("timeout" if "imeout" in str(e) else "quorum_failed", level=level, op="quorum", phase=self.tracker.phase.value, detail=str(e)[:200])
+        self.events("timeout" if is_timeout(e) else "quorum_failed", level=level, op="quorum", phase=self.tracker.phase.value, detail=str(e)[:200])
         logger.warning("%s %s quorum failed (%d in a row): %s", self.id, level, n, e)
         if n >= self.s.max_quorum_failures:
             raise FatalSyncError(f"{level} quorum failed {n} times in a row (last: {e})") from e
