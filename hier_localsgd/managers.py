@@ -172,6 +172,10 @@ class LevelManager:
         )
         self.manager.register_state_dict_fn(level, self._load_and_mark, state_dict)
         self._closed = False
+        self.lighthouse_addr = lighthouse_addr
+        # torchft appends a uuid to the replica id; the lighthouse knows members by it
+        # (its kill endpoint, its status page).
+        self.full_replica_id = self._store.get("replica_id").decode() if group_rank == 0 else replica_id
         logger.info("%s manager %s up (lighthouse %s)", level, replica_id, lighthouse_addr)
 
     def _load_and_mark(self, sd: Any) -> None:
@@ -211,6 +215,14 @@ class LevelManager:
     @property
     def step(self) -> int:
         return self.manager.current_step()
+
+    @property
+    def quorum_id(self) -> int:
+        return self.manager._quorum_id
+
+    def describe(self, size: int) -> dict:
+        """What the status file publishes about this level's membership."""
+        return {"replica_id": self.full_replica_id, "lighthouse": self.lighthouse_addr, "quorum_id": self.quorum_id, "quorum_size": size, "manager_step": self.step}
 
     def shutdown(self) -> None:
         """Stops the heartbeat now and aborts the process group. Idempotent, never blocks long."""

@@ -289,6 +289,7 @@ class HierarchicalSync:
             return False
         self._quorum_failures["inner"] = 0
         self._last_quorum_size, self._last_rank = q.size, q.rank
+        self.tracker.set_extra(inner=self.inner_mgr.describe(q.size))
         if q.healed:
             self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self._set_leader(q.rank == 0)
@@ -379,6 +380,7 @@ class HierarchicalSync:
             self.events("rollback", level="outer", reason=str(e), step=c.step)
             return fallback
         self._quorum_failures["outer"] = 0
+        self.tracker.set_extra(outer=mgr.describe(q.size))
         if q.healed:
             self.events("heal", level="outer", step=c.step, outer_round=self._outer_healed[0] if self._outer_healed else None)
 
@@ -520,6 +522,7 @@ class HierarchicalSync:
         if not leader and self.outer_mgr is not None:
             self.outer_mgr.shutdown()
             self.outer_mgr, self.outer_comm = None, None
+            self.tracker.set_extra(outer=None)
         if leader and self.outer_mgr is None:
             # Join the global lighthouse early so the first outer quorum waits for us.
             try:

@@ -102,7 +102,16 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     t0 = time.time()
     identity = Identity(cfg.run.cluster, cfg.run.replica)
     tr = cfg.train
-    pub = ReplicaPublisher(cfg.run.dir, identity.cluster, identity.replica, {"cluster": identity.cluster, "replica": identity.replica, "mode": cfg.sync.mode, "steps_total": tr.steps})
+    lighthouses = {"global": cfg.lighthouse.global_addr}
+    if cfg.sync.mode == "hier":
+        lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
+    pub = ReplicaPublisher(
+        cfg.run.dir,
+        identity.cluster,
+        identity.replica,
+        {"cluster": identity.cluster, "replica": identity.replica, "mode": cfg.sync.mode, "steps_total": tr.steps,
+         "lighthouses": lighthouses, "topology": {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster}},
+    )
     rt.on_exit(lambda code, reason: pub.close("done" if code == 0 else f"failed ({reason})"))
     tracker = PhaseTracker(describe=str(identity), listeners=[pub.on_transition])
     rt.watch(tracker)
@@ -158,7 +167,7 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
         loss_val = float(loss.detach())
         # Every step: a killed process's last status says how much work it had done.
-        pub.update(step=c.step, **getattr(sync, "work", {}))
+        pub.update(step=c.step, loss=loss_val, loss_step=c.step, **getattr(sync, "work", {}))
 
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
