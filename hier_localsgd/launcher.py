@@ -13,6 +13,7 @@ and, after a grace period, SIGKILL.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,11 +74,12 @@ class LocalJob:
     lighthouse: Optional[Proc] = None
     replicas: Dict[Key, Proc] = field(default_factory=dict)
     addr_overrides: List[str] = field(default_factory=list)
-    history: List[dict] = field(default_factory=list)  # exits and restarts, with times
+    history: List[dict] = field(default_factory=list)  # starts, exits, restarts, kills, with times
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.events_path = self.run_dir / "job_events.jsonl"
         self.gate_path.unlink(missing_ok=True)
         if self.free_ports:
             g = f"http://127.0.0.1:{free_port()}"
@@ -130,8 +132,17 @@ class LocalJob:
         if prev is not None:
             proc.restarts = prev.restarts + 1
         self.replicas[(cluster, replica)] = proc
-        self.history.append({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid})
+        self._record({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid})
         return proc
+
+    def _record(self, entry: dict) -> None:
+        """Keeps the entry and appends it to ``<run_dir>/job_events.jsonl`` (the dashboard reads it)."""
+        self.history.append(entry)
+        c, r = entry["key"]
+        line = {k: v for k, v in entry.items() if k != "key"}
+        line.update(kind=entry["event"], cluster=c, replica=r)
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def start_all(self, order: Optional[Sequence[Key]] = None, stagger_s: float = 0.0, gate: bool = True) -> None:
         """Starts every replica group (in ``order``, ``stagger_s`` apart).
@@ -203,7 +214,7 @@ class LocalJob:
                 if code is None or seen_exit.get(key) == proc.popen.pid:
                     continue
                 seen_exit[key] = proc.popen.pid
-                self.history.append({"t": now, "event": "exit", "key": key, "code": code, "pid": proc.popen.pid})
+                self._record({"t": now, "event": "exit", "key": key, "code": code, "pid": proc.popen.pid})
                 if restart and code not in (0, 2) and proc.restarts < max_restarts:
                     due[key] = now + restart_delay_s
             for key in [k for k, t in due.items() if t <= now]:
@@ -222,6 +233,7 @@ class LocalJob:
     def kill(self, key: Key, sig: int = signal.SIGKILL) -> None:
         p = self.replicas[key].popen
         if p.poll() is None:
+            self._record({"t": time.time(), "event": "kill", "key": key, "signal": signal.Signals(sig).name, "pid": p.pid})
             os.killpg(p.pid, sig) if sig == signal.SIGKILL else p.send_signal(sig)
 
     def stop(self, grace_s: float = 10.0) -> None:
