@@ -28,6 +28,7 @@ from hier_localsgd.comm import LevelComm
 from hier_localsgd.flat import FlatParams
 from hier_localsgd.invariants import CollectiveGate
 from hier_localsgd.link import PAYLOAD, LinkProcessGroup
+from hier_localsgd.lossy import LinkSpec
 from hier_localsgd.managers import LevelManager, QuorumFailed
 from hier_localsgd.phases import Phase, PhaseTracker
 from hier_localsgd.sync import Counters, EventSink, FatalSyncError, Identity
@@ -58,6 +59,7 @@ class _Baseline:
         hostname: str,
         max_quorum_failures: int,
         max_commit_failures: Optional[int],
+        link_spec: Optional[LinkSpec] = None,
     ) -> None:
         self.id, self.t, self.flat, self.opt = identity, timeouts, flat, optimizer
         self.tracker, self.events = tracker, events
@@ -65,7 +67,8 @@ class _Baseline:
         self.leader = False
         self._max_quorum_failures = max_quorum_failures
         self._quorum_failures = 0
-        self.link = LinkProcessGroup(self.level, timeouts.inner_pg)
+        # Every baseline ring spans the clusters, so it runs at the slow links' speed.
+        self.link = LinkProcessGroup(self.level, timeouts.inner_pg, emulation=link_spec)
         self.mgr = LevelManager(
             level=self.level,
             replica_id=baseline_replica_id(identity, replicas_per_cluster),

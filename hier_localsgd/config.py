@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hier_localsgd.faults import Fault
 from hier_localsgd.level import ALGORITHMS
+from hier_localsgd.lossy import LinkSpec, spec_from_config
 from hier_localsgd.managers import parse_address
 from hier_localsgd.timeouts import Timeouts
 
@@ -70,6 +71,30 @@ class LighthouseConfig:
     heartbeat_timeout_ms: int = 5000
     serve: str = "all"
     cluster: int = 0
+
+
+@dataclass
+class LinkConfig:
+    """One level's emulated link (hier_localsgd/lossy.py). Defaults: reliable, unthrottled."""
+
+    loss: str = "none"  # none | bernoulli | gilbert_elliott
+    p: float = 0.0  # bernoulli: loss probability; gilbert_elliott: P(good -> bad)
+    r: float = 1.0  # gilbert_elliott: P(bad -> good)
+    k: float = 1.0  # gilbert_elliott: P(delivered | good)
+    h: float = 0.0  # gilbert_elliott: P(delivered | bad)
+    netem: str = ""  # alternatively netem syntax: "loss 5%" or "loss gemodel p r 1-h 1-k" (percent)
+    fill: str = "zero"  # zero | stale | rescale
+    where: str = "per_sender"  # per_sender | per_receiver
+    payload_bytes: int = 1472
+    latency_ms: float = 0.0  # one way
+    bandwidth_gbps: float = 0.0  # 0: not emulated
+    seed: int = 0
+
+
+@dataclass
+class LinksConfig:
+    inner: LinkConfig = field(default_factory=LinkConfig)
+    outer: LinkConfig = field(default_factory=LinkConfig)  # also the flat and ddp baselines' links
 
 
 @dataclass
@@ -158,6 +183,7 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
+    links: LinksConfig = field(default_factory=LinksConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -170,6 +196,13 @@ class Config:
     # -- derived ---------------------------------------------------------------
     def timeouts_obj(self) -> Timeouts:
         return Timeouts.from_seconds(OmegaConf.to_container(OmegaConf.structured(self.timeouts)))  # type: ignore[arg-type]
+
+    def link_spec(self, level: str) -> LinkSpec:
+        lc: LinkConfig = getattr(self.links, level)
+        return spec_from_config(
+            f"links.{level}", lc.loss, lc.p, lc.r, lc.k, lc.h, lc.netem, lc.fill, lc.where,
+            lc.payload_bytes, lc.latency_ms, lc.bandwidth_gbps, lc.seed,
+        )
 
     def fault_list(self) -> List[Fault]:
         return [Fault.from_mapping(i, f) for i, f in enumerate(self.faults)]
@@ -362,6 +395,11 @@ def validate(cfg: Config, command: str = "train") -> None:
         if not 0 <= cfg.run.replica < t.replicas_per_cluster:
             err("run.replica", f"{cfg.run.replica} — must be in [0, topology.replicas_per_cluster={t.replicas_per_cluster})")
 
+    for level in ("inner", "outer"):
+        try:
+            cfg.link_spec(level)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     try:
         cfg.timeouts_obj()
     except ValueError as e:

@@ -43,6 +43,18 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
                 agg[kind] = agg.get(kind, 0.0) + b
                 agg["total"] += b
 
+    links: Dict[str, Dict[str, Any]] = {}
+    for r in got.values():
+        for level, st in r["link"].items():
+            loss = st.get("loss")
+            if not loss:
+                continue
+            agg = links.setdefault(level, {k: loss[k] for k in ("model", "fill", "where", "expected_loss_rate", "expected_mean_burst")})
+            for k in ("packets_sent", "packets_lost", "emulated_delay_s", "emulated_time_s"):
+                agg[k] = agg.get(k, 0) + loss[k]
+    for agg in links.values():
+        agg["observed_loss_rate"] = agg["packets_lost"] / agg["packets_sent"] if agg["packets_sent"] else None
+
     inner_rounds: Dict[str, int] = {}
     for (c, _), r in got.items():
         inner_rounds[str(c)] = max(inner_rounds.get(str(c), 0), r["inner_rounds"])
@@ -74,6 +86,7 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         "excess_loss_start": None if floor is None or start is None else start - floor,
         "excess_loss": None if floor is None or final is None else final - floor,
         "bytes_sent": levels,
+        "links": links,
         "slow_link_payload_bytes_per_outer_round": (outer_payload / outer_rounds) if outer_payload and outer_rounds else None,
         "slow_link_payload_bytes_per_outer_round_expected": expected_outer,
         "consistent": len(got) == len(keys) and len(set(checksums.values())) == 1,
@@ -144,6 +157,13 @@ def human(summary: Dict[str, Any]) -> str:
     ]
     for level, agg in b.items():
         lines.append(f"  bytes sent, {level}: payload {mb(agg.get('payload'))}, control {mb(agg.get('control'))}")
+    for level, agg in summary.get("links", {}).items():
+        rate = agg["observed_loss_rate"]
+        lines.append(
+            f"  {level} link: {agg['model']} loss expected {agg['expected_loss_rate']:.2%}, observed "
+            f"{'-' if rate is None else f'{rate:.2%}'} of {agg['packets_sent']} packets (fill {agg['fill']}, {agg['where']}); "
+            f"emulated delay {agg['emulated_delay_s']:.1f} s"
+        )
     if summary.get("slow_link_payload_bytes_per_outer_round"):
         lines.append(
             f"  slow-link payload per outer round: {mb(summary['slow_link_payload_bytes_per_outer_round'])} "

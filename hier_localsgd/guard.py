@@ -13,8 +13,11 @@ lossy link. The guard catches all of them at the start of every REDUCE phase:
    the newest state (highest outer round, then inner round, then step; ties go
    to the lowest rank) and it broadcasts its committed state; every member adopts
    it ("resync");
-3. members whose state differed from the source's contribute weight 0 to this
-   round: their pseudo-gradients were measured from a different base.
+3. members that are *behind* the source (older outer round, inner round or step)
+   contribute weight 0 to this round: their pseudo-gradients were measured from a
+   stale base. Members with the same history whose state differs only in value (a
+   lossy link's per-receiver noise, a corrupted copy) keep their weight: their bases
+   differ by noise, and their local work is still work.
 
 Every member computes the same plan from the same summed vector, so they agree on
 the source and on the total weight without another round trip.
@@ -85,8 +88,8 @@ def plan(fps: List[Fingerprint]) -> GuardPlan:
         return GuardPlan(fps, None, [fp.weight for fp in fps])
     # Newest state wins; min() over (-newness, rank) picks the lowest rank among ties.
     source = min(range(len(fps)), key=lambda i: (tuple(-x for x in fps[i].newness()), i))
-    src_key = fps[source].state_key()
-    weights = [fp.weight if fp.state_key() == src_key else 0.0 for fp in fps]
+    src_new = fps[source].newness()
+    weights = [fp.weight if fp.newness() == src_new else 0.0 for fp in fps]
     return GuardPlan(fps, source, weights)
 
 

@@ -15,14 +15,16 @@ quorum change. The wrapper:
   runs for real but its result is reported as failed, exactly as a broken link
   would be seen by the Manager. Tests and fault plans use it.
 
-Lossy and WAN link emulation (loss models, latency, bandwidth) plug in here; see
-docs/architecture.md.
+* emulates a lossy, slow link when the level has a ``links.<level>`` spec
+  (:mod:`hier_localsgd.lossy`): payload collectives lose packets and fill them,
+  every collective takes at least its latency/bandwidth bound.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,10 +32,12 @@ from datetime import timedelta
 from typing import Dict, Iterator, List, Optional
 
 import torch
-from torch.distributed.distributed_c10d import Work
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions, Work
 from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.invariants import InvariantViolation, check_distinct_clusters
+from hier_localsgd.lossy import LinkEmulation, LinkSpec
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +65,34 @@ class LinkStats:
         self.tensor_bytes[key] += tensor_bytes
         self.sent_bytes[kind] += sent
 
+    emulation: Optional[LinkEmulation] = None
+
     def as_dict(self) -> Dict[str, object]:
-        return {
+        out: Dict[str, object] = {
             "sent_bytes": dict(self.sent_bytes),
             "sent_bytes_total": sum(self.sent_bytes.values()),
             "tensor_bytes": dict(self.tensor_bytes),
             "calls": dict(self.calls),
             "injected_failures": self.injected_failures,
         }
+        if self.emulation is not None:
+            out["loss"] = self.emulation.stats()
+        return out
+
+
+class _DoneWork(Work):
+    """A collective that already completed (emulated links run synchronously)."""
+
+    def __init__(self, result: List[torch.Tensor]) -> None:
+        super().__init__()
+        self._fut: torch.futures.Future = torch.futures.Future()
+        self._fut.set_result(result)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
 
 
 class _FailedWork(Work):
@@ -101,10 +125,11 @@ class LinkProcessGroup(ProcessGroupWrapper):
         distinct_clusters: enforce invariant I1 at configure time (outer level).
     """
 
-    def __init__(self, level: str, timeout: timedelta, distinct_clusters: bool = False) -> None:
+    def __init__(self, level: str, timeout: timedelta, distinct_clusters: bool = False, emulation: Optional[LinkSpec] = None) -> None:
         super().__init__(pg=ProcessGroupGloo(timeout=timeout))
         self.level = level
         self.stats = LinkStats()
+        self.set_emulation(emulation)
         self._distinct_clusters = distinct_clusters
         self._kind = PAYLOAD
         self._armed: Optional[Exception] = None
@@ -114,6 +139,19 @@ class LinkProcessGroup(ProcessGroupWrapper):
         # torchft catches exceptions raised by configure() and only logs them; the
         # Manager wrapper re-raises a violation recorded here (managers.py).
         self.violation: Optional[InvariantViolation] = None
+        self._ids: List[int] = []
+
+    def set_emulation(self, spec: Optional[LinkSpec]) -> None:
+        """Emulates ``spec`` on this level's links (None or inactive: a plain link)."""
+        self.emu = LinkEmulation(spec, self.level) if spec is not None and spec.active else None
+        self.stats.emulation = self.emu
+
+    def share_stats(self, stats: LinkStats) -> None:
+        """Accounts into ``stats`` (one account for a level across re-created groups)."""
+        if stats.emulation is None:
+            stats.emulation = self.emu
+        self.stats = stats
+        self.emu = stats.emulation
 
     # -- configuration ---------------------------------------------------------
     def configure(
@@ -135,6 +173,10 @@ class LinkProcessGroup(ProcessGroupWrapper):
                 self.violation = e
                 raise
         self._world, self._rank = world_size, rank
+        gws = group_world_size or 1
+        # Stable identities of the members (replica index / cluster id): loss streams are
+        # keyed by them, so they survive membership changes.
+        self._ids = [g // gws for g in global_ranks] if global_ranks and len(global_ranks) == world_size else list(range(world_size))
         logger.info(
             "%s link configured: rank %d of %d, quorum %s", self.level, rank, world_size, quorum_id
         )
@@ -180,19 +222,102 @@ class LinkProcessGroup(ProcessGroupWrapper):
     def allreduce(self, tensors: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(tensors)
         self.stats.record("allreduce", self._kind, n, ring_allreduce_bytes(n, self._world))
-        return self._finish(super().allreduce(tensors, opts))
+        emu = self.emu
+        if emu is None:
+            return self._finish(super().allreduce(tensors, opts))
+        started = time.time()
+        is_sum = getattr(opts, "reduceOp", ReduceOp.SUM) == ReduceOp.SUM
+        if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and is_sum and len(tensors) == 1:
+            self._lossy_allreduce(tensors[0], opts)
+        else:
+            self.parent.allreduce(tensors, opts).wait()
+        emu.pad(started, emu.spec.allreduce_time(n, self._world))
+        return self._finish(_DoneWork(tensors))
+
+    def _lossy_allreduce(self, t: torch.Tensor, opts: object) -> None:
+        emu = self.emu
+        assert emu is not None
+        timeout = getattr(opts, "timeout", None)
+        per, npk = emu.packets(t.numel(), t.element_size())
+        if emu.spec.where == "per_sender":
+            own = t.detach().clone()
+            lost = torch.from_numpy(emu.stream(self._ids[self._rank]).sample(npk))
+            keep = (~lost).to(t.dtype)
+            t.view(-1).mul_(keep.repeat_interleave(per)[: t.numel()])
+            self.parent.allreduce([t], opts).wait()
+            arrived = keep.clone()
+            count_opts = AllreduceOptions()
+            count_opts.reduceOp = ReduceOp.SUM
+            if timeout is not None:
+                count_opts.timeout = timeout
+            self.parent.allreduce([arrived], count_opts).wait()  # emulation machinery, not counted
+            emu.fill_per_sender(t, own, arrived, self._world, per)
+        else:
+            parts = [torch.empty_like(t) for _ in range(self._world)]
+            ag = AllgatherOptions()
+            if timeout is not None:
+                ag.timeout = timeout
+            self.parent.allgather([parts], [t], ag).wait()
+            emu.reduce_per_receiver(parts, self._rank, self._ids, t)
+        emu.payload_bytes_sent += t.numel() * t.element_size()
+        emu.collectives += 1
 
     def broadcast(self, tensor_list: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(tensor_list)
         root = getattr(opts, "rootRank", 0)
         sent = float((self._world - 1) * n) if self._rank == root else 0.0
         self.stats.record("broadcast", self._kind, n, sent)
-        return self._finish(super().broadcast(tensor_list, opts))
+        emu = self.emu
+        if emu is None:
+            return self._finish(super().broadcast(tensor_list, opts))
+        started = time.time()
+        if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and len(tensor_list) == 1:
+            self._lossy_broadcast(tensor_list[0], root, opts)
+        else:
+            self.parent.broadcast(tensor_list, opts).wait()
+        emu.pad(started, emu.spec.broadcast_time(n, self._world))
+        return self._finish(_DoneWork(tensor_list))
+
+    def _lossy_broadcast(self, t: torch.Tensor, root: int, opts: object) -> None:
+        """Receivers replace lost packets: ``zero`` by 0, ``stale``/``rescale`` by their own
+        value from before the broadcast (one sender: nothing to rescale)."""
+        emu = self.emu
+        assert emu is not None
+        per, npk = emu.packets(t.numel(), t.element_size())
+        own = t.detach().clone()
+        if emu.spec.where == "per_sender":
+            lost = torch.zeros(npk, dtype=torch.uint8)
+            if self._rank == root:
+                lost = torch.from_numpy(emu.stream(self._ids[root]).sample(npk)).to(torch.uint8)
+            self.parent.broadcast([t], opts).wait()
+            mask_opts = BroadcastOptions()
+            mask_opts.rootRank = root
+            if getattr(opts, "timeout", None) is not None:
+                mask_opts.timeout = opts.timeout  # type: ignore[attr-defined]
+            self.parent.broadcast([lost], mask_opts).wait()  # emulation machinery, not counted
+            lost_b = lost.bool()
+        else:
+            self.parent.broadcast([t], opts).wait()
+            lost_b = torch.zeros(npk, dtype=torch.bool)
+            if self._rank != root:
+                lost_b = torch.from_numpy(emu.stream(self._ids[root], self._ids[self._rank]).sample(npk))
+        if self._rank != root and bool(lost_b.any()):
+            m = lost_b.repeat_interleave(per)[: t.numel()]
+            flat = t.view(-1)
+            flat[m] = 0 if emu.spec.fill == "zero" else own.view(-1)[m]
+        emu.payload_bytes_sent += t.numel() * t.element_size()
+        emu.collectives += 1
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(input_tensor)
         self.stats.record("allgather", self._kind, n, float((self._world - 1) * n))
-        return self._finish(super().allgather(output_tensors, input_tensor, opts))
+        emu = self.emu
+        if emu is None:
+            return self._finish(super().allgather(output_tensors, input_tensor, opts))
+        started = time.time()
+        self.parent.allgather(output_tensors, input_tensor, opts).wait()  # delay only, no loss
+        emu.pad(started, emu.spec.allgather_time(n, self._world))
+        return self._finish(_DoneWork(input_tensor))
 
     def getBackendName(self) -> str:
         return f"hier-link-{self.level}"

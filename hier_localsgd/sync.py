@@ -63,6 +63,7 @@ from hier_localsgd.flat import FlatParams, checksum, checksum_int
 from hier_localsgd.invariants import CollectiveGate, check_disjoint_tensors
 from hier_localsgd.level import Level, LevelAlgorithm, Staged
 from hier_localsgd.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
+from hier_localsgd.lossy import LinkSpec
 from hier_localsgd.managers import LevelManager, LighthouseUnreachable, QuorumFailed, QuorumView
 from hier_localsgd.phases import Phase, PhaseTracker
 from hier_localsgd.timeouts import Timeouts
@@ -129,6 +130,8 @@ class HierSettings:
     max_commit_failures: Optional[int]
     hostname: str
     replicas_per_cluster: int = 1
+    inner_link: Optional[LinkSpec] = None  # emulated lossy/slow link per level (lossy.py)
+    outer_link: Optional[LinkSpec] = None
     group_rank: int = 0
     group_world_size: int = 1
 
@@ -194,7 +197,7 @@ class HierarchicalSync:
         self._since_outer = 0  # steps committed at the inner level since the last outer commit
         tracker.set_extra(**self.work)
 
-        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg)
+        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link)
         self.inner_mgr = LevelManager(
             level="inner",
             replica_id=identity.inner_replica_id,
@@ -217,6 +220,7 @@ class HierarchicalSync:
         # The cluster Manager exists only while this replica group leads its cluster:
         # a Manager that heartbeats without joining would stall the global lighthouse.
         self.outer_stats = LinkStats()
+        self.outer_link: Optional[LinkProcessGroup] = None
         self.outer_mgr: Optional[LevelManager] = None
         self.outer_comm: Optional[LevelComm] = None
 
@@ -313,7 +317,7 @@ class HierarchicalSync:
                 result = self._outer_round(staged.backup, contribute=inner_ok, inner_ok=inner_ok)
             tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, self._leader))
             self._fault_point(Phase.BROADCAST)
-            result = self._broadcast(result)
+            result = self._broadcast(result, prior=staged.backup)
 
         tr.enter(Phase.INNER_COMMIT, t.inner_commit)
         try:
@@ -416,7 +420,7 @@ class HierarchicalSync:
         )
         return _OuterResult(Status.OUTER_COMMITTED, self.outer.backup.clone(), new_round, view_step, plan.weights[q.rank])
 
-    def _broadcast(self, result: Optional[_OuterResult]) -> _OuterResult:
+    def _broadcast(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
         """BROADCAST: the leader (inner rank 0) sends status + model to its cluster.
 
         Both broadcasts run on every member unless the header *says* ABORT: a
@@ -437,7 +441,8 @@ class HierarchicalSync:
         if status == Status.ABORT:
             self.inner_mgr.report_error(RuntimeError("the leader aborted this round"))
             return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
-        params = result.params if self._leader and result is not None else torch.empty_like(self.flat.data)
+        # A receiver starts from its own cluster model: what a lossy link's stale fill keeps.
+        params = result.params if self._leader and result is not None else prior.clone()
         assert params is not None
         params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
         if not (header_ok and params_ok) or status is None:
@@ -533,8 +538,8 @@ class HierarchicalSync:
     def _ensure_outer(self) -> tuple[LevelManager, LevelComm]:
         if self.outer_mgr is None or self.outer_comm is None:
             t = self.t
-            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True)
-            link.stats = self.outer_stats  # one account across leadership changes
+            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
+            link.share_stats(self.outer_stats)  # one account (and loss streams) across leadership changes
             self.outer_link = link
             self.outer_mgr = LevelManager(
                 level="outer",

@@ -59,6 +59,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             max_commit_failures=s.max_commit_failures,
             hostname=hostname,
             replicas_per_cluster=cfg.topology.replicas_per_cluster,
+            inner_link=cfg.link_spec("inner"),
+            outer_link=cfg.link_spec("outer"),
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults)
@@ -77,6 +79,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
         hostname=hostname,
         max_quorum_failures=s.max_quorum_failures,
         max_commit_failures=s.max_commit_failures,
+        link_spec=cfg.link_spec("outer"),
     )
     if s.mode == "ddp":
         return DDPSync(**common)

@@ -22,6 +22,7 @@ from torchft.coordination import LighthouseServer
 from hier_localsgd.faults import Fault, FaultPlan
 from hier_localsgd.flat import FlatParams
 from hier_localsgd.level import LevelAlgorithm
+from hier_localsgd.lossy import LinkSpec
 from hier_localsgd.phases import PhaseTracker
 from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity
 from hier_localsgd.timeouts import Timeouts
@@ -67,6 +68,8 @@ class ThreadedHier:
         min_clusters: Optional[int] = None,
         timeouts: Timeouts = FAST_TIMEOUTS,
         heartbeat_timeout_ms: int = 2000,
+        inner_link: Optional[LinkSpec] = None,
+        outer_link: Optional[LinkSpec] = None,
     ) -> None:
         self.C, self.R = clusters, replicas
         kw = dict(join_timeout_ms=20000, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
@@ -76,6 +79,7 @@ class ThreadedHier:
         self.inner, self.outer = inner, outer
         self.numel, self.faults, self.t = numel, list(faults), timeouts
         self.min_clusters = min_clusters or clusters
+        self.inner_link, self.outer_link = inner_link, outer_link
         self.replicas: Dict[Tuple[int, int], Replica] = {}
 
     def make(self, c: int, r: int) -> Replica:
@@ -97,6 +101,8 @@ class ThreadedHier:
             max_commit_failures=5,
             hostname="127.0.0.1",
             replicas_per_cluster=self.R,
+            inner_link=self.inner_link,
+            outer_link=self.outer_link,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

@@ -1,0 +1,403 @@
+"""Lossy-link and WAN emulation for one level's process group (no kernel ``netem`` needed).
+
+A level's payload collectives (model-sized all-reduces and broadcasts; control traffic
+stays reliable, as it would over a retransmitting transport) are cut into packets of
+``payload_bytes`` (default 1472 = a 1500-byte MTU minus IPv4 and UDP headers, i.e. 368
+fp32 values) and each packet is lost or delivered according to a loss model:
+
+* ``bernoulli`` — every packet is lost independently with probability ``p``;
+* ``gilbert_elliott`` — a two-state Markov chain advancing *per packet* (not per call):
+  good → bad with probability ``p``, bad → good with ``r``; a packet is lost with
+  probability ``1 - k`` in the good state and ``1 - h`` in the bad state. netem's
+  ``loss gemodel p r 1-h 1-k`` (percentages) is accepted too.
+
+Stationary loss rate and mean burst length follow from the parameters
+(:meth:`LossModel.loss_rate`, :meth:`LossModel.mean_burst`): with π_B = p/(p+r),
+loss = ((1-k)·r + (1-h)·p)/(p+r), and mean burst = P(loss) / P(a loss preceded by a
+delivery), which is 1/r for k = 1, h = 0 and 1/(1-p) for Bernoulli.
+
+What a lost packet becomes (``fill``):
+
+* ``zero`` — it adds nothing to the reduction;
+* ``stale`` — the receiver uses its own value from before the collective instead;
+* ``rescale`` — zero, then each packet's sum is rescaled to all contributors:
+  ``sum_arrived · n / arrived`` (the average over the contributions that arrived, once
+  the caller divides by n; with no arrivals the receiver's stale value is used).
+
+Where loss applies (``where``):
+
+* ``per_sender`` — a sender's packet is lost for every receiver alike, so with ``zero``
+  and ``rescale`` all replicas stay identical. Emulated with the real all-reduce on
+  zeroed packets plus a small all-reduce of per-packet arrival counts.
+* ``per_receiver`` — each receiver loses each sender's packets independently, so
+  receivers disagree (as do ``stale`` fills in either mode). Emulated with an all-gather
+  of contributions, reduced locally. The consistency guard (guard.py) detects the
+  divergence at the next round and resyncs.
+
+Randomness: one persistent numpy generator per stream, seeded once from (``seed``,
+level, sender, receiver) — independent per rank and per level, never reseeded per call
+(a fixed reseed would drop the same packets on every call). Given the seed and the
+sequence of collectives, the losses are deterministic.
+
+Timing: a collective on an emulated link takes at least its analytical bound — ring
+all-reduce ``2(n-1)/n · S/B + 2(n-1)·α``, broadcast ``(n-1)·S/B + α``, all-gather
+``(n-1)·S/B + (n-1)·α`` — by sleeping for whatever the real collective left over.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+LOSS_MODELS = ("none", "bernoulli", "gilbert_elliott")
+FILLS = ("zero", "stale", "rescale")
+WHERE = ("per_sender", "per_receiver")
+_LEVEL_CODES = {"inner": 1, "outer": 2, "flat": 3, "ddp": 4}
+
+
+@dataclass(frozen=True)
+class LossModel:
+    """A packet loss process. ``kind`` none/bernoulli/gilbert_elliott; see module docstring."""
+
+    kind: str = "none"
+    p: float = 0.0  # bernoulli: loss probability; GE: P(good -> bad)
+    r: float = 1.0  # GE: P(bad -> good)
+    k: float = 1.0  # GE: P(delivered | good)
+    h: float = 0.0  # GE: P(delivered | bad)
+
+    def validate(self, path: str) -> None:
+        if self.kind not in LOSS_MODELS:
+            raise ValueError(f"{path}.loss: unknown loss model {self.kind!r} (expected one of {LOSS_MODELS})")
+        for name in ("p", "r", "k", "h"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{path}.{name}: {v} — a probability must be in [0, 1]")
+        if self.kind == "gilbert_elliott" and self.p + self.r == 0:
+            raise ValueError(f"{path}: gilbert_elliott needs p + r > 0 (the chain never moves)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none" and self.loss_rate() > 0
+
+    def _pi_bad(self) -> float:
+        return self.p / (self.p + self.r)
+
+    def loss_rate(self) -> float:
+        """Stationary probability that a packet is lost."""
+        if self.kind == "none":
+            return 0.0
+        if self.kind == "bernoulli":
+            return self.p
+        pb = self._pi_bad()
+        return (1 - pb) * (1 - self.k) + pb * (1 - self.h)
+
+    def mean_burst(self) -> float:
+        """Stationary mean length of a run of consecutive lost packets (inf if all are lost)."""
+        loss = self.loss_rate()
+        if loss == 0:
+            return 0.0
+        if self.kind == "bernoulli":
+            return math.inf if self.p >= 1 else 1.0 / (1.0 - self.p)
+        pb = self._pi_bad()
+        pi = {"G": 1 - pb, "B": pb}
+        lost = {"G": 1 - self.k, "B": 1 - self.h}
+        trans = {("G", "G"): 1 - self.p, ("G", "B"): self.p, ("B", "G"): self.r, ("B", "B"): 1 - self.r}
+        # P(packet t lost and packet t-1 delivered), stationary
+        starts = sum(pi[a] * trans[(a, b)] * (1 - lost[a]) * lost[b] for a in "GB" for b in "GB")
+        return math.inf if starts == 0 else loss / starts
+
+
+def parse_netem(spec: str, path: str) -> LossModel:
+    """Parses netem's ``loss P%`` / ``loss random P%`` / ``loss gemodel p r [1-h [1-k]]`` (percent)."""
+    words = spec.replace("%", " ").split()
+    if words[:1] == ["loss"]:
+        words = words[1:]
+    try:
+        if words and words[0] == "gemodel":
+            vals = [float(x) / 100 for x in words[1:]]
+            if not 1 <= len(vals) <= 4:
+                raise ValueError
+            p = vals[0]
+            r = vals[1] if len(vals) > 1 else 1 - p  # netem: r defaults to 1 - p
+            one_minus_h = vals[2] if len(vals) > 2 else 1.0
+            one_minus_k = vals[3] if len(vals) > 3 else 0.0
+            return LossModel("gilbert_elliott", p=p, r=r, k=1 - one_minus_k, h=1 - one_minus_h)
+        if words and words[0] == "random":
+            words = words[1:]
+        if len(words) == 1:
+            return LossModel("bernoulli", p=float(words[0]) / 100)
+    except ValueError:
+        pass
+    raise ValueError(f"{path}.netem: cannot parse {spec!r} (expected 'loss 5%' or 'loss gemodel p r 1-h 1-k' in percent)")
+
+
+class LossStream:
+    """One sender's (or one sender-receiver pair's) packet fates, across calls."""
+
+    def __init__(self, model: LossModel, seed_words: Tuple[int, ...]) -> None:
+        self.model = model
+        self.rng = np.random.default_rng(np.random.SeedSequence(list(seed_words)))
+        self.bad = bool(self.rng.random() < (model._pi_bad() if model.kind == "gilbert_elliott" else 0.0))
+        self.open_burst = 0  # a burst still running at the end of the last call
+        self.bursts: Counter = Counter()  # burst length -> count (closed bursts)
+        self.sent = 0
+        self.lost = 0
+
+    def sample(self, n: int) -> np.ndarray:
+        """Fates of the next ``n`` packets: True = lost."""
+        m = self.model
+        if n == 0 or not m.enabled:
+            lost = np.zeros(n, dtype=bool)
+        elif m.kind == "bernoulli":
+            lost = self.rng.random(n) < m.p
+        else:
+            lost = self.rng.random(n) < np.where(self._states(n), 1.0 - m.h, 1.0 - m.k)
+        self._account(lost)
+        return lost
+
+    def _states(self, n: int) -> np.ndarray:
+        """Per-packet bad-state flags. Run lengths are geometric; the chain is memoryless,
+        so only the current state carries over between calls."""
+        m = self.model
+        out = np.empty(n, dtype=bool)
+        pos, bad = 0, self.bad
+        # packets left in the current state: geometric, >= 0, since the chain may leave now
+        stay = self.rng.geometric(m.r if bad else m.p) - 1 if (m.r if bad else m.p) > 0 else n
+        while pos < n:
+            run = min(n - pos, int(stay))
+            out[pos : pos + run] = bad
+            pos += run
+            if pos >= n:
+                break
+            bad = not bad
+            leave = m.r if bad else m.p
+            stay = self.rng.geometric(leave) if leave > 0 else n  # >= 1 packet in the new state
+        # the state of the last packet is where the next call starts
+        self.bad = bool(out[-1]) if n else bad
+        return out
+
+    def _account(self, lost: np.ndarray) -> None:
+        n = len(lost)
+        self.sent += n
+        k = int(lost.sum())
+        self.lost += k
+        if n == 0:
+            return
+        if k == 0:
+            if self.open_burst:
+                self.bursts[self.open_burst] += 1
+                self.open_burst = 0
+            return
+        # run-length encode the lost runs
+        padded = np.concatenate(([False], lost, [False]))
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        starts, ends = edges[0::2], edges[1::2]
+        lengths = (ends - starts).tolist()
+        if self.open_burst:
+            if starts[0] == 0:
+                lengths[0] += self.open_burst
+            else:
+                self.bursts[self.open_burst] += 1
+            self.open_burst = 0
+        if ends[-1] == n:  # still open at the end of this call
+            self.open_burst = lengths.pop()
+        for length in lengths:
+            self.bursts[length] += 1
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One level's emulated link (the ``links.<level>`` config section, validated)."""
+
+    model: LossModel = field(default_factory=LossModel)
+    fill: str = "zero"
+    where: str = "per_sender"
+    payload_bytes: int = 1472
+    latency_s: float = 0.0  # one way, per hop (α)
+    bandwidth_Bps: float = 0.0  # bytes/s; 0 = not emulated
+    seed: int = 0
+
+    @property
+    def emulates_time(self) -> bool:
+        return self.latency_s > 0 or self.bandwidth_Bps > 0
+
+    @property
+    def active(self) -> bool:
+        return self.model.enabled or self.emulates_time
+
+    def validate(self, path: str) -> None:
+        self.model.validate(path)
+        if self.fill not in FILLS:
+            raise ValueError(f"{path}.fill: unknown fill {self.fill!r} (expected one of {FILLS})")
+        if self.where not in WHERE:
+            raise ValueError(f"{path}.where: {self.where!r} — expected one of {WHERE}")
+        if self.payload_bytes < 4:
+            raise ValueError(f"{path}.payload_bytes: {self.payload_bytes} — must hold at least one value")
+        if self.latency_s < 0:
+            raise ValueError(f"{path}.latency_ms: must be at least 0")
+        if self.bandwidth_Bps < 0:
+            raise ValueError(f"{path}.bandwidth_gbps: {self.bandwidth_Bps * 8 / 1e9} — must be at least 0 (0: not emulated)")
+
+    def allreduce_time(self, nbytes: int, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        t = 2 * (n - 1) * self.latency_s
+        if self.bandwidth_Bps > 0:
+            t += 2 * (n - 1) / n * nbytes / self.bandwidth_Bps
+        return t
+
+    def broadcast_time(self, nbytes: int, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        t = self.latency_s
+        if self.bandwidth_Bps > 0:
+            t += (n - 1) * nbytes / self.bandwidth_Bps
+        return t
+
+    def allgather_time(self, nbytes: int, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        t = (n - 1) * self.latency_s
+        if self.bandwidth_Bps > 0:
+            t += (n - 1) * nbytes / self.bandwidth_Bps
+        return t
+
+
+class LinkEmulation:
+    """The lossy/slow behaviour of one level's links in this process, with statistics."""
+
+    def __init__(self, spec: LinkSpec, level: str) -> None:
+        self.spec = spec
+        self.level = level
+        self._streams: Dict[Tuple[int, int], LossStream] = {}
+        self.emulated_delay_s = 0.0  # time added by sleeping
+        self.emulated_time_s = 0.0  # sum of the analytical bounds
+        self.payload_bytes_sent = 0
+        self.collectives = 0
+
+    # -- streams ----------------------------------------------------------------
+    def stream(self, sender: int, receiver: int = -1) -> LossStream:
+        key = (sender, receiver)
+        st = self._streams.get(key)
+        if st is None:
+            words = (self.spec.seed, _LEVEL_CODES.get(self.level, 9), sender, receiver + 1)
+            st = self._streams[key] = LossStream(self.spec.model, words)
+        return st
+
+    def packets(self, numel: int, element_size: int) -> Tuple[int, int]:
+        """(values per packet, number of packets) for a tensor of ``numel`` values."""
+        per = max(1, self.spec.payload_bytes // element_size)
+        return per, (numel + per - 1) // per
+
+    # -- timing -------------------------------------------------------------------
+    def pad(self, started: float, bound_s: float) -> None:
+        """Sleeps until ``bound_s`` after ``started`` (the collective's emulated duration)."""
+        self.emulated_time_s += bound_s
+        left = started + bound_s - time.time()
+        if left > 0:
+            self.emulated_delay_s += left
+            time.sleep(left)
+
+    # -- reductions ----------------------------------------------------------------
+    def fill_per_sender(self, result: torch.Tensor, own: torch.Tensor, arrived: torch.Tensor, n: int, per: int) -> None:
+        """``result`` holds the sum of arrived contributions; ``arrived`` the per-packet counts."""
+        fill = self.spec.fill
+        missing = (n - arrived).clamp(min=0)
+        if fill == "zero" or not bool((missing > 0).any()):
+            return
+        flat = result.view(-1)
+        expand = lambda t: t.repeat_interleave(per)[: flat.numel()]  # noqa: E731
+        if fill == "stale":
+            flat.add_(expand(missing.to(flat.dtype)) * own.view(-1))
+        else:  # rescale; nothing arrived -> stale
+            a = expand(arrived.to(flat.dtype))
+            scale = torch.where(a > 0, n / a.clamp(min=1), torch.zeros_like(a))
+            flat.mul_(scale)
+            flat.add_(torch.where(a > 0, torch.zeros_like(a), n * own.view(-1)))
+
+    def reduce_per_receiver(self, parts: List[torch.Tensor], me: int, ids: List[int], out: torch.Tensor) -> None:
+        """Sums ``parts`` (one per sender) as receiver ``me`` sees them, into ``out``."""
+        n = len(parts)
+        numel = out.numel()
+        per, npk = self.packets(numel, out.element_size())
+        own = parts[me].view(-1)
+        total = torch.zeros(numel, dtype=out.dtype)
+        arrived = torch.zeros(npk, dtype=out.dtype)
+        for j, part in enumerate(parts):
+            if j == me:
+                total.add_(own)
+                arrived.add_(1)
+                continue
+            lost = torch.from_numpy(self.stream(ids[j], ids[me]).sample(npk))
+            keep = (~lost).to(out.dtype)
+            arrived.add_(keep)
+            total.add_(part.view(-1) * keep.repeat_interleave(per)[:numel])
+        fill = self.spec.fill
+        if fill != "zero":
+            self.fill_per_sender(total, own, arrived, n, per)
+        out.view(-1).copy_(total)
+
+    # -- statistics ----------------------------------------------------------------
+    def stats(self) -> Dict[str, object]:
+        sent = sum(s.sent for s in self._streams.values())
+        lost = sum(s.lost for s in self._streams.values())
+        hist: Counter = Counter()
+        for s in self._streams.values():
+            hist.update(s.bursts)
+            if s.open_burst:
+                hist[s.open_burst] += 1
+        n_bursts = sum(hist.values())
+        m = self.spec.model
+        return {
+            "model": m.kind,
+            "fill": self.spec.fill,
+            "where": self.spec.where,
+            "expected_loss_rate": m.loss_rate(),
+            "expected_mean_burst": m.mean_burst(),
+            "packets_sent": sent,
+            "packets_lost": lost,
+            "observed_loss_rate": lost / sent if sent else None,
+            "observed_mean_burst": (sum(k * v for k, v in hist.items()) / n_bursts) if n_bursts else None,
+            "burst_histogram": {str(k): v for k, v in sorted(hist.items())},
+            "payload_bytes_sent": self.payload_bytes_sent,
+            "emulated_time_s": self.emulated_time_s,
+            "emulated_delay_s": self.emulated_delay_s,
+            "collectives": self.collectives,
+        }
+
+
+def spec_from_config(path: str, loss: str, p: float, r: float, k: float, h: float, netem: str, fill: str, where: str,
+                     payload_bytes: int, latency_ms: float, bandwidth_gbps: float, seed: int) -> LinkSpec:
+    """Builds and validates a :class:`LinkSpec` from a ``links.<level>`` config section."""
+    model = parse_netem(netem, path) if netem else LossModel(loss, p=p, r=r, k=k, h=h)
+    spec = LinkSpec(
+        model=model, fill=fill, where=where, payload_bytes=payload_bytes,
+        latency_s=latency_ms / 1000.0, bandwidth_Bps=bandwidth_gbps * 1e9 / 8, seed=seed,
+    )
+    if bandwidth_gbps < 0:
+        raise ValueError(f"{path}.bandwidth_gbps: {bandwidth_gbps} — must be at least 0 (0: not emulated)")
+    if latency_ms < 0:
+        raise ValueError(f"{path}.latency_ms: {latency_ms} — must be at least 0")
+    spec.validate(path)
+    return spec
+
+
+def describe(spec: Optional[LinkSpec]) -> str:
+    if spec is None or not spec.active:
+        return "reliable, unthrottled"
+    m = spec.model
+    parts = []
+    if m.enabled:
+        parts.append(f"{m.kind} loss {m.loss_rate():.2%} (mean burst {m.mean_burst():.2f} packets), fill {spec.fill}, {spec.where}")
+    if spec.latency_s:
+        parts.append(f"latency {spec.latency_s * 1e3:g} ms")
+    if spec.bandwidth_Bps:
+        parts.append(f"bandwidth {spec.bandwidth_Bps * 8 / 1e9:g} Gbit/s")
+    return ", ".join(parts)
+
