@@ -240,18 +240,19 @@ class LinkProcessGroup(ProcessGroupWrapper):
         timeout = getattr(opts, "timeout", None)
         per, npk = emu.packets(t.numel(), t.element_size())
         if emu.spec.where == "per_sender":
-            own = t.detach().clone()
             lost = torch.from_numpy(emu.stream(self._ids[self._rank]).sample(npk))
-            keep = (~lost).to(t.dtype)
-            t.view(-1).mul_(keep.repeat_interleave(per)[: t.numel()])
-            self.parent.allreduce([t], opts).wait()
-            arrived = keep.clone()
+            # Arrival counts first (tiny; emulation machinery, not counted): then only
+            # the packets that will miss a contribution need this rank's own values kept.
+            arrived = (~lost).to(torch.int32)
             count_opts = AllreduceOptions()
             count_opts.reduceOp = ReduceOp.SUM
             if timeout is not None:
                 count_opts.timeout = timeout
-            self.parent.allreduce([arrived], count_opts).wait()  # emulation machinery, not counted
-            emu.fill_per_sender(t, own, arrived, self._world, per)
+            self.parent.allreduce([arrived], count_opts).wait()
+            saved = emu.save_rows(t, arrived, self._world, per) if emu.spec.fill != "zero" else []
+            emu.zero_packets(t, lost, per)
+            self.parent.allreduce([t], opts).wait()
+            emu.fill_per_sender(t, arrived, self._world, per, saved)
         else:
             parts = [torch.empty_like(t) for _ in range(self._world)]
             ag = AllgatherOptions()
@@ -302,9 +303,11 @@ class LinkProcessGroup(ProcessGroupWrapper):
             if self._rank != root:
                 lost_b = torch.from_numpy(emu.stream(self._ids[root], self._ids[self._rank]).sample(npk))
         if self._rank != root and bool(lost_b.any()):
-            m = lost_b.repeat_interleave(per)[: t.numel()]
-            flat = t.view(-1)
-            flat[m] = 0 if emu.spec.fill == "zero" else own.view(-1)[m]
+            if emu.spec.fill == "zero":
+                emu.zero_packets(t, lost_b, per)
+            else:
+                for (rows, sl), (own_rows, _) in zip(emu._rows(t, per), emu._rows(own, per)):
+                    rows[lost_b[sl]] = own_rows[lost_b[sl]]
         emu.payload_bytes_sent += t.numel() * t.element_size()
         emu.collectives += 1
 

@@ -305,43 +305,61 @@ class LinkEmulation:
             time.sleep(left)
 
     # -- reductions ----------------------------------------------------------------
-    def fill_per_sender(self, result: torch.Tensor, own: torch.Tensor, arrived: torch.Tensor, n: int, per: int) -> None:
-        """``result`` holds the sum of arrived contributions; ``arrived`` the per-packet counts."""
-        fill = self.spec.fill
-        missing = (n - arrived).clamp(min=0)
-        if fill == "zero" or not bool((missing > 0).any()):
+    # Tensors are handled as a (packets x values) view, plus a short last packet, so
+    # masks never expand to the tensor's size and only affected packets are touched.
+
+    @staticmethod
+    def _rows(t: torch.Tensor, per: int) -> List[Tuple[torch.Tensor, slice]]:
+        flat = t.view(-1)
+        full = flat.numel() // per
+        parts = [(flat[: full * per].view(full, per), slice(0, full))]
+        if flat.numel() > full * per:
+            parts.append((flat[full * per :].view(1, -1), slice(full, full + 1)))
+        return parts
+
+    def zero_packets(self, t: torch.Tensor, lost: torch.Tensor, per: int) -> None:
+        """Zeroes the packets of ``t`` flagged in ``lost`` (one flag per packet)."""
+        for rows, sl in self._rows(t, per):
+            idx = lost[sl].nonzero().view(-1)
+            if idx.numel():
+                rows.index_fill_(0, idx, 0)
+
+    def save_rows(self, t: torch.Tensor, arrived: torch.Tensor, n: int, per: int) -> List[torch.Tensor]:
+        """Copies of the packets that will miss a contribution (what a fill may need)."""
+        return [rows[(n - arrived[sl]) > 0].clone() for rows, sl in self._rows(t, per)]
+
+    def fill_per_sender(self, result: torch.Tensor, arrived: torch.Tensor, n: int, per: int, saved: List[torch.Tensor]) -> None:
+        """``result`` holds the sum of arrived contributions; ``arrived`` the per-packet
+        counts; ``saved`` this receiver's own values of the packets that missed some
+        (from :meth:`save_rows`, taken before the collective)."""
+        if self.spec.fill == "zero":
             return
-        flat = result.view(-1)
-        expand = lambda t: t.repeat_interleave(per)[: flat.numel()]  # noqa: E731
-        if fill == "stale":
-            flat.add_(expand(missing.to(flat.dtype)) * own.view(-1))
-        else:  # rescale; nothing arrived -> stale
-            a = expand(arrived.to(flat.dtype))
-            scale = torch.where(a > 0, n / a.clamp(min=1), torch.zeros_like(a))
-            flat.mul_(scale)
-            flat.add_(torch.where(a > 0, torch.zeros_like(a), n * own.view(-1)))
+        for (rows, sl), own in zip(self._rows(result, per), saved):
+            a = arrived[sl]
+            idx = ((n - a) > 0).nonzero().view(-1)
+            if not idx.numel():
+                continue
+            ah = a[idx].to(rows.dtype)[:, None]
+            sub = rows.index_select(0, idx)
+            if self.spec.fill == "stale":
+                sub += (n - ah) * own
+            else:  # rescale to n contributions; nothing arrived: the stale value
+                sub = torch.where(ah > 0, sub * (n / ah.clamp(min=1)), n * own)
+            rows.index_copy_(0, idx, sub)
 
     def reduce_per_receiver(self, parts: List[torch.Tensor], me: int, ids: List[int], out: torch.Tensor) -> None:
         """Sums ``parts`` (one per sender) as receiver ``me`` sees them, into ``out``."""
         n = len(parts)
-        numel = out.numel()
-        per, npk = self.packets(numel, out.element_size())
-        own = parts[me].view(-1)
-        total = torch.zeros(numel, dtype=out.dtype)
-        arrived = torch.zeros(npk, dtype=out.dtype)
-        for j, part in enumerate(parts):
-            if j == me:
-                total.add_(own)
-                arrived.add_(1)
-                continue
-            lost = torch.from_numpy(self.stream(ids[j], ids[me]).sample(npk))
-            keep = (~lost).to(out.dtype)
-            arrived.add_(keep)
-            total.add_(part.view(-1) * keep.repeat_interleave(per)[:numel])
-        fill = self.spec.fill
-        if fill != "zero":
-            self.fill_per_sender(total, own, arrived, n, per)
-        out.view(-1).copy_(total)
+        per, npk = self.packets(out.numel(), out.element_size())
+        lost = {j: torch.from_numpy(self.stream(ids[j], ids[me]).sample(npk)) for j in range(n) if j != me}
+        arrived = n - sum(m.to(torch.int64) for m in lost.values()) if lost else torch.full((npk,), n)
+        saved = self.save_rows(parts[me], arrived, n, per)
+        total = parts[me].clone()
+        for j, m in lost.items():
+            self.zero_packets(parts[j], m, per)
+            total.add_(parts[j])
+        self.fill_per_sender(total, arrived, n, per, saved)
+        out.copy_(total)
 
     # -- statistics ----------------------------------------------------------------
     def stats(self) -> Dict[str, object]:
