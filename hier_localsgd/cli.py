@@ -4,6 +4,7 @@
     hier-localsgd train      [overrides...]   run one replica group (run.cluster, run.replica)
     hier-localsgd demo       [overrides...]   a whole job on this machine, with a summary
     hier-localsgd chaos      [overrides...]   the same while killing processes; a recovery report
+    hier-localsgd sweep      [overrides...]   lossy slow links: final loss vs loss rate per mode
 
 Overrides are hydra syntax (``topology.clusters=3 model=tiny``); see configs/.
 A configuration error exits with code 2 and a message naming the field.
@@ -23,6 +24,7 @@ COMMANDS = {
     "train": "run one replica group: run.cluster=C run.replica=R",
     "demo": "start lighthouses and every replica group on this machine, train, summarize",
     "chaos": "like demo, while SIGKILLing processes on a seeded schedule; report the recovery",
+    "sweep": "loss rates x loss models x fills x modes on the slow links: table and plot of final loss",
 }
 
 
@@ -92,6 +94,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hier_localsgd.chaos import run_chaos
 
         return run_chaos(cfg, args.overrides)
+    if args.command == "sweep":
+        setup_logging(cfg.run.log_level, "sweep")
+        from hier_localsgd.sweep import run_sweep
+
+        return run_sweep(cfg, args.overrides)
     return _train(cfg)
 
 

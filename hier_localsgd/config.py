@@ -163,6 +163,21 @@ class ChaosConfig:
 
 
 @dataclass
+class SweepConfig:
+    rates: List[float] = field(default_factory=lambda: [0.0, 0.05, 0.2])
+    models: List[str] = field(default_factory=lambda: ["bernoulli", "gilbert_elliott"])
+    fills: List[str] = field(default_factory=lambda: ["zero", "stale", "rescale"])
+    modes: List[str] = field(default_factory=lambda: ["hier", "flat", "ddp"])
+    burst: float = 4.0  # gilbert_elliott mean burst length in packets
+    where: str = "per_sender"
+    workload: str = "tiny"  # tiny | config
+    steps: int = 120  # with workload=tiny
+    large: bool = False  # more loss rates
+    out: str = ""  # "" = <run.dir>/sweep
+    timeout_s: float = 600.0  # per run
+
+
+@dataclass
 class TimeoutsConfig:
     connect: float = 10
     inner_quorum: float = 60
@@ -190,6 +205,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -386,6 +402,26 @@ def validate(cfg: Config, command: str = "train") -> None:
         err("chaos.stop_kills_at", f"{ch.stop_kills_at} — must be in (0, 1]")
     if ch.restart_delay_s < 0:
         err("chaos.restart_delay_s", f"{ch.restart_delay_s} — must be at least 0")
+    sw = cfg.sweep
+    for i, r in enumerate(sw.rates):
+        if not 0 <= r < 1:
+            err(f"sweep.rates[{i}]", f"{r} — a loss rate must be in [0, 1)")
+    for i, m in enumerate(sw.models):
+        if m not in ("bernoulli", "gilbert_elliott"):
+            err(f"sweep.models[{i}]", f"unknown loss model {m!r} (expected bernoulli or gilbert_elliott)")
+    for i, f in enumerate(sw.fills):
+        if f not in ("zero", "stale", "rescale"):
+            err(f"sweep.fills[{i}]", f"unknown fill {f!r} (expected zero, stale or rescale)")
+    for i, m in enumerate(sw.modes):
+        if m not in MODES:
+            err(f"sweep.modes[{i}]", f"unknown mode {m!r} (expected one of {MODES})")
+    if sw.burst < 1:
+        err("sweep.burst", f"{sw.burst} — a mean burst is at least 1 packet")
+    if sw.workload not in ("tiny", "config"):
+        err("sweep.workload", f"{sw.workload!r} — expected tiny or config")
+    if sw.workload == "tiny" and (sw.steps < 10 or sw.steps % 10):
+        err("sweep.steps", f"{sw.steps} — must be a positive multiple of 10 (the tiny workload syncs every 5 and 10 steps)")
+
     if command == "chaos" and s.mode != "hier":
         err("sync.mode", f"{s.mode!r} — chaos runs measure the hierarchical mode (hier)")
 

@@ -249,7 +249,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             if timeout is not None:
                 count_opts.timeout = timeout
             self.parent.allreduce([arrived], count_opts).wait()
-            saved = emu.save_rows(t, arrived, self._world, per) if emu.spec.fill != "zero" else []
+            saved = emu.save_rows(t, arrived, self._world, per)
             emu.zero_packets(t, lost, per)
             self.parent.allreduce([t], opts).wait()
             emu.fill_per_sender(t, arrived, self._world, per, saved)

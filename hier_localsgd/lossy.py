@@ -22,7 +22,8 @@ What a lost packet becomes (``fill``):
 * ``stale`` — the receiver uses its own value from before the collective instead;
 * ``rescale`` — zero, then each packet's sum is rescaled to all contributors:
   ``sum_arrived · n / arrived`` (the average over the contributions that arrived, once
-  the caller divides by n; with no arrivals the receiver's stale value is used).
+  the caller divides by n); a packet no contribution of which arrived stays zero, so
+  every receiver computes the same result.
 
 Where loss applies (``where``):
 
@@ -325,26 +326,31 @@ class LinkEmulation:
                 rows.index_fill_(0, idx, 0)
 
     def save_rows(self, t: torch.Tensor, arrived: torch.Tensor, n: int, per: int) -> List[torch.Tensor]:
-        """Copies of the packets that will miss a contribution (what a fill may need)."""
+        """Copies of the packets that will miss a contribution (what a stale fill needs)."""
+        if self.spec.fill != "stale":
+            return []
         return [rows[(n - arrived[sl]) > 0].clone() for rows, sl in self._rows(t, per)]
 
     def fill_per_sender(self, result: torch.Tensor, arrived: torch.Tensor, n: int, per: int, saved: List[torch.Tensor]) -> None:
         """``result`` holds the sum of arrived contributions; ``arrived`` the per-packet
         counts; ``saved`` this receiver's own values of the packets that missed some
         (from :meth:`save_rows`, taken before the collective)."""
-        if self.spec.fill == "zero":
+        fill = self.spec.fill
+        if fill == "zero":
             return
-        for (rows, sl), own in zip(self._rows(result, per), saved):
+        for i, (rows, sl) in enumerate(self._rows(result, per)):
             a = arrived[sl]
-            idx = ((n - a) > 0).nonzero().view(-1)
+            hit = (n - a) > 0 if fill == "stale" else ((n - a) > 0) & (a > 0)
+            idx = hit.nonzero().view(-1)
             if not idx.numel():
                 continue
             ah = a[idx].to(rows.dtype)[:, None]
             sub = rows.index_select(0, idx)
-            if self.spec.fill == "stale":
-                sub += (n - ah) * own
-            else:  # rescale to n contributions; nothing arrived: the stale value
-                sub = torch.where(ah > 0, sub * (n / ah.clamp(min=1)), n * own)
+            if fill == "stale":
+                # saved[i] holds this receiver's values of the rows that missed some
+                sub += (n - ah) * saved[i]
+            else:  # rescale to n contributions (a packet nobody delivered stays zero)
+                sub *= n / ah
             rows.index_copy_(0, idx, sub)
 
     def reduce_per_receiver(self, parts: List[torch.Tensor], me: int, ids: List[int], out: torch.Tensor) -> None:
