@@ -119,8 +119,9 @@ class _Baseline:
     def before_optimizer_step(self) -> bool:
         return True
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self) -> bool:
         self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
+        return True  # ddp: every step synced
 
     def link_stats(self) -> Dict[str, Dict[str, object]]:
         return {self.level: self.link.stats.as_dict()}
@@ -205,10 +206,12 @@ class FlatSync(_Baseline):
     def start(self) -> None:
         self.tracker.enter(Phase.LOCAL, self._budget)
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self) -> bool:
+        synced = self.mgr.step != self.counters.inner_round  # torchft synced inside optimizer.step()
         self.counters.inner_round = self.mgr.step
         super().after_optimizer_step()
         self.tracker.enter(Phase.LOCAL, self._budget)
+        return synced
 
     def close(self) -> None:
         self.algo.__exit__(None, None, None)

@@ -5,6 +5,7 @@
     hier-localsgd demo       [overrides...]   a whole job on this machine, with a summary
     hier-localsgd chaos      [overrides...]   the same while killing processes; a recovery report
     hier-localsgd sweep      [overrides...]   lossy slow links: final loss vs loss rate per mode
+    hier-localsgd bench      [overrides...]   ddp vs flat vs hier on emulated LAN/WAN links
 
 Overrides are hydra syntax (``topology.clusters=3 model=tiny``); see configs/.
 A configuration error exits with code 2 and a message naming the field.
@@ -25,6 +26,7 @@ COMMANDS = {
     "demo": "start lighthouses and every replica group on this machine, train, summarize",
     "chaos": "like demo, while SIGKILLing processes on a seeded schedule; report the recovery",
     "sweep": "loss rates x loss models x fills x modes on the slow links: table and plot of final loss",
+    "bench": "ddp vs flat DiLoCo vs hier on emulated LAN/WAN: bytes, time to target, sync time vs bound",
 }
 
 
@@ -99,6 +101,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hier_localsgd.sweep import run_sweep
 
         return run_sweep(cfg, args.overrides)
+    if args.command == "bench":
+        setup_logging(cfg.run.log_level, "bench")
+        from hier_localsgd.bench import run_bench
+
+        return run_bench(cfg, args.overrides)
     return _train(cfg)
 
 

@@ -178,6 +178,20 @@ class SweepConfig:
 
 
 @dataclass
+class BenchConfig:
+    mode: str = "quick"  # quick (tiny model, minutes) | full (debugmodel, < 30 min on 2 cores)
+    arms: List[str] = field(default_factory=lambda: ["ddp", "flat_budget", "flat_count", "hier"])
+    lan_gbps: float = 10.0
+    lan_latency_ms: float = 0.1
+    wan_gbps: float = 1.0
+    wan_latency_ms: float = 20.0
+    target_margin: float = 0.02  # target loss = the ddp arm's final eval loss + this
+    target_loss: float = 0.0  # > 0: use this target instead
+    out: str = ""  # "" = <run.dir>/bench
+    timeout_s: float = 1800.0  # per arm
+
+
+@dataclass
 class TimeoutsConfig:
     connect: float = 10
     inner_quorum: float = 60
@@ -206,6 +220,7 @@ class Config:
     demo: DemoConfig = field(default_factory=DemoConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -421,6 +436,21 @@ def validate(cfg: Config, command: str = "train") -> None:
         err("sweep.workload", f"{sw.workload!r} — expected tiny or config")
     if sw.workload == "tiny" and (sw.steps < 10 or sw.steps % 10):
         err("sweep.steps", f"{sw.steps} — must be a positive multiple of 10 (the tiny workload syncs every 5 and 10 steps)")
+
+    b = cfg.bench
+    if b.mode not in ("quick", "full"):
+        err("bench.mode", f"{b.mode!r} — expected quick or full")
+    from hier_localsgd.bench import ARMS
+
+    for i, a in enumerate(b.arms):
+        if a not in ARMS:
+            err(f"bench.arms[{i}]", f"unknown arm {a!r} (expected one of {ARMS})")
+    for name in ("lan_gbps", "wan_gbps"):
+        if getattr(b, name) <= 0:
+            err(f"bench.{name}", f"{getattr(b, name)} — a bandwidth must be positive")
+    for name in ("lan_latency_ms", "wan_latency_ms", "target_margin", "target_loss"):
+        if getattr(b, name) < 0:
+            err(f"bench.{name}", f"{getattr(b, name)} — must be at least 0")
 
     if command == "chaos" and s.mode != "hier":
         err("sync.mode", f"{s.mode!r} — chaos runs measure the hierarchical mode (hier)")

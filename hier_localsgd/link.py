@@ -58,12 +58,20 @@ class LinkStats:
     tensor_bytes: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
     injected_failures: int = 0
+    # emulated links run collectives synchronously: measured time and analytical bound
+    seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bound_seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def record(self, op: str, kind: str, tensor_bytes: int, sent: float) -> None:
         key = f"{op}/{kind}"
         self.calls[key] += 1
         self.tensor_bytes[key] += tensor_bytes
         self.sent_bytes[kind] += sent
+
+    def timed(self, op: str, kind: str, seconds: float, bound: float) -> None:
+        key = f"{op}/{kind}"
+        self.seconds[key] += seconds
+        self.bound_seconds[key] += bound
 
     emulation: Optional[LinkEmulation] = None
 
@@ -75,6 +83,9 @@ class LinkStats:
             "calls": dict(self.calls),
             "injected_failures": self.injected_failures,
         }
+        if self.seconds:
+            out["seconds"] = dict(self.seconds)
+            out["bound_seconds"] = dict(self.bound_seconds)
         if self.emulation is not None:
             out["loss"] = self.emulation.stats()
         return out
@@ -231,7 +242,9 @@ class LinkProcessGroup(ProcessGroupWrapper):
             self._lossy_allreduce(tensors[0], opts)
         else:
             self.parent.allreduce(tensors, opts).wait()
-        emu.pad(started, emu.spec.allreduce_time(n, self._world))
+        bound = emu.spec.allreduce_time(n, self._world)
+        emu.pad(started, bound)
+        self.stats.timed("allreduce", self._kind, time.time() - started, bound)
         return self._finish(_DoneWork(tensors))
 
     def _lossy_allreduce(self, t: torch.Tensor, opts: object) -> None:
@@ -276,7 +289,9 @@ class LinkProcessGroup(ProcessGroupWrapper):
             self._lossy_broadcast(tensor_list[0], root, opts)
         else:
             self.parent.broadcast(tensor_list, opts).wait()
-        emu.pad(started, emu.spec.broadcast_time(n, self._world))
+        bound = emu.spec.broadcast_time(n, self._world)
+        emu.pad(started, bound)
+        self.stats.timed("broadcast", self._kind, time.time() - started, bound)
         return self._finish(_DoneWork(tensor_list))
 
     def _lossy_broadcast(self, t: torch.Tensor, root: int, opts: object) -> None:

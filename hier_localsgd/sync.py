@@ -253,14 +253,16 @@ class HierarchicalSync:
         """Local steps always apply; a failed round rolls them back later."""
         return True
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self) -> bool:
+        """Runs a round at round boundaries; returns whether one ran."""
         self.work["steps_run"] += 1
         self.work["steps_since_commit"] += 1
         self.tracker.set_counters(step=self.counters.step)
         if self.counters.step % self.s.h_inner == 0:
             self.round()
-        else:
-            self.tracker.enter(Phase.LOCAL, self.t.local_step)
+            return True
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        return False
 
     def is_outer_round(self) -> bool:
         step = self.counters.step

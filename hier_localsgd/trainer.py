@@ -100,6 +100,16 @@ def wait_for_gate(path: str, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
+def _bytes_by_level(stats: Dict[str, Any]) -> Dict[str, float]:
+    return {level: st["sent_bytes_total"] for level, st in stats.items()}
+
+
+def _trimmed_mean(xs: list, warmup: int = 3) -> float | None:
+    """Mean step time, skipping the first steps (allocator and cache warm-up)."""
+    xs = xs[warmup:]
+    return sum(xs) / len(xs) if xs else None
+
+
 def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     """Trains one replica group to ``train.steps`` and returns its result record."""
     t0 = time.time()
@@ -141,6 +151,7 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     pub.update(state="running")
     sync.start()  # join round: a restarted group heals here, before any local step
     loss_val = float("nan")
+    local_step_times: list = []  # durations of steps without a sync (overhead measurements)
 
     while c.step < tr.steps:
         sync.before_forward()  # ddp: quorum (and heal) for this step
@@ -155,6 +166,7 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         if plan.take(c.step, Phase.LOCAL.value, ("exit",)):
             os._exit(17)
         t_step = time.time()
+        t_perf = time.perf_counter()
         x, y = data.batch(c.step)
         loss = lm_loss(model, x, y)
         loss.backward()
@@ -167,7 +179,9 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         if tr.min_step_time_s > 0:  # emulated compute: pad the step
             time.sleep(max(0.0, tr.min_step_time_s - (time.time() - t_step)))
         c.step += 1  # every replica advances its own step counter (I5)
-        sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
+        synced = sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
+        if not synced:
+            local_step_times.append(time.perf_counter() - t_perf)
         loss_val = float(loss.detach())
         # Every step: a killed process's last status says how much work it had done.
         pub.update(step=c.step, loss=loss_val, loss_step=c.step, **getattr(sync, "work", {}))
@@ -178,12 +192,12 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             pub.event("loss", step=c.step, loss=loss_val)
         if tr.eval_every and c.step % tr.eval_every == 0 and c.step < tr.steps:
             ev = evaluate(model, eval_set)
-            pub.event("eval", step=c.step, loss=ev, floor=floor)
+            pub.event("eval", step=c.step, loss=ev, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
             pub.update(eval_loss=ev, eval_step=c.step)
 
     # -- final evaluation and result ---------------------------------------------
     final = evaluate(model, eval_set)
-    pub.event("eval", step=c.step, loss=final, floor=floor)
+    pub.event("eval", step=c.step, loss=final, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
     result = {
         "cluster": identity.cluster,
         "replica": identity.replica,
@@ -201,6 +215,8 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         "model_bytes": flat.nbytes,
         "link": sync.link_stats(),
         "work": dict(getattr(sync, "work", {})),
+        "local_step_s": _trimmed_mean(local_step_times),
+        "local_steps_timed": len(local_step_times),
         "wall_s": time.time() - t0,
     }
     flat.check_in_place()
