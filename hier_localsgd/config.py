@@ -140,6 +140,7 @@ class RunConfig:
     hostname: str = ""  # address peers use to reach this process; "" = socket.gethostname()
     log_level: str = "INFO"
     start_gate: str = ""  # local jobs: wait (up to timeouts.startup) for this file before training
+    tensorboard: bool = True  # scalars under <run.dir>/tensorboard/c<C>r<R>
 
 
 @dataclass

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -30,6 +30,27 @@ from hier_localsgd.status import ReplicaPublisher
 from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity
 
 logger = logging.getLogger(__name__)
+
+
+class Scalars:
+    """TensorBoard scalars of one replica group (``<run.dir>/tensorboard/c<C>r<R>``), or nothing."""
+
+    def __init__(self, cfg: Config, identity: Identity) -> None:
+        self.w = None
+        if cfg.run.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.w = SummaryWriter(os.path.join(cfg.run.dir, "tensorboard", f"c{identity.cluster}r{identity.replica}"), flush_secs=10)
+
+    def add(self, step: int, **values: Optional[float]) -> None:
+        if self.w is not None:
+            for tag, v in values.items():
+                if v is not None:
+                    self.w.add_scalar(tag.replace("__", "/"), v, step)
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()
 
 
 def build_data(cfg: Config):  # type: ignore[no-untyped-def]
@@ -129,6 +150,8 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     tracker = PhaseTracker(describe=str(identity), listeners=[pub.on_transition])
     rt.watch(tracker)
     torch.set_num_threads(tr.threads)
+    tb = Scalars(cfg, identity)
+    rt.on_exit(lambda code, reason: tb.close())
 
     # -- data, model, inner optimizer -------------------------------------------
     data = build_data(cfg)
@@ -140,6 +163,7 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     eval_start = evaluate(model, eval_set)
     pub.update(model_params=flat.numel, model_bytes=flat.nbytes, entropy_floor=floor, eval_loss_start=eval_start)
     pub.event("eval", step=0, loss=eval_start, floor=floor)
+    tb.add(0, eval__loss=eval_start, eval__excess=None if floor is None else eval_start - floor)
 
     # -- sync strategy (hier / flat / ddp) --------------------------------------------
     sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub)
@@ -188,16 +212,23 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
-            pub.update(loss=loss_val, loss_step=c.step, link=sync.link_stats())
+            links = sync.link_stats()
+            pub.update(loss=loss_val, loss_step=c.step, link=links)
             pub.event("loss", step=c.step, loss=loss_val)
+            work = getattr(sync, "work", {})
+            tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
+                   work__steps_discarded=work.get("steps_discarded"),
+                   **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
         if tr.eval_every and c.step % tr.eval_every == 0 and c.step < tr.steps:
             ev = evaluate(model, eval_set)
             pub.event("eval", step=c.step, loss=ev, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
             pub.update(eval_loss=ev, eval_step=c.step)
+            tb.add(c.step, eval__loss=ev, eval__excess=None if floor is None else ev - floor)
 
     # -- final evaluation and result ---------------------------------------------
     final = evaluate(model, eval_set)
     pub.event("eval", step=c.step, loss=final, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
+    tb.add(c.step, eval__loss=final, eval__excess=None if floor is None else final - floor)
     result = {
         "cluster": identity.cluster,
         "replica": identity.replica,

@@ -145,3 +145,16 @@ def test_demo_command_with_torchtitan_debugmodel_writes_summary(tmp_path):
     assert s["excess_loss"] < s["excess_loss_start"]
     assert s["bytes_sent"]["outer"]["payload"] == pytest.approx(2 * 2 * ring_allreduce_bytes(s["model_bytes"], 2))
     assert "consistent: True" in p.stdout
+
+
+def test_tensorboard_scalars_per_replica_group(clean_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for c, r in clean_run.job.keys():
+        ea = EventAccumulator(str(clean_run.job.run_dir / "tensorboard" / f"c{c}r{r}"))
+        ea.Reload()
+        tags = set(ea.Tags()["scalars"])
+        assert {"train/loss", "eval/loss", "eval/excess", "sync/inner_round", "sync/outer_round", "link/inner_bytes", "link/outer_bytes"} <= tags
+        evals = ea.Scalars("eval/loss")
+        assert [e.step for e in evals][0] == 0 and evals[-1].step == STEPS
+        assert evals[-1].value < evals[0].value
