@@ -3,6 +3,7 @@
     hier-localsgd lighthouse [overrides...]   serve the global and/or cluster lighthouses
     hier-localsgd train      [overrides...]   run one replica group (run.cluster, run.replica)
     hier-localsgd demo       [overrides...]   a whole job on this machine, with a summary
+    hier-localsgd dashboard  [overrides...]   the live page of a run directory
     hier-localsgd chaos      [overrides...]   the same while killing processes; a recovery report
     hier-localsgd sweep      [overrides...]   lossy slow links: final loss vs loss rate per mode
     hier-localsgd bench      [overrides...]   ddp vs flat vs hier on emulated LAN/WAN links
@@ -24,6 +25,7 @@ COMMANDS = {
     "lighthouse": "serve the global and/or per-cluster lighthouses (lighthouse.serve=all|global|cluster)",
     "train": "run one replica group: run.cluster=C run.replica=R",
     "demo": "start lighthouses and every replica group on this machine, train, summarize",
+    "dashboard": "serve the live dashboard of a run directory (dashboard.run_dir, default run.dir)",
     "chaos": "like demo, while SIGKILLing processes on a seeded schedule; report the recovery",
     "sweep": "loss rates x loss models x fills x modes on the slow links: table and plot of final loss",
     "bench": "ddp vs flat DiLoCo vs hier on emulated LAN/WAN: bytes, time to target, sync time vs bound",
@@ -91,6 +93,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hier_localsgd.demo import run_demo
 
         return run_demo(cfg, args.overrides)
+    if args.command == "dashboard":
+        setup_logging(cfg.run.log_level, "dashboard")
+        from hier_localsgd import dashboard
+
+        if not cfg.dashboard.run_dir:
+            cfg.dashboard.run_dir = cfg.run.dir
+        return dashboard.serve(cfg.dashboard)
     if args.command == "chaos":
         setup_logging(cfg.run.log_level, "chaos")
         from hier_localsgd.chaos import run_chaos

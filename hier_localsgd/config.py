@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from hier_localsgd.dashboard import DashboardConfig
 from hier_localsgd.faults import Fault
 from hier_localsgd.level import ALGORITHMS
 from hier_localsgd.lossy import LinkSpec, spec_from_config
@@ -149,6 +150,7 @@ class DemoConfig:
     timeout_s: float = 600.0
     progress: bool = True
     free_ports: bool = True
+    dashboard: bool = True  # serve the live dashboard alongside and print its URL
 
 
 @dataclass
@@ -193,6 +195,14 @@ class BenchConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str = ""  # "" = <run.dir>/checkpoints
+    every: int = 0  # outer rounds between checkpoints; 0 = off
+    keep: int = 3
+    resume: bool = False  # continue from the newest complete checkpoint
+
+
+@dataclass
 class TimeoutsConfig:
     connect: float = 10
     inner_quorum: float = 60
@@ -219,9 +229,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -437,6 +449,14 @@ def validate(cfg: Config, command: str = "train") -> None:
         err("sweep.workload", f"{sw.workload!r} — expected tiny or config")
     if sw.workload == "tiny" and (sw.steps < 10 or sw.steps % 10):
         err("sweep.steps", f"{sw.steps} — must be a positive multiple of 10 (the tiny workload syncs every 5 and 10 steps)")
+
+    ck = cfg.checkpoint
+    if ck.every < 0:
+        err("checkpoint.every", f"{ck.every} — outer rounds between checkpoints, 0 to turn them off")
+    if ck.keep < 1:
+        err("checkpoint.keep", f"{ck.keep} — keep at least one checkpoint")
+    if (ck.every or ck.resume) and s.mode != "hier":
+        err("checkpoint.every", f"checkpoints need sync.mode=hier (got {s.mode!r})")
 
     b = cfg.bench
     if b.mode not in ("quick", "full"):

@@ -176,19 +176,42 @@ def human(summary: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def start_dashboard(cfg: Config, job: LocalJob):  # type: ignore[no-untyped-def]
+    """Serves the dashboard of this run (on a free port if the configured one is taken)."""
+    from dataclasses import replace
+
+    from hier_localsgd.config import ConfigError
+    from hier_localsgd.dashboard import start_in_thread
+
+    dcfg = replace(cfg.dashboard, run_dir=str(job.run_dir))
+    try:
+        url, stop = start_in_thread(dcfg)
+    except ConfigError as e:
+        if dcfg.port == 0:
+            print(f"demo: no dashboard: {e}", flush=True)
+            return None
+        url, stop = start_in_thread(replace(dcfg, port=0))
+    print(f"demo: dashboard {url}", flush=True)
+    return stop
+
+
 def run_demo(cfg: Config, overrides: List[str]) -> int:
     summary_path = Path(cfg.demo.summary or Path(cfg.run.dir) / "summary.json")
     t0 = time.time()
     job = LocalJob(cfg, overrides, free_ports=cfg.demo.free_ports)
     print(f"demo: run directory {job.run_dir}; lighthouses global {job.global_addr}, clusters {job.cluster_addrs}", flush=True)
     progress = Progress(job, cfg.train.steps, cfg.demo.progress)
+    stop_dashboard = start_dashboard(cfg, job) if cfg.demo.dashboard else None
     try:
         job.start_lighthouses()
         job.start_all()
-        codes = job.wait(cfg.demo.timeout_s, tick=progress)
+        # With kill buttons on, a killed replica group is restarted and heals, as it would be under launch/replica.sh.
+        codes = job.wait(cfg.demo.timeout_s, tick=progress, restart=cfg.dashboard.allow_kill)
     finally:
         progress.close()
         job.stop()
+        if stop_dashboard is not None:
+            stop_dashboard()
     summary = summarize(cfg, job, time.time() - t0)
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=2))

@@ -14,6 +14,9 @@ pytestmark = pytest.mark.slow
 HB_S = 2.0  # lighthouse.heartbeat_timeout_ms in harness.FAST_JOB
 PHASE_S = 30.0  # the longest single phase timeout in harness.FAST_JOB (quorum, reduce, broadcast)
 PACED = ["train.min_step_time_s=0.05", "sync.inner.every=5", "sync.outer.every=2"]
+# Tests that restart a process need training left after the kill for the restart (delay +
+# ~4 s of imports, more on a loaded machine) to rejoin before the others finish.
+LONG = ["train.min_step_time_s=0.1", "sync.inner.every=5", "sync.outer.every=2", "train.steps=150"]
 ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
@@ -57,7 +60,7 @@ def test_sigterm_stops_heartbeat_and_exits_143(tmp_path):
 
 def test_sigkill_non_leader_is_restarted_and_heals_from_a_peer(tmp_path):
     killer = when_step((0, 1), 12, lambda job: job.kill((0, 1), signal.SIGKILL))
-    run = run_job(tmp_path, [*PACED, "train.steps=80"], during=killer, restart=True)
+    run = run_job(tmp_path, LONG, during=killer, restart=True)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     t_kill = killer.fired["t"]
     dt = first_commit_after(run, [(0, 0)], t_kill)
@@ -78,7 +81,7 @@ def test_sigkill_non_leader_is_restarted_and_heals_from_a_peer(tmp_path):
 def test_hang_inside_a_phase_is_ended_by_the_watchdog(tmp_path):
     run = run_job(
         tmp_path,
-        [*PACED, "train.steps=80", "timeouts.inner_reduce=5", "timeouts.watchdog_grace=3",
+        [*LONG, "timeouts.inner_reduce=5", "timeouts.watchdog_grace=3",
          "faults=[{cluster:0,replica:1,step:10,action:hang,phase:INNER_REDUCE}]"],
         restart=True,
     )
@@ -121,7 +124,7 @@ def test_a_lighthouse_that_stops_answering_ends_every_process_nonzero(tmp_path):
 
 def test_leader_kill_fails_over_and_the_old_leader_returns(tmp_path):
     killer = when_step((0, 0), 12, lambda job: job.kill((0, 0), signal.SIGKILL))
-    run = run_job(tmp_path, [*PACED, "train.steps=100"], during=killer, restart=True, restart_delay_s=2.0)
+    run = run_job(tmp_path, LONG, during=killer, restart=True, restart_delay_s=2.0)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     t_kill = killer.fired["t"]
     # c0r1 takes over at the next round after the kill and heals the outer state
@@ -147,7 +150,7 @@ def test_whole_cluster_lost_others_carry_on_and_it_heals_on_return(tmp_path):
     killer = when_step((1, 0), 12, kill_cluster)
     run = run_job(
         tmp_path,
-        ["train.min_step_time_s=0.1", "sync.inner.every=5", "sync.outer.every=2", "train.steps=150", "sync.min_clusters=1"],
+        [*LONG[:-1], "train.steps=200", "sync.min_clusters=1"],
         during=killer, restart=True, restart_delay_s=3.0,
     )
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
