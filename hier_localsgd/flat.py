@@ -83,7 +83,7 @@ def checksum(*tensors: torch.Tensor) -> str:
     """xxh3-64 of the tensors' bytes, hex. Equal checksums mean bitwise-equal tensors."""
     h = xxhash.xxh3_64()
     for t in tensors:
-        h.update(memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy()))
+        h.update(memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()))
     return h.hexdigest()
 
 

@@ -191,6 +191,7 @@ class HierarchicalSync:
         self._outer_healed: Optional[tuple[int, int]] = None
         self._last_quorum_size = 0
         self._last_rank = 0
+        self._last_healed = False
         # Work accounting: local steps run, and those discarded by a rollback (or
         # contributed with weight 0) — what chaos reports as efficiency.
         self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
@@ -229,17 +230,17 @@ class HierarchicalSync:
         """The join round: sync once before the first local step.
 
         A restarted replica group heals from a live peer here, before it spends
-        compute on local steps, and starts at once. In a fresh job (nobody has
-        trained yet) join rounds are no-op rounds (every weight is 0), repeated
-        until every replica group of the cluster is in the quorum or
-        ``timeouts.startup`` passes, so a cluster starts together and its leader
-        is the lowest replica group from the first round.
+        compute on local steps, and starts at once. A cluster starting together
+        (a fresh job, or one resumed from checkpoints) repeats no-op join rounds
+        (every weight is 0) until every replica group of the cluster is in the
+        quorum or ``timeouts.startup`` passes, so it starts together and its
+        leader is the lowest replica group from the first round.
         """
         deadline = time.time() + self.t.startup.total_seconds()
         while True:
             self.tracker.set_counters(step=self.counters.step)
             self.round(join=True)
-            if self.counters.step > 0 or self._last_quorum_size >= self.s.replicas_per_cluster:
+            if self._last_healed or self._last_quorum_size >= self.s.replicas_per_cluster:
                 return
             if time.time() > deadline:
                 logger.warning("%s starting with %d of %d replica groups after %s", self.id, self._last_quorum_size, self.s.replicas_per_cluster, self.t.startup)
@@ -294,7 +295,7 @@ class HierarchicalSync:
             self._rollback(f"inner quorum failed: {e}")
             return False
         self._quorum_failures["inner"] = 0
-        self._last_quorum_size, self._last_rank = q.size, q.rank
+        self._last_quorum_size, self._last_rank, self._last_healed = q.size, q.rank, q.healed
         self.tracker.set_extra(inner=self.inner_mgr.describe(q.size))
         if q.healed:
             self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
@@ -311,7 +312,10 @@ class HierarchicalSync:
         staged = self._reduce(self.inner, self.inner_comm, self.flat.data, plan, q.rank)
 
         result: Optional[_OuterResult] = None
-        if self.is_outer_round():
+        # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
+        # no-op at both levels; stepping the outer optimizer on a zero pseudo-gradient
+        # would still move the model by its momentum. Every member knows the total.
+        if self.is_outer_round() and plan.total_weight > 0:
             if self._leader:
                 inner_ok = self.inner_mgr.errored() is None
                 # The cluster model carries the whole cluster's work since the last outer
@@ -591,6 +595,19 @@ class HierarchicalSync:
         self.flat.load_(self.inner.backup)
         self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
         logger.info("%s healed from a peer of its cluster: %s", self.id, counters)
+
+    def snapshot(self) -> Dict[str, object]:
+        """The committed state for a durable checkpoint (clones; call right after a commit)."""
+        sd = self._inner_state_dict()
+        sd["optimizer"] = copy.deepcopy(self._opt_backup)
+        sd["outer"] = self.outer.state_dict()
+        return sd
+
+    def restore(self, sd: Dict[str, object]) -> None:
+        """Loads a checkpoint's state (before the join round of a resumed job)."""
+        self._load_inner_state(sd)
+        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        self._since_outer = 0
 
     def _outer_state_dict(self) -> Dict[str, object]:
         """What a leader serves another cluster's healing leader."""

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from hier_localsgd.checkpoint import Checkpointer, rng_state, set_rng_state
 from hier_localsgd.config import Config
 from hier_localsgd.data import ByteTextData, MarkovChain, MarkovData
 from hier_localsgd.faults import FaultPlan, InjectedFault
@@ -170,6 +171,21 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     rt.add_closer(sync.close)
     c = sync.counters
     plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
+    ck = cfg.checkpoint
+    ckpt = None
+    if ck.every or ck.resume:
+        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event)
+        rt.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
+    if ck.resume:
+        assert ckpt is not None
+        payload = ckpt.load_latest()
+        if payload is not None:
+            sync.restore(payload["state"])
+            set_rng_state(payload["state"]["rng"])
+            logger.info("%s resumed at step %d (outer round %d)", identity, c.step, c.outer_round)
+        else:
+            logger.warning("%s: checkpoint.resume=true but no usable checkpoint under %s; starting fresh", identity, ckpt.dir)
+    last_ckpt_round = c.outer_round
     pub.update(state="ready")
     wait_for_gate(cfg.run.start_gate, cfg.timeouts_obj().startup.total_seconds())
     pub.update(state="running")
@@ -206,6 +222,9 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         synced = sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
         if not synced:
             local_step_times.append(time.perf_counter() - t_perf)
+        if ckpt is not None and ck.every and c.outer_round > last_ckpt_round and c.outer_round % ck.every == 0:
+            last_ckpt_round = c.outer_round  # right after the outer round committed
+            ckpt.save_async(c.step, {**sync.snapshot(), "rng": rng_state()})
         loss_val = float(loss.detach())
         # Every step: a killed process's last status says how much work it had done.
         pub.update(step=c.step, loss=loss_val, loss_step=c.step, **getattr(sync, "work", {}))
@@ -251,6 +270,9 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         "wall_s": time.time() - t0,
     }
     flat.check_in_place()
+    if ckpt is not None:
+        ckpt.wait()
+        result["checkpoint_errors"] = ckpt.errors
     pub.result(result)
     pub.update(state="finished", eval_loss=final, eval_step=c.step, loss=loss_val, link=sync.link_stats())
     tracker.enter(Phase.STOPPED, None, reason="finished")
