@@ -7,7 +7,8 @@ each replica group writes its own checkpoint: the model, its inner optimizer (Ad
 both levels' committed backups and outer-optimizer momenta, the step and round counters
 (the step is also the data position: batches are addressed by step), and the RNG states.
 Each group writes its own because each has its own inner optimizer state, which an
-exact resume needs; with several ranks per group, group rank 0 writes for the group.
+exact resume needs; with several ranks per group every rank writes its own too, since
+each holds its slice of the levels' state.
 
 Writing never stalls training: the state is snapshotted (cloned) in the training thread
 and serialised by a background thread. A checkpoint becomes visible atomically: it is
@@ -84,8 +85,9 @@ class Checkpointer:
         events: where to report writes and skipped files.
     """
 
-    def __init__(self, root: str | Path, cluster: int, replica: int, keep: int, events: Callable[..., None]) -> None:
-        self.dir = Path(root) / f"c{cluster}r{replica}"
+    def __init__(self, root: str | Path, cluster: int, replica: int, keep: int, events: Callable[..., None], rank: int = 0) -> None:
+        # every rank of a multi-rank group writes its own (its slice of the levels' state)
+        self.dir = Path(root) / f"c{cluster}r{replica}" / (f"rank{rank}" if rank else "")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.events = events

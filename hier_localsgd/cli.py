@@ -123,10 +123,12 @@ def _train(cfg: "Config") -> int:  # type: ignore[name-defined]  # noqa: F821
     from hier_localsgd.trainer import train
 
     t = cfg.timeouts_obj()
-    tag = f"c{cfg.run.cluster}r{cfg.run.replica}"
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    rank = os.environ.get("RANK", "0") if cfg.topology.ranks_per_replica > 1 else None
+    tag = f"c{cfg.run.cluster}r{cfg.run.replica}" + (f"g{rank}" if rank is not None else "")
     setup_logging(cfg.run.log_level, tag)
     rt = Runtime(tag, shutdown_timeout=t.shutdown, watchdog_grace=t.watchdog_grace)
-    rt.install()
+    rt.install(watch_parent=under_torchrun)
     rt.run(lambda: train(cfg, rt))
     return 0  # not reached: Runtime.run exits the process
 

@@ -251,13 +251,14 @@ class Config:
     def fault_list(self) -> List[Fault]:
         return [Fault.from_mapping(i, f) for i, f in enumerate(self.faults)]
 
-    @property
-    def shard(self) -> int:
-        return self.run.cluster * self.topology.replicas_per_cluster + self.run.replica
+    def shard(self, rank: int = 0) -> int:
+        """The data shard of (run.cluster, run.replica, rank): distinct for every rank of the job."""
+        return (self.run.cluster * self.topology.replicas_per_cluster + self.run.replica) * self.topology.ranks_per_replica + rank
 
     @property
     def num_shards(self) -> int:
-        return self.topology.clusters * self.topology.replicas_per_cluster
+        t = self.topology
+        return t.clusters * t.replicas_per_cluster * t.ranks_per_replica
 
 
 def config_dir() -> Path:
@@ -339,8 +340,10 @@ def validate(cfg: Config, command: str = "train") -> None:
         err("topology.clusters", f"{t.clusters} — need at least one cluster (empty topology)")
     if t.replicas_per_cluster < 1:
         err("topology.replicas_per_cluster", f"{t.replicas_per_cluster} — need at least one replica group per cluster (empty topology)")
-    if t.ranks_per_replica != 1:
-        err("topology.ranks_per_replica", f"{t.ranks_per_replica} — multi-rank replica groups are not supported yet (launch with 1)")
+    if t.ranks_per_replica < 1:
+        err("topology.ranks_per_replica", f"{t.ranks_per_replica} — need at least one rank per replica group")
+    if t.ranks_per_replica > 1 and s.mode != "hier":
+        err("topology.ranks_per_replica", f"{t.ranks_per_replica} — several ranks per replica group need sync.mode=hier (got {s.mode!r})")
     if s.mode not in MODES:
         err("sync.mode", f"unknown mode {s.mode!r} (expected one of {MODES})")
     for name in ("inner", "outer", "flat"):

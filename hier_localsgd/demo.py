@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 from hier_localsgd.config import Config
 from hier_localsgd.launcher import Key, LocalJob
 from hier_localsgd.link import ring_allreduce_bytes
+from hier_localsgd.status import read_json, replica_dir
 
 
 def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
@@ -35,8 +36,13 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
     start = sum(starts) / len(starts) if starts else None
     model_bytes = next((r["model_bytes"] for r in got.values()), None)
 
+    # every rank of a multi-rank group syncs (and reports) its own slice
+    every_rank = list(got.values()) + [
+        res for (c, r_) in keys for g in range(1, cfg.topology.ranks_per_replica)
+        if (res := read_json(replica_dir(job.run_dir, c, r_, g) / "result.json")) is not None
+    ]
     levels: Dict[str, Dict[str, float]] = {}
-    for r in got.values():
+    for r in every_rank:
         for level, st in r["link"].items():
             agg = levels.setdefault(level, {"payload": 0.0, "control": 0.0, "total": 0.0})
             for kind, b in st["sent_bytes"].items():
@@ -44,7 +50,7 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
                 agg["total"] += b
 
     links: Dict[str, Dict[str, Any]] = {}
-    for r in got.values():
+    for r in every_rank:
         for level, st in r["link"].items():
             loss = st.get("loss")
             if not loss:
@@ -60,6 +66,14 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         inner_rounds[str(c)] = max(inner_rounds.get(str(c), 0), r["inner_rounds"])
     outer_rounds = max((r["outer_rounds"] for r in got.values()), default=0)
     checksums = {f"c{c}r{r_}": res["checksum"] for (c, r_), res in got.items()}
+    ranks_missing = []
+    for (c, r_) in keys:  # every rank of a multi-rank group reports its own checksum
+        for g in range(1, cfg.topology.ranks_per_replica):
+            res = read_json(replica_dir(job.run_dir, c, r_, g) / "result.json")
+            if res is None:
+                ranks_missing.append(f"c{c}r{r_}g{g}")
+            else:
+                checksums[f"c{c}r{r_}g{g}"] = res["checksum"]
     C = cfg.topology.clusters
     expected_outer = ring_allreduce_bytes(model_bytes, C) * C if model_bytes else None
     outer_payload = levels.get("outer", {}).get("payload")
@@ -89,10 +103,10 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         "links": links,
         "slow_link_payload_bytes_per_outer_round": (outer_payload / outer_rounds) if outer_payload and outer_rounds else None,
         "slow_link_payload_bytes_per_outer_round_expected": expected_outer,
-        "consistent": len(got) == len(keys) and len(set(checksums.values())) == 1,
+        "consistent": len(got) == len(keys) and not ranks_missing and len(set(checksums.values())) == 1,
         "checksums": checksums,
         "exit_codes": {f"c{c}r{r}": code for (c, r), code in codes.items()},
-        "missing_results": [f"c{c}r{r}" for (c, r) in keys if (c, r) not in got],
+        "missing_results": [f"c{c}r{r}" for (c, r) in keys if (c, r) not in got] + ranks_missing,
         "wall_s": wall_s,
         "run_dir": str(job.run_dir),
     }
@@ -169,7 +183,7 @@ def human(summary: Dict[str, Any]) -> str:
             f"  slow-link payload per outer round: {mb(summary['slow_link_payload_bytes_per_outer_round'])} "
             f"(one model per cluster x ring factor = {mb(summary['slow_link_payload_bytes_per_outer_round_expected'])})"
         )
-    lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} replica groups)")
+    lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes)")
     bad = {k: v for k, v in summary["exit_codes"].items() if v != 0}
     if bad or summary["missing_results"]:
         lines.append(f"  PROBLEMS: exit codes {bad}, missing results {summary['missing_results']}")

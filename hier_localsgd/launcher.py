@@ -70,6 +70,7 @@ class LocalJob:
     overrides: Sequence[str]
     free_ports: bool = True
     run_dir_override: Optional[Path] = None  # default: cfg.run.dir
+    torchrun_restarts: int = 3  # multi-rank groups: torchrun restarts the whole group this often
     python: str = sys.executable
     lighthouse: Optional[Proc] = None
     replicas: Dict[Key, Proc] = field(default_factory=dict)
@@ -126,8 +127,18 @@ class LocalJob:
         prev = self.replicas.get((cluster, replica))
         if prev is not None and not extra:
             extra = prev.extra  # a restart keeps the original arguments
-        argv = [self.python, "-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *extra]
-        proc = self._spawn(f"c{cluster}r{replica}", argv)
+        train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *extra]
+        g = self.cfg.topology.ranks_per_replica
+        if g > 1:
+            # One replica group = one torchrun: a dying rank takes the group down and
+            # torchrun restarts all of it (it then heals as one). One log file per rank;
+            # the group's log shows rank 0.
+            train = [
+                "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}",
+                f"--max-restarts={self.torchrun_restarts}", "--tee=3", "--local-ranks-filter=0",
+                f"--log-dir={self.run_dir / 'logs' / f'c{cluster}r{replica}.ranks'}", *train,
+            ]
+        proc = self._spawn(f"c{cluster}r{replica}", [self.python, *train])
         proc.extra = tuple(extra)
         if prev is not None:
             proc.restarts = prev.restarts + 1

@@ -4,12 +4,13 @@ A replica group holds an inner (replica-group) Manager talking to its cluster's
 lighthouse and, only while it is its cluster's leader, an outer (cluster)
 Manager talking to the global lighthouse.
 
-Store discovery: each Manager gets a TCPStore of its own, hosted in this process
-on a free port. Nothing is shared or pre-arranged: torchft's quorum names one
-up-to-date member's store as the rendezvous for the level's process group, so
-launching needs only the lighthouse addresses. (Two Managers in one process
-need separate stores: rank 0 writes unprefixed ``manager_addr``/``replica_id``
-keys.)
+Store discovery: each Manager gets a TCPStore of its own, hosted by group rank 0 on a
+free port. Nothing is shared across replica groups or pre-arranged: torchft's quorum
+names one up-to-date member's store as the rendezvous for the level's process group,
+so launching needs only the lighthouse addresses. (Two Managers in one process need
+separate stores: rank 0 writes unprefixed ``manager_addr``/``replica_id`` keys.) In a
+replica group of several ranks, rank 0 publishes its store's address under
+``store_key`` in the group's own store (torchrun's), where the other ranks find it.
 
 Failure semantics:
 
@@ -128,6 +129,8 @@ class LevelManager:
         max_commit_failures: Optional[int] = None,
         use_async_quorum: bool = False,
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        group_store: Optional[Any] = None,
+        store_key: str = "",
     ) -> None:
         if not replica_id[-1:].isdigit():
             raise ValueError(f"replica id {replica_id!r} must end in digits (torchft parses them)")
@@ -138,17 +141,23 @@ class LevelManager:
         self.pg = pg
         self._healed = False
         self._load = load_state_dict
-        # Our own store (rank 0 hosts it): peers find it through the quorum.
+        # Our own store (group rank 0 hosts it): peers find it through the quorum.
         # Its timeout has a floor: on the development VM about one c10d store
         # connection in 25 stalls 5 s before c10d's own retry succeeds, so a
         # shorter timeout turns that stall into a failure (docs/runbook.md).
-        self._store = TCPStore(
-            host_name=hostname,
-            port=0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=max(connect_timeout, STORE_TIMEOUT_FLOOR),
-        )
+        store_timeout = max(connect_timeout, STORE_TIMEOUT_FLOOR)
+        self._store: Optional[TCPStore] = None
+        if group_rank == 0:
+            self._store = TCPStore(host_name=hostname, port=0, is_master=True, wait_for_workers=False, timeout=store_timeout)
+            store_host, store_port = hostname, self._store.port
+            if group_store is not None:
+                group_store.set(store_key, f"{hostname}:{store_port}")
+        else:
+            if group_store is None:
+                raise ValueError(f"{level} manager of group rank {group_rank} needs the group's store to find rank 0's")
+            group_store.wait([store_key], store_timeout)
+            store_host, _, port = group_store.get(store_key).decode().rpartition(":")
+            store_port = int(port)
         self.manager = Manager(
             pg=pg,
             load_state_dict=None,
@@ -160,8 +169,8 @@ class LevelManager:
             connect_timeout=connect_timeout,
             rank=group_rank,
             world_size=group_world_size,
-            store_addr=hostname,
-            store_port=self._store.port,
+            store_addr=store_host,
+            store_port=store_port,
             lighthouse_addr=lighthouse_addr,
             replica_id=replica_id,
             hostname=hostname,
@@ -174,8 +183,8 @@ class LevelManager:
         self._closed = False
         self.lighthouse_addr = lighthouse_addr
         # torchft appends a uuid to the replica id; the lighthouse knows members by it
-        # (its kill endpoint, its status page).
-        self.full_replica_id = self._store.get("replica_id").decode() if group_rank == 0 else replica_id
+        # (its kill endpoint, its status page). Rank 0 wrote it to the store.
+        self.full_replica_id = self.manager._store.get("replica_id").decode()
         logger.info("%s manager %s up (lighthouse %s)", level, replica_id, lighthouse_addr)
 
     def _load_and_mark(self, sd: Any) -> None:

@@ -22,6 +22,11 @@ Ways in:
   current phase is ``timeouts.watchdog_grace`` past its deadline (a hang inside a
   collective, a stuck lighthouse call, a wedged step);
 * SIGKILL cannot be caught; the heartbeat threads die with the process.
+* under torchrun (several ranks per replica group), the loss of the agent: torchrun
+  starts workers in sessions of their own, so a SIGKILLed agent would leave them
+  running (and heartbeating). Each worker asks the kernel for SIGTERM when its parent
+  dies (``PR_SET_PDEATHSIG``) and its watchdog also notices a new parent pid; either
+  way it exits through the same path.
 
 :meth:`install` must run before any other thread starts (the signal mask is
 inherited by threads created afterwards, including torchft's).
@@ -68,10 +73,19 @@ class Runtime:
         self._lock = threading.Lock()
         self._exiting = False
         self._tracker: Optional[PhaseTracker] = None
+        self._parent: Optional[int] = None
 
-    def install(self) -> None:
+    def install(self, watch_parent: bool = False) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         threading.Thread(target=self._signal_loop, name="signals", daemon=True).start()
+        self._parent = os.getppid() if watch_parent else None
+        if watch_parent:
+            try:
+                import ctypes
+
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+            except OSError:
+                logger.warning("%s: PR_SET_PDEATHSIG unavailable; relying on parent polling", self.describe)
 
     def watch(self, tracker: PhaseTracker) -> None:
         """Starts the watchdog over ``tracker``'s phase deadlines."""
@@ -143,6 +157,8 @@ class Runtime:
         grace = self._grace.total_seconds()
         while True:
             time.sleep(0.5)
+            if self._parent is not None and os.getppid() != self._parent:
+                self.exit(EXIT_ERROR, f"parent process {self._parent} (the torchrun agent) is gone")
             deadline = self._tracker.deadline()
             if deadline is not None and time.time() > deadline + grace:
                 phase = self._tracker.phase

@@ -8,6 +8,7 @@ Layout of a run directory (``run.dir``)::
                                               transitions, commits, rollbacks, heals,
                                               resyncs, leader changes, evals, faults
     <run.dir>/replicas/c<C>r<R>/result.json   written once, at a clean end of training
+    <run.dir>/replicas/c<C>r<R>/rank<k>/...   the same for rank k > 0 of a multi-rank group
     <run.dir>/logs/c<C>r<R>.log               the process's log (written by the launcher)
 
 Files are the interface: the demo, the tests and the dashboard read them without
@@ -28,8 +29,10 @@ from typing import Any, Dict, Iterator, List, Optional
 from hier_localsgd.phases import Transition
 
 
-def replica_dir(run_dir: str | Path, cluster: int, replica: int) -> Path:
-    return Path(run_dir) / "replicas" / f"c{cluster}r{replica}"
+def replica_dir(run_dir: str | Path, cluster: int, replica: int, rank: int = 0) -> Path:
+    """A replica group's directory; ranks other than 0 of a group publish in ``rank<k>/`` under it."""
+    d = Path(run_dir) / "replicas" / f"c{cluster}r{replica}"
+    return d / f"rank{rank}" if rank else d
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -66,8 +69,8 @@ def read_events(path: Path) -> List[Dict[str, Any]]:
 class ReplicaPublisher:
     """Status and event files of one replica-group process. Thread-safe."""
 
-    def __init__(self, run_dir: str | Path, cluster: int, replica: int, static: Dict[str, Any]) -> None:
-        self.dir = replica_dir(run_dir, cluster, replica)
+    def __init__(self, run_dir: str | Path, cluster: int, replica: int, static: Dict[str, Any], rank: int = 0) -> None:
+        self.dir = replica_dir(run_dir, cluster, replica, rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status_path = self.dir / "status.json"
         self.events_path = self.dir / "events.jsonl"

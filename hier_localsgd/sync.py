@@ -31,6 +31,15 @@ timeout, instead of at the lighthouse where a slow outer sync would let a quorum
 form without the leader. The inner commit then makes the cluster adopt the outer
 result atomically with its own round.
 
+Several ranks per replica group (``group_world_size`` G > 1, launched by torchrun):
+every rank holds the whole model (data parallel inside the group), but each rank
+synchronises only its slice k of the flat parameter vector, over its own Managers'
+process groups (rank k of every replica group forms ring k, as torchft arranges), so the
+slow links still carry one model per cluster per outer round. Both levels' state is
+per slice; after every commit or rollback the group all-gathers the committed slices
+into the full committed model (the rollback target). With G = 1 the slice is the whole
+vector and the gather is a copy.
+
 Failure semantics. Once a quorum has formed every member runs every collective of
 the round, in order, even after an error (errors only decide the commit vote), so
 a failure costs one round, not a timeout. A quorum that does not form rolls back at
@@ -162,7 +171,11 @@ class HierarchicalSync:
         tracker: PhaseTracker,
         events: EventSink,
         faults: Optional[FaultPlan] = None,
+        group: Optional[object] = None,
+        group_store: Optional[object] = None,
     ) -> None:
+        """``group``/``group_store``: the replica group's own torch.distributed process
+        group and store (torchrun's), when it has several ranks."""
         self.s = settings
         self.id = identity
         self.t = timeouts
@@ -173,15 +186,24 @@ class HierarchicalSync:
         self.faults = faults or FaultPlan([], identity.cluster, identity.replica)
         self.counters = Counters()
 
+        # This rank's slice of the flat vector (all of it with one rank per group).
+        g, k = settings.group_world_size, settings.group_rank
+        self._slice_len = (flat.numel + g - 1) // g
+        self.part = slice(min(flat.numel, k * self._slice_len), min(flat.numel, (k + 1) * self._slice_len))
+        self.group, self.group_store = group, group_store  # group_store is already per attempt (trainer.py)
+        if g > 1 and (group is None or group_store is None):
+            raise ValueError("a replica group of several ranks needs its process group and store")
         # Three optimizers, three owners (I2): the inner optimizer owns the model's
         # parameters; each level owns its backup and its momentum buffer.
-        self.inner = Level("inner", settings.inner, flat.data)
-        self.outer = Level("outer", settings.outer, flat.data)
+        self.inner = Level("inner", settings.inner, flat.data[self.part])
+        self.outer = Level("outer", settings.outer, flat.data[self.part])
+        self._committed = flat.data.detach().clone()  # the full model at the last commit
         check_disjoint_tensors(
             [
                 ("model parameters (inner optimizer)", [flat.data]),
                 ("inner level backup and outer optimizer", self.inner.state_tensors()),
                 ("outer level backup and outer optimizer", self.outer.state_tensors()),
+                ("committed model", [self._committed]),
             ]
         )
         self._opt_backup = copy.deepcopy(inner_optimizer.state_dict())
@@ -192,6 +214,7 @@ class HierarchicalSync:
         self._last_quorum_size = 0
         self._last_rank = 0
         self._last_healed = False
+        self._outer_epoch = 0
         # Work accounting: local steps run, and those discarded by a rollback (or
         # contributed with weight 0) — what chaos reports as efficiency.
         self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
@@ -216,6 +239,8 @@ class HierarchicalSync:
             group_rank=settings.group_rank,
             group_world_size=settings.group_world_size,
             max_commit_failures=settings.max_commit_failures,
+            group_store=group_store,
+            store_key="store/inner",
         )
         self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events)
         # The cluster Manager exists only while this replica group leads its cluster:
@@ -309,7 +334,7 @@ class HierarchicalSync:
             guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
             tensors=self.inner.state_tensors() + [self.outer.backup],
         )
-        staged = self._reduce(self.inner, self.inner_comm, self.flat.data, plan, q.rank)
+        staged = self._reduce(self.inner, self.inner_comm, self.flat.data[self.part], plan, q.rank)
 
         result: Optional[_OuterResult] = None
         # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
@@ -489,14 +514,14 @@ class HierarchicalSync:
                 self.outer.set_backup(result.params)
         if plan.total_weight > 0 or adopted:
             c.inner_round += 1
-        self.flat.load_(self.inner.backup)
+        self._publish_committed()
         self._opt_backup = copy.deepcopy(self.opt.state_dict())
         self.tracker.set_counters(step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self.tracker.mark_commit("inner", c.inner_round)
         self.events(
             "commit", level="inner", inner_round=c.inner_round, outer_round=c.outer_round, step=c.step,
             outer=bool(result is not None and result.status == Status.OUTER_COMMITTED),
-            total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self.inner.backup),
+            total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self._committed),
         )
         self.tracker.enter(Phase.LOCAL, self.t.local_step)
         return True
@@ -505,11 +530,30 @@ class HierarchicalSync:
         self.work["steps_discarded"] += self.work["steps_since_commit"]
         self.work["steps_since_commit"] = 0
 
+    def _publish_committed(self) -> None:
+        """The full committed model from every rank's committed slice; the model becomes it.
+
+        One rank per group: a copy. Several: an all-gather over the group's own process
+        group (never an FT group: ranks of one group share no FT group, I1)."""
+        g = self.s.group_world_size
+        if g == 1:
+            self._committed.copy_(self.inner.backup)
+        else:
+            import torch.distributed as dist
+
+            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype)
+            mine[: self.part.stop - self.part.start] = self.inner.backup
+            parts = [torch.empty_like(mine) for _ in range(g)]
+            dist.all_gather(parts, mine, group=self.group)
+            self._committed.copy_(torch.cat(parts)[: self._committed.numel()])
+        self.flat.load_(self._committed)
+
     def _rollback(self, reason: str) -> None:
         self._discard_local_work()
         self.tracker.set_extra(**self.work)
         self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
-        self.flat.load_(self.inner.backup)
+        # the committed slice may have moved this round (resync, or a final outer commit)
+        self._publish_committed()
         self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
         self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
         self.events("rollback", level="inner", reason=reason, step=self.counters.step)
@@ -564,7 +608,10 @@ class HierarchicalSync:
                 group_rank=self.s.group_rank,
                 group_world_size=self.s.group_world_size,
                 max_commit_failures=self.s.max_commit_failures,
+                group_store=self.group_store,
+                store_key=f"store/outer/{self._outer_epoch}",  # one per leadership term
             )
+            self._outer_epoch += 1
             self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate, self.events)
         return self.outer_mgr, self.outer_comm
 
@@ -576,6 +623,7 @@ class HierarchicalSync:
         """What a donor serves a healing peer of its cluster: committed state only."""
         c = self.counters
         return {
+            "model": self._committed.clone(),
             "inner": self.inner.state_dict(),
             "outer_backup": self.outer.backup.clone(),
             "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
@@ -592,7 +640,8 @@ class HierarchicalSync:
         self.counters.step = int(counters["step"])
         self.counters.inner_round = int(counters["inner_round"])
         self.counters.outer_round = int(counters["outer_round"])
-        self.flat.load_(self.inner.backup)
+        self._committed.copy_(sd["model"])  # type: ignore[arg-type]
+        self.flat.load_(self._committed)
         self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
         logger.info("%s healed from a peer of its cluster: %s", self.id, counters)
 

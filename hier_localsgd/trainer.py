@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
@@ -54,15 +55,46 @@ class Scalars:
             self.w.close()
 
 
-def build_data(cfg: Config):  # type: ignore[no-untyped-def]
+def build_data(cfg: Config, rank: int = 0):  # type: ignore[no-untyped-def]
     d, tr = cfg.data, cfg.train
     if d.kind == "markov":
         chain = MarkovChain(d.states, d.branching, d.seed, d.concentration)
-        return MarkovData(chain, d.seed, cfg.shard, tr.batch_size, tr.seq_len, tr.eval_batches)
-    return ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard, cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
+        return MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches)
+    return ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard(rank), cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
 
 
-def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher):  # type: ignore[no-untyped-def]
+@dataclass
+class GroupContext:
+    """This process's place in its replica group (several ranks: launched by torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    pg: Optional[Any] = None  # the group's own process group: gradients every step, never FT traffic
+    store: Optional[Any] = None  # torchrun's store: where rank 0 publishes its Managers' stores
+
+
+def group_context(cfg: Config, t: Any) -> GroupContext:
+    g = cfg.topology.ranks_per_replica
+    if g == 1:
+        return GroupContext()
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world != g:
+        raise ValueError(
+            f"topology.ranks_per_replica={g} but this process was launched with WORLD_SIZE={world or 'unset'}: "
+            f"launch the replica group with torchrun --nproc-per-node {g} (launch/replica.sh --ranks {g})"
+        )
+    # torchrun's shared store outlives a restart of the group's workers, and the default
+    # process group's keys are not per attempt: a restarted rank would read the previous
+    # attempt's (dead) peers' addresses. Every attempt gets a key space of its own.
+    store, rank, _ = next(dist.rendezvous("env://", timeout=max(t.inner_reduce, t.local_step)))
+    store = dist.PrefixStore(f"hier/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=g, timeout=max(t.inner_reduce, t.local_step))
+    return GroupContext(rank=rank, size=g, pg=dist.group.WORLD, store=store)
+
+
+def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext()):  # type: ignore[no-untyped-def]
     s, t = cfg.sync, cfg.timeouts_obj()
     hostname = cfg.run.hostname or socket.gethostname()
     if s.mode == "hier":
@@ -83,9 +115,11 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             replicas_per_cluster=cfg.topology.replicas_per_cluster,
             inner_link=cfg.link_spec("inner"),
             outer_link=cfg.link_spec("outer"),
+            group_rank=grp.rank,
+            group_world_size=grp.size,
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
-        return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults)
+        return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store)
 
     from hier_localsgd.baselines import DDPSync, FlatSync
 
@@ -137,6 +171,7 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     t0 = time.time()
     identity = Identity(cfg.run.cluster, cfg.run.replica)
     tr = cfg.train
+    grp = group_context(cfg, cfg.timeouts_obj())
     lighthouses = {"global": cfg.lighthouse.global_addr}
     if cfg.sync.mode == "hier":
         lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
@@ -145,19 +180,23 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         identity.cluster,
         identity.replica,
         {"cluster": identity.cluster, "replica": identity.replica, "mode": cfg.sync.mode, "steps_total": tr.steps,
-         "lighthouses": lighthouses, "topology": {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster}},
+         "lighthouses": lighthouses, "group_rank": grp.rank,
+         "topology": {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster, "ranks_per_replica": grp.size}},
+        rank=grp.rank,
     )
     rt.on_exit(lambda code, reason: pub.close("done" if code == 0 else f"failed ({reason})"))
-    tracker = PhaseTracker(describe=str(identity), listeners=[pub.on_transition])
+    tracker = PhaseTracker(describe=str(identity) + (f"g{grp.rank}" if grp.size > 1 else ""), listeners=[pub.on_transition])
     rt.watch(tracker)
     torch.set_num_threads(tr.threads)
     tb = Scalars(cfg, identity)
     rt.on_exit(lambda code, reason: tb.close())
 
     # -- data, model, inner optimizer -------------------------------------------
-    data = build_data(cfg)
+    data = build_data(cfg, grp.rank)
     model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
-    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
+    # Gradients as one flat buffer: the ddp baseline all-reduces them across replica groups,
+    # a multi-rank replica group inside the group (its own process group) every step.
+    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp" or grp.size > 1)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     eval_set = data.eval_batches()
     floor = data.entropy_floor
@@ -167,14 +206,14 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     tb.add(0, eval__loss=eval_start, eval__excess=None if floor is None else eval_start - floor)
 
     # -- sync strategy (hier / flat / ddp) --------------------------------------------
-    sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub)
+    sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp)
     rt.add_closer(sync.close)
     c = sync.counters
     plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
     ck = cfg.checkpoint
     ckpt = None
     if ck.every or ck.resume:
-        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event)
+        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank)
         rt.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
     if ck.resume:
         assert ckpt is not None
@@ -210,6 +249,11 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         x, y = data.batch(c.step)
         loss = lm_loss(model, x, y)
         loss.backward()
+        if grp.pg is not None:  # data parallel inside the replica group: average gradients
+            import torch.distributed as dist
+
+            dist.all_reduce(flat.grad, group=grp.pg)  # type: ignore[arg-type]
+            flat.grad.div_(grp.size)  # type: ignore[union-attr]
         if sync.before_optimizer_step():  # ddp: gradient all-reduce + commit vote
             opt.step()
         if flat.grad is not None:
@@ -251,6 +295,7 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     result = {
         "cluster": identity.cluster,
         "replica": identity.replica,
+        "group_rank": grp.rank,
         "mode": cfg.sync.mode,
         "steps": c.step,
         "inner_rounds": c.inner_round,

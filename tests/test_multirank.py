@@ -1,0 +1,91 @@
+"""Replica groups of several ranks, launched by torchrun: 2 clusters x 2 groups x 2 ranks."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from harness import logs_tail, run_job, when_step
+from hier_localsgd.link import ring_allreduce_bytes
+from hier_localsgd.status import read_json, replica_dir
+
+pytestmark = pytest.mark.slow
+
+G2 = ["topology.ranks_per_replica=2", "sync.inner.every=5", "sync.outer.every=2"]
+
+
+def rank_pid(job, key, rank):
+    st = read_json(replica_dir(job.run_dir, *key, rank) / "status.json") or {}
+    return st.get("pid")
+
+
+def test_two_ranks_per_group_train_consistently_with_one_model_per_cluster_on_slow_links(tmp_path):
+    run = run_job(tmp_path, [*G2, "train.steps=40"])
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    s = run.summary
+    assert s["consistent"] is True and len(s["checksums"]) == 8  # every rank of every group
+    # Each rank syncs half of the model over its own ring: together one model per cluster.
+    rounds = s["outer_rounds_committed"]
+    assert s["bytes_sent"]["outer"]["payload"] == pytest.approx(rounds * 2 * ring_allreduce_bytes(s["model_bytes"] / 2, 2) * 2, rel=1e-3)
+    # One log file per rank; the group's console log carries rank 0 only, tagged.
+    for c, r in run.job.keys():
+        group_log = (run.job.run_dir / "logs" / f"c{c}r{r}.log").read_text()
+        assert f"[c{c}r{r}g0]" in group_log and f"[c{c}r{r}g1]" not in group_log
+        rank_logs = list((run.job.run_dir / "logs" / f"c{c}r{r}.ranks").rglob("stderr.log"))
+        assert len(rank_logs) == 2
+        assert any(f"[c{c}r{r}g1]" in p.read_text() for p in rank_logs)
+    # every rank trained on its own data shard: rank results differ in train loss
+    r0 = read_json(replica_dir(run.job.run_dir, 0, 0) / "result.json")
+    r1 = read_json(replica_dir(run.job.run_dir, 0, 0, 1) / "result.json")
+    assert r0["train_loss"] != r1["train_loss"] and r0["checksum"] == r1["checksum"]
+
+
+def test_a_dead_rank_takes_its_group_down_and_the_group_restarts_and_heals(tmp_path):
+    killed = {}
+
+    def kill_rank1(job):
+        pid = rank_pid(job, (0, 1), 1)
+        if pid:
+            killed["pid"], killed["t"] = pid, time.time()
+            os.kill(pid, signal.SIGKILL)
+
+    killer = when_step((0, 1), 12, kill_rank1)
+    run = run_job(tmp_path, [*G2, "train.min_step_time_s=0.1", "train.steps=150"], during=killer)
+    assert killed, "never killed rank 1"
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    # The surviving rank went down cleanly — its group collective failed (or torchrun sent
+    # SIGTERM), and it stopped its heartbeat — before torchrun restarted both ranks ...
+    group_log = (run.job.run_dir / "logs" / "c0r1.log").read_text()
+    down = max(group_log.find("exiting with code"), group_log.find("received SIGTERM"))
+    stopped = group_log.find("inner manager c0_r0001 shut down (heartbeat stopped)", down)
+    restarted = group_log.find("inner manager c0_r0001 up", down)
+    assert 0 <= down < stopped < restarted, group_log[-3000:]
+    # ... which healed from the other replica group of the cluster and finished consistent.
+    heals = [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > killed["t"]]
+    assert heals and heals[0]["step"] > 12
+    assert run.summary["consistent"] is True and len(run.summary["checksums"]) == 8
+
+
+def test_workers_exit_when_their_torchrun_agent_is_killed(tmp_path):
+    """torchrun starts workers in their own sessions: a SIGKILLed agent must not leave them
+    heartbeating (invariant I7); the launcher then restarts the group, which heals."""
+    seen = {}
+
+    def kill_agent(job):
+        seen["pids"] = [rank_pid(job, (1, 1), g) for g in (0, 1)]
+        seen["t"] = time.time()
+        os.kill(job.replicas[(1, 1)].popen.pid, signal.SIGKILL)  # the agent only
+
+    killer = when_step((1, 1), 12, kill_agent)
+    run = run_job(tmp_path, [*G2, "train.min_step_time_s=0.1", "train.steps=150"], during=killer, restart=True, restart_delay_s=1.0)
+    assert seen and all(seen["pids"])
+    for pid in seen["pids"]:  # the orphaned workers are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # rank 0's log of the dead incarnation says why it stopped
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    ranks_logs = "".join(p.read_text() for p in (run.job.run_dir / "logs" / "c1r1.ranks").rglob("stderr.log"))
+    assert "received SIGTERM" in ranks_logs or "torchrun agent) is gone" in ranks_logs
+    assert run.summary["consistent"] is True
