@@ -7,6 +7,8 @@
     hier-localsgd chaos      [overrides...]   the same while killing processes; a recovery report
     hier-localsgd sweep      [overrides...]   lossy slow links: final loss vs loss rate per mode
     hier-localsgd bench      [overrides...]   ddp vs flat vs hier on emulated LAN/WAN links
+    hier-localsgd plan       [overrides...]   cost planner: params, FLOPs, memory, sync time per level
+    hier-localsgd simulate   [overrides...]   scale simulator: goodput under failures
 
 Overrides are hydra syntax (``topology.clusters=3 model=tiny``); see configs/.
 A configuration error exits with code 2 and a message naming the field.
@@ -29,6 +31,8 @@ COMMANDS = {
     "chaos": "like demo, while SIGKILLing processes on a seeded schedule; report the recovery",
     "sweep": "loss rates x loss models x fills x modes on the slow links: table and plot of final loss",
     "bench": "ddp vs flat DiLoCo vs hier on emulated LAN/WAN: bytes, time to target, sync time vs bound",
+    "plan": "predict parameters, FLOPs, memory and sync time per level; compute-optimal N and D (plan.*)",
+    "simulate": "discrete-event simulation of a large deployment with failures: goodput (simulate.*)",
 }
 
 
@@ -93,6 +97,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hier_localsgd.demo import run_demo
 
         return run_demo(cfg, args.overrides)
+    if args.command in ("plan", "simulate"):
+        setup_logging(cfg.run.log_level, args.command)
+        out = os.path.join(cfg.run.dir, args.command)
+        try:
+            if args.command == "plan":
+                from hier_localsgd.plan import run_plan
+
+                return run_plan(cfg.plan, out)
+            from hier_localsgd.simulate import run_simulate
+
+            return run_simulate(cfg.simulate, out)
+        except ValueError as e:  # the message starts with the field, e.g. plan.model.dim
+            print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
+            return 2
     if args.command == "dashboard":
         setup_logging(cfg.run.log_level, "dashboard")
         from hier_localsgd import dashboard

@@ -21,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hier_localsgd.dashboard import DashboardConfig
 from hier_localsgd.faults import Fault
+from hier_localsgd.plan import PlanConfig
+from hier_localsgd.simulate import SimulateConfig
 from hier_localsgd.level import ALGORITHMS
 from hier_localsgd.lossy import LinkSpec, spec_from_config
 from hier_localsgd.managers import parse_address
@@ -234,6 +236,8 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)  # `hier-localsgd plan` (plan.py)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)  # `hier-localsgd simulate` (simulate.py)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -283,6 +287,11 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config", vali
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from hydra.core.config_store import ConfigStore
+
+    # The dataclass schema is config.yaml's base: hydra knows every key and type, so
+    # overrides of sections config.yaml leaves to their defaults (plan, simulate) work.
+    ConfigStore.instance().store(name="hier_localsgd_schema", node=Config)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides))
@@ -295,10 +304,13 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config", vali
     return cfg
 
 
-def _hydra_message(e: Exception) -> str:
-    msg = str(e).strip()
+def _hydra_message(e: BaseException) -> str:
+    """The innermost OmegaConf error, led by the field it names (hydra wraps it)."""
+    while e.__cause__ is not None and not getattr(e, "full_key", None):
+        e = e.__cause__
+    msg = str(e).strip().splitlines()[0]
     key = getattr(e, "full_key", None)
-    if key and key not in msg.splitlines()[0]:
+    if key and not msg.startswith(key):
         msg = f"{key}: {msg}"
     return msg
 

@@ -1,0 +1,285 @@
+"""The cost planner (hier_localsgd/plan.py): every formula against hand-computed values,
+parameter and FLOP counts against torchtitan's own models."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hier_localsgd import plan as P
+from hier_localsgd.plan import (
+    LinkConfig,
+    NetworkConfig,
+    PlanConfig,
+    PlanModelConfig,
+    PlanSyncConfig,
+    PlanTopologyConfig,
+    ScalingConfig,
+)
+
+DEBUG = PlanModelConfig(flavor="debugmodel")
+LLAMA7B = PlanModelConfig(flavor="llama_7b")
+S_DEBUG = 6_163_712 * 4  # debugmodel in float32: 24,654,848 bytes
+
+
+def demo_plan(**hardware) -> dict:
+    cfg = PlanConfig()
+    cfg.hardware.step_time_s = hardware.get("step_time_s", 0.34)
+    return P.make_plan(cfg)
+
+
+# ----------------------------------------------------------------------------- parameters
+def test_debugmodel_parameters_by_part():
+    d = P.resolve_model(DEBUG)
+    # dim 256, 6 layers, 16 heads (no GQA), vocab 2048; FFN int(2*1024/3)=682 -> multiple of 256 -> 768
+    assert (d.dim, d.n_layers, d.n_heads, d.n_kv_heads, d.ffn_dim, d.vocab_size) == (256, 6, 16, 16, 768, 2048)
+    assert P.param_counts(d) == {
+        "embeddings": 2048 * 256,  # 524,288
+        "attention": 6 * 4 * 256 * 256,  # wq, wk, wv, wo: 1,572,864
+        "mlp": 6 * 3 * 256 * 768,  # w1, w2, w3: 3,538,944
+        "norms": (2 * 6 + 1) * 256,  # 3,328
+        "output": 2048 * 256,  # untied: 524,288
+        "total": 6_163_712,
+    }
+
+
+def test_llama7b_matches_published_count():
+    d = P.resolve_model(LLAMA7B)
+    p = P.param_counts(d)
+    assert p["attention"] == 32 * 4 * 4096 * 4096  # 2,147,483,648
+    assert p["mlp"] == 32 * 3 * 4096 * 11008  # 4,328,521,728
+    assert p["norms"] == 65 * 4096  # 266,240
+    assert p["embeddings"] == p["output"] == 32000 * 4096  # 131,072,000
+    assert p["total"] == 6_738_415_616  # Llama 1/2 7B, published
+
+
+def test_ffn_rule_is_torchtitans():
+    assert P.llama_ffn_dim(256, 256, None) == 768  # int(682.67)=682 -> 768
+    assert P.llama_ffn_dim(4096, 256, None) == 11008  # int(10922.67)=10922 -> 11008 (Llama 2 7B)
+    assert P.llama_ffn_dim(4096, 1024, 1.3) == 14336  # int(1.3*10922)=14198 -> 14336 (Llama 3 8B)
+    assert P.llama_ffn_dim(8192, 4096, 1.3) == 28672  # int(1.3*21845)=28398 -> 28672 (Llama 3 70B)
+
+
+def test_tied_embeddings_drop_the_output_matrix():
+    d = P.resolve_model(PlanModelConfig(flavor="debugmodel", tied_embeddings=True))
+    assert P.param_counts(d)["total"] == 6_163_712 - 524_288
+
+
+@pytest.fixture(scope="module")
+def titan():
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    return Transformer, llama3_args
+
+
+def test_counts_and_flops_equal_torchtitans_instantiated_models(titan):
+    Transformer, llama3_args = titan
+    seq = 2048
+    # debugmodel fits in memory: build it for real; the big flavors on the meta device
+    for flavor, device in (("debugmodel", "cpu"), ("8B", "meta"), ("70B", "meta")):
+        args = copy.deepcopy(llama3_args[flavor])
+        args.max_seq_len = seq
+        with torch.device(device):
+            model = Transformer(args)
+        parts = dict(model.named_children())
+        d = P.resolve_model(PlanModelConfig(flavor=flavor))
+        ours = P.param_counts(d)
+        numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        assert ours["total"] == numel(model), flavor
+        assert ours["embeddings"] == numel(parts["tok_embeddings"]), flavor
+        assert ours["output"] == numel(parts["output"]), flavor
+        layer = model.layers["0"]
+        assert ours["attention"] == d.n_layers * numel(layer.attention), flavor
+        assert ours["mlp"] == d.n_layers * numel(layer.feed_forward), flavor
+        assert ours["norms"] == d.n_layers * (numel(layer.attention_norm) + numel(layer.ffn_norm)) + numel(parts["norm"]), flavor
+        n, flops = args.get_nparams_and_flops(model, seq)
+        assert P.flops_per_token(d, seq)["total"] == flops, flavor
+    assert P.param_counts(P.resolve_model(PlanModelConfig(flavor="8B")))["total"] == 8_030_261_248
+    assert P.param_counts(P.resolve_model(PlanModelConfig(flavor="70B")))["total"] == 70_553_706_496
+
+
+def test_explicit_dims_override_the_flavor():
+    d = P.resolve_model(PlanModelConfig(flavor="", dim=512, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000))
+    # hd 64; attention per layer 512*512 + 2*512*128 + 512*512 = 655,360; FFN int(2*2048/3)=1365 -> 1536
+    assert d.ffn_dim == 1536
+    p = P.param_counts(d)
+    assert p["attention"] == 2 * 655_360
+    assert p["total"] == 2 * 655_360 + 2 * 3 * 512 * 1536 + 5 * 512 + 2 * 1000 * 512
+    assert P.resolve_model(PlanModelConfig(flavor="debugmodel", n_layers=12)).n_layers == 12
+
+
+# ----------------------------------------------------------------------------- FLOPs and memory
+def test_flops_per_token_debugmodel():
+    f = P.flops_per_token(P.resolve_model(DEBUG), 64)
+    assert f["dense"] == 6 * (6_163_712 - 524_288)  # 33,836,544
+    assert f["attention"] == 12 * 6 * 16 * 16 * 64  # 12 L h hd T = 1,179,648
+    assert f["total"] == 35_016_192
+    assert f["forward"] == pytest.approx(35_016_192 / 3)
+    p = demo_plan()
+    assert p["flops"]["per_rank_step"] == 35_016_192 * 4 * 64  # batch 4 x 64 tokens
+
+
+def test_step_time_from_flops():
+    p = P.make_plan(PlanConfig(hardware=P.HardwareConfig(peak_tflops=100.0, mfu=0.5)))
+    # 8,964,145,152 FLOPs / (100e12 x 0.5) = 1.7928e-4 s
+    assert p["step_time_s"] == pytest.approx(35_016_192 * 256 / 50e12)
+
+
+def test_memory_per_rank_debugmodel_by_hand():
+    p = demo_plan()
+    s = S_DEBUG
+    hier, ddp, flat = (p["modes"][m]["memory"] for m in ("hier", "ddp", "flat"))
+    assert hier["parameters"] == hier["gradients"] == s
+    assert hier["optimizer"] == 2 * s  # AdamW, 2 float32 states
+    assert hier["sync_backups"] == 3 * s  # inner localsgd backup + outer diloco backup and momentum
+    assert hier["rollback_snapshot"] == 2 * s
+    assert hier["sync_scratch"] == 6 * s  # inner pseudo-grad + staged backup; outer pseudo-grad + staged (2) + clone
+    # activations: 256 tokens x (6*256 + 2*256 + 4*768 = 5120 elements) x 6 layers x 4 B = 31,457,280
+    # plus the head: 256 x (2*256 x 4 B + 2*2048 x 4 B) = 4,718,592
+    assert hier["activations"] == 31_457_280 + 4_718_592
+    # checkpointed: 256 x (256 x 6 + 5120) x 4 B = 6,815,744, plus the head
+    assert hier["activations_checkpointed"] == 6_815_744 + 4_718_592
+    assert hier["peak"] == 9 * s + max(36_175_872, 6 * s)  # the sync scratch (147.9 MB) is the larger
+    assert ddp["sync_backups"] == ddp["sync_scratch"] == 0
+    assert ddp["peak"] == 4 * s + 36_175_872
+    assert flat["sync_backups"] == 2 * s and flat["sync_scratch"] == s
+
+
+def test_fsdp_divides_model_sized_memory_by_g():
+    cfg = PlanConfig(topology=PlanTopologyConfig(ranks_per_replica=4, sharding="fsdp"))
+    m = P.make_plan(cfg)["modes"]["hier"]["memory"]
+    assert m["parameters"] == S_DEBUG / 4 and m["optimizer"] == 2 * S_DEBUG / 4
+    assert m["activations"] == 36_175_872  # per-rank batch unchanged
+
+
+# ----------------------------------------------------------------------------- network
+def test_ring_factor_matches_link_accounting():
+    from hier_localsgd.link import ring_allreduce_bytes
+
+    for n in (1, 2, 3, 4, 16, 64):
+        assert P.ring_factor(n) * 1000 == pytest.approx(ring_allreduce_bytes(1000, n))
+
+
+def test_ring_and_broadcast_bounds():
+    lan = LinkConfig(10.0, 0.1)
+    # 2(n-1)/n S/B + 2(n-1) a = 1.5 x 8e9 / 1e10 + 6 x 1e-4 = 1.2006 s
+    assert P.ring_allreduce_time(1e9, 4, lan) == pytest.approx(1.2006)
+    # (n-1) S/B + a = 3 x 0.8 + 1e-4
+    assert P.broadcast_time(1e9, 4, lan) == pytest.approx(2.4001)
+    assert P.ring_allreduce_time(1e9, 1, lan) == 0.0 and P.broadcast_time(1e9, 1, lan) == 0.0
+    assert P.transfer_time(1e9, lan) == pytest.approx(0.8001)
+
+
+def test_sync_times_and_comm_fraction_on_the_demo_topology():
+    p = demo_plan()
+    st = p["sync"]
+    assert st["sync_bytes"] == S_DEBUG
+    # inner: 2 groups on the LAN: S x 8 / 1e10 + 2 x 0.1 ms
+    assert st["inner_s"] == pytest.approx(S_DEBUG * 8 / 1e10 + 2e-4)  # 19.92 ms
+    # outer: 2 leaders on the WAN: S x 8 / 1e9 + 2 x 20 ms
+    assert st["outer_allreduce_s"] == pytest.approx(S_DEBUG * 8 / 1e9 + 0.04)  # 237.24 ms
+    assert st["broadcast_s"] == pytest.approx(S_DEBUG * 8 / 1e10 + 1e-4)  # 19.82 ms
+    # flat and ddp: 4 groups, the ring crosses the WAN: 1.5 S x 8 / 1e9 + 6 x 20 ms
+    assert st["flat_s"] == st["ddp_s"] == pytest.approx(1.5 * S_DEBUG * 8 / 1e9 + 0.12)  # 415.86 ms
+    per_step = st["inner_s"] / 10 + (st["outer_allreduce_s"] + st["broadcast_s"]) / 30
+    hier = p["modes"]["hier"]
+    assert hier["sync_per_step_s"] == pytest.approx(per_step)  # 10.561 ms
+    assert hier["comm_fraction"] == pytest.approx(per_step / (0.34 + per_step))  # 3.01 %
+    assert hier["comm_fraction"] == pytest.approx(0.030126, abs=1e-6)
+    assert p["modes"]["flat"]["sync_per_step_s"] == pytest.approx(st["flat_s"] / 30)
+    assert p["modes"]["ddp"]["comm_fraction"] == pytest.approx(st["ddp_s"] / (0.34 + st["ddp_s"]))
+    # slow links carry one model per cluster per outer round: 2 x S / 30 per step
+    assert hier["slow_link_bytes_per_step"] == pytest.approx(2 * S_DEBUG / 30)
+
+
+def test_recommendation_by_hand():
+    p = demo_plan()
+    rec = p["recommendation"]
+    st = p["sync"]
+    b = 0.05 / 0.95 * 0.34  # 17.895 ms per step
+    assert rec["budget_per_step_s"] == pytest.approx(b)
+    assert rec["h_inner"] == math.ceil(st["inner_s"] / (0.5 * b)) == 3  # 19.92 / 8.95 = 2.23
+    left = b - st["inner_s"] / 3
+    assert rec["h_outer"] == math.ceil((st["outer_allreduce_s"] + st["broadcast_s"]) / (3 * left)) == 8  # 7.61
+    assert rec["hier_fraction"] <= 0.05
+    assert rec["h_flat"] == math.ceil(st["flat_s"] / b) == 24  # 415.86 / 17.89 = 23.2
+    assert rec["ddp_meets_target"] is False
+
+
+def test_wider_wan_shrinks_outer_time():
+    cfg = PlanConfig(network=NetworkConfig(wan=LinkConfig(10.0, 20.0)))
+    cfg.hardware.step_time_s = 0.34
+    assert P.make_plan(cfg)["sync"]["outer_allreduce_s"] == pytest.approx(S_DEBUG * 8 / 1e10 + 0.04)
+
+
+# ----------------------------------------------------------------------------- scaling law
+def test_chinchilla_optimum_for_the_seed_budget():
+    sc = ScalingConfig()
+    o = P.chinchilla_optimum(sc)
+    # G = (0.34 x 406.4 / (0.28 x 410.7))^(1/0.62) = (138.176 / 114.996)^1.6129 = 1.34471
+    assert o["G"] == pytest.approx(1.34471, rel=1e-5)
+    # N = G (C/6)^(0.28/0.62) = 1.34471 x (2.05e21)^0.451613 = 5.6662e9 ; D = 2.05e21 / N = 3.6179e11
+    assert o["N_opt"] == pytest.approx(5.6662e9, rel=1e-4)
+    assert o["D_opt"] == pytest.approx(3.6179e11, rel=1e-4)
+    assert o["tokens_per_param"] == pytest.approx(63.85, rel=1e-3)
+    assert o["loss"] == pytest.approx(2.12458, rel=1e-5)
+    assert 6 * o["N_opt"] * o["D_opt"] == pytest.approx(1.23e22)
+    # it is the minimum along the budget: 10 % more or fewer parameters give a higher loss
+    for k in (0.9, 1.1):
+        n = o["N_opt"] * k
+        assert P.chinchilla_loss(sc, n, 1.23e22 / 6 / n) > o["loss"]
+
+
+def test_scaling_constants_are_configurable():
+    o = P.chinchilla_optimum(ScalingConfig(alpha=0.5, beta=0.5, A=1.0, B=1.0, budget_flops=6e20))
+    # G = 1, N = (1e20)^0.5 = 1e10 = D
+    assert o["N_opt"] == pytest.approx(1e10) and o["D_opt"] == pytest.approx(1e10)
+
+
+# ----------------------------------------------------------------------------- config, errors, command
+@pytest.mark.parametrize(
+    "mutate, prefix",
+    [
+        (lambda c: setattr(c.model, "dim", -1), "plan.model.dim: must be positive"),
+        (lambda c: setattr(c.model, "flavor", "13B"), "plan.model.flavor: unknown flavor"),
+        (lambda c: setattr(c.model, "flavor", ""), "plan.model.dim: must be positive"),
+        (lambda c: setattr(c.model, "n_heads", 7), "plan.model.n_heads:"),
+        (lambda c: setattr(c.topology, "clusters", 0), "plan.topology.clusters: must be positive"),
+        (lambda c: setattr(c.topology, "sharding", "zero3"), "plan.topology.sharding: unknown"),
+        (lambda c: setattr(c.network.wan, "bandwidth_gbps", 0.0), "plan.network.wan.bandwidth_gbps: must be positive"),
+        (lambda c: setattr(c.sync, "h_inner", 0), "plan.sync.h_inner: must be at least 1"),
+        (lambda c: setattr(c.sync, "dtype", "int4"), "plan.sync.dtype: unknown dtype"),
+        (lambda c: setattr(c.sync, "target_comm_fraction", 1.5), "plan.sync.target_comm_fraction:"),
+        (lambda c: setattr(c.hardware, "mfu", 0.0), "plan.hardware.mfu:"),
+        (lambda c: setattr(c.scaling, "alpha", 0.0), "plan.scaling.alpha: must be positive"),
+    ],
+)
+def test_bad_values_name_the_field(mutate, prefix):
+    cfg = PlanConfig()
+    mutate(cfg)
+    with pytest.raises(ValueError) as e:
+        P.make_plan(cfg)
+    assert str(e.value).startswith(prefix), str(e.value)
+
+
+def test_configs_are_omegaconf_structured():
+    base = OmegaConf.structured(PlanConfig)
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["model.flavor=llama_7b", "network.wan.bandwidth_gbps=10", "sync.h_inner=20"]))
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, PlanConfig) and cfg.model.flavor == "llama_7b" and cfg.sync.h_inner == 20
+    assert isinstance(cfg.network.wan, LinkConfig) and cfg.network.wan.bandwidth_gbps == 10.0
+
+
+def test_run_plan_prints_tables_and_writes_json(tmp_path, capsys):
+    cfg = PlanConfig(model=LLAMA7B, sync=PlanSyncConfig(h_inner=10, h_outer=3))
+    cfg.train.seq_len = 2048
+    cfg.train.batch_size = 1
+    assert P.run_plan(cfg, str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616" in out and "Compute-optimal" in out and "inner all-reduce" in out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["parameters"]["total"] == 6_738_415_616
+    assert data["scaling"]["N_opt"] == pytest.approx(5.6662e9, rel=1e-4)
