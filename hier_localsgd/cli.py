@@ -36,21 +36,11 @@ COMMANDS = {
 }
 
 
-class _Tag(logging.Filter):
-    """Puts the process's identity (and role) into every log line."""
+def setup_logging(level: str, tag: str) -> None:
+    from hier_localsgd.runtime import LOG_TAG
 
-    def __init__(self, tag: str) -> None:
-        super().__init__()
-        self.tag = tag
-        self.role = ""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.tag = self.tag + self.role
-        return True
-
-
-def setup_logging(level: str, tag: str) -> _Tag:
-    flt = _Tag(tag)
+    LOG_TAG.tag = tag
+    flt = LOG_TAG
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(tag)s] %(name)s: %(message)s"))
     handler.addFilter(flt)
@@ -58,7 +48,6 @@ def setup_logging(level: str, tag: str) -> _Tag:
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     logging.getLogger("hier_localsgd").setLevel(level.upper())
-    return flt
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -74,6 +74,9 @@ class LighthouseConfig:
     heartbeat_timeout_ms: int = 5000
     serve: str = "all"
     cluster: int = 0
+    # Exit 0 once every replica group served here has written <run.dir>/.../result.json
+    # (after this lighthouse started): for launchers that wait for every role to end (TorchX).
+    until_done: bool = False
 
 
 @dataclass

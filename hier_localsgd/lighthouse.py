@@ -12,7 +12,9 @@ dead after ``lighthouse.heartbeat_timeout_ms`` without a heartbeat.
 global + every cluster in one process), ``global``, or ``cluster`` (with
 ``lighthouse.cluster``). Each binds the port of its configured address on all
 interfaces, or on loopback when the address is loopback. It prints one line per
-lighthouse and runs until SIGTERM/SIGINT.
+lighthouse and runs until SIGTERM/SIGINT, or, with ``lighthouse.until_done``,
+until every replica group it serves has written its ``result.json`` under
+``run.dir`` (a shared directory; results older than the lighthouse do not count).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List
 
 from hier_localsgd.config import Config
@@ -58,6 +62,22 @@ def bind_address(field: str, addr: str) -> str:
     return f"127.0.0.1:{port}" if host in _LOOPBACK else f"[::]:{port}"
 
 
+def result_paths(cfg: Config) -> List[Path]:
+    """The result files of the replica groups this process's lighthouses serve."""
+    from hier_localsgd.status import replica_dir
+
+    t, lh = cfg.topology, cfg.lighthouse
+    clusters = [lh.cluster] if lh.serve == "cluster" and cfg.sync.mode == "hier" else range(t.clusters)
+    return [replica_dir(cfg.run.dir, c, r) / "result.json" for c in clusters for r in range(t.replicas_per_cluster)]
+
+
+def _written_since(path: Path, t: float) -> bool:
+    try:
+        return path.stat().st_mtime >= t
+    except FileNotFoundError:
+        return False
+
+
 def start(cfg: Config) -> list:
     """Starts the configured lighthouses in this process; returns the server objects."""
     from torchft.coordination import LighthouseServer
@@ -89,8 +109,18 @@ def serve(cfg: Config) -> int:
     if not servers:
         print("lighthouse: nothing to serve for this configuration", file=sys.stderr)
         return 2
-    sig = signal.sigwait(stop)
-    logger.info("lighthouses stopping on %s", signal.Signals(sig).name)
+    if cfg.lighthouse.until_done:
+        started, waiting = time.time(), result_paths(cfg)
+        sig = None
+        while waiting and sig is None:
+            sig = signal.sigtimedwait(stop, 1.0)
+            waiting = [p for p in waiting if not _written_since(p, started)]
+        if sig is None:
+            print(f"lighthouse: every replica group served here finished ({len(result_paths(cfg))} results); stopping", flush=True)
+    else:
+        sig = signal.sigwait(stop)
+    if sig is not None:
+        logger.info("lighthouses stopping on %s", signal.Signals(sig).name)
     for s in servers:
         s.shutdown()
     return 0

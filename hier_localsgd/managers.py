@@ -14,8 +14,10 @@ replica group of several ranks, rank 0 publishes its store's address under
 
 Failure semantics:
 
-* :func:`probe_lighthouse` fails fast, naming the config field and address, when a
-  lighthouse does not accept connections within ``timeouts.connect``.
+* :func:`probe_lighthouse` retries a refused connection (a lighthouse that launchers
+  like TorchX start alongside the replica groups) and fails, naming the config field
+  and address, when the lighthouse does not accept a connection within
+  ``timeouts.connect``.
 * :meth:`LevelManager.start_quorum` raises :class:`QuorumFailed` when no quorum
   forms in time. torchft 0.2.0 keeps a failed quorum future and re-raises it from
   every later ``start_quorum``; we drop it so the next round can try a fresh
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -69,16 +72,21 @@ def parse_address(field: str, addr: str) -> tuple[str, int]:
 
 
 def probe_lighthouse(field: str, addr: str, timeout: timedelta) -> None:
-    """Raises :class:`LighthouseUnreachable` unless ``addr`` accepts a TCP connection."""
+    """Raises :class:`LighthouseUnreachable` unless ``addr`` accepts a TCP connection within ``timeout``."""
     host, port = parse_address(field, addr)
-    try:
-        with socket.create_connection((host, port), timeout=timeout.total_seconds()):
-            pass
-    except OSError as e:
-        raise LighthouseUnreachable(
-            f"{field}={addr}: lighthouse unreachable ({e.__class__.__name__}: {e}); "
-            f"start it first (hier-localsgd lighthouse) or fix the address"
-        ) from e
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(left, 0.1)):
+                return
+        except OSError as e:
+            if left <= 0.25 or not isinstance(e, ConnectionRefusedError):
+                raise LighthouseUnreachable(
+                    f"{field}={addr}: lighthouse unreachable ({e.__class__.__name__}: {e}); "
+                    f"start it first (hier-localsgd lighthouse) or fix the address"
+                ) from e
+            time.sleep(0.25)  # not listening yet: it may be starting beside us
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,29 @@ EXIT_WATCHDOG = 3
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+class LogTag(logging.Filter):
+    """Puts the process's identity and its current role into every log line: ``[c0r1g1 leader]``.
+
+    One per process (:data:`LOG_TAG`, installed on the handler by the CLI); the trainer
+    updates the role on every phase transition, so a line says whether its process led
+    its cluster when it was written.
+    """
+
+    def __init__(self, tag: str = "") -> None:
+        super().__init__()
+        self.tag = tag
+        self.role = ""
+
+    def set_role(self, role: str) -> None:
+        self.role = role
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.tag = f"{self.tag} {self.role}" if self.role else self.tag
+        return True
+
+
+LOG_TAG = LogTag()
+
 class Runtime:
     """Owns the exit path of one process (see module docstring).
 

@@ -27,7 +27,7 @@ from hier_localsgd.flat import FlatParams, checksum
 from hier_localsgd.level import LevelAlgorithm
 from hier_localsgd.model import build_model, evaluate, lm_loss
 from hier_localsgd.phases import Phase, PhaseTracker
-from hier_localsgd.runtime import Runtime
+from hier_localsgd.runtime import LOG_TAG, Runtime
 from hier_localsgd.status import ReplicaPublisher
 from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity
 
@@ -185,7 +185,11 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         rank=grp.rank,
     )
     rt.on_exit(lambda code, reason: pub.close("done" if code == 0 else f"failed ({reason})"))
-    tracker = PhaseTracker(describe=str(identity) + (f"g{grp.rank}" if grp.size > 1 else ""), listeners=[pub.on_transition])
+    LOG_TAG.set_role("member")
+    tracker = PhaseTracker(
+        describe=str(identity) + (f"g{grp.rank}" if grp.size > 1 else ""),
+        listeners=[pub.on_transition, lambda tr, snap: LOG_TAG.set_role("leader" if snap.get("leader") else "member")],
+    )
     rt.watch(tracker)
     torch.set_num_threads(tr.threads)
     tb = Scalars(cfg, identity)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start one replica group of one cluster; restart it if it dies.
 #
-#   launch/replica.sh [--no-restart] [--max-restarts N] CLUSTER REPLICA GLOBAL_ADDR CLUSTER_ADDRS [overrides...]
+#   launch/replica.sh [--no-restart] [--max-restarts N] [--ranks G] [--nnodes N --node-rank K --rdzv HOST:PORT]
+#                     CLUSTER REPLICA GLOBAL_ADDR CLUSTER_ADDRS [overrides...]
 #
 #   CLUSTER, REPLICA  this replica group's cluster id and index in its cluster (0-based)
 #   GLOBAL_ADDR       the global lighthouse, e.g. http://coord:29510
@@ -18,23 +19,50 @@
 # after RESTART_DELAY seconds (default 2), at most --max-restarts times (default 100);
 # it rejoins its cluster and heals from a live peer. Exit code 2 (configuration
 # error) is never retried. --no-restart runs it once.
+#
+# Several ranks per replica group: --ranks G runs the group with torchrun, G ranks on
+# this host (topology.ranks_per_replica must be G, or G*N with --nnodes N). torchrun
+# restarts the whole group when a rank dies (--max-restarts times, then this script's
+# own loop takes over); one log file per rank goes to <run.dir>/logs/c<C>r<R>.ranks and
+# the console shows rank 0. A group spanning hosts: the same command on each of its N
+# hosts with --nnodes N --node-rank K --rdzv HOST:PORT (a free port on the group's first
+# host). RUN_DIR sets where rank logs go when run.dir is not among the overrides.
 set -uo pipefail
-restart=1; max_restarts=100
+restart=1; max_restarts=100; ranks=1; nnodes=1; node_rank=0; rdzv=""
 while [[ $# -gt 0 && "$1" == --* ]]; do
   case "$1" in
     --no-restart) restart=0; shift ;;
     --max-restarts) max_restarts="$2"; shift 2 ;;
+    --ranks) ranks="$2"; shift 2 ;;
+    --nnodes) nnodes="$2"; shift 2 ;;
+    --node-rank) node_rank="$2"; shift 2 ;;
+    --rdzv) rdzv="$2"; shift 2 ;;
     *) echo "replica.sh: unknown flag $1" >&2; exit 2 ;;
   esac
 done
 if [[ $# -lt 4 ]]; then
-  sed -n '2,23p' "$0" >&2; exit 2
+  sed -n '2,33p' "$0" >&2; exit 2
 fi
 cluster="$1"; replica="$2"; global_addr="$3"; cluster_addrs="$4"; shift 4
-cmd=("${PYTHON:-python3}" -m hier_localsgd train
-     "run.cluster=$cluster" "run.replica=$replica"
-     "lighthouse.global_addr='$global_addr'"
-     "lighthouse.cluster_addrs=[${cluster_addrs}]" "$@")
+train=(-m hier_localsgd train
+       "run.cluster=$cluster" "run.replica=$replica"
+       "lighthouse.global_addr='$global_addr'"
+       "lighthouse.cluster_addrs=[${cluster_addrs}]" "$@")
+if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
+  run_dir="${RUN_DIR:-runs/latest}"
+  for a in "$@"; do [[ "$a" == run.dir=* ]] && run_dir="${a#run.dir=}"; done
+  if [[ $nnodes -gt 1 ]]; then
+    [[ -n "$rdzv" ]] || { echo "replica.sh: --nnodes needs --rdzv HOST:PORT" >&2; exit 2; }
+    where=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d --rdzv-endpoint "$rdzv" --rdzv-id "c${cluster}r${replica}")
+  else
+    where=(--standalone)
+  fi
+  cmd=("${PYTHON:-python3}" -m torch.distributed.run "${where[@]}" --nproc-per-node "$ranks"
+       --max-restarts "$max_restarts" --tee 3 --local-ranks-filter 0
+       --log-dir "$run_dir/logs/c${cluster}r${replica}.ranks" "${train[@]}")
+else
+  cmd=("${PYTHON:-python3}" "${train[@]}")
+fi
 restarts=0
 child=0
 trap 'if [[ $child -ne 0 ]]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 143' TERM INT

@@ -103,6 +103,14 @@ def test_counters_advance_on_every_replica_not_only_leaders(clean_run):
     assert sorted(r["leader"] for r in results) == [False, False, True, True]
 
 
+def test_every_log_line_names_the_process_and_its_role(clean_run):
+    logs = clean_run.job.run_dir / "logs"
+    for key, role in (("c0r0", "leader"), ("c0r1", "member"), ("c1r0", "leader")):
+        lines = [ln for ln in (logs / f"{key}.log").read_text().splitlines() if " INFO [" in ln]
+        assert lines, f"no INFO lines in {key}.log"
+        assert any(f"[{key} {role}] hier_localsgd.trainer: {key} step" in ln for ln in lines), lines[-5:]
+
+
 def test_injected_allreduce_failures_roll_back_and_next_round_succeeds(tmp_path):
     faults = (
         "faults=[{cluster:0,replica:1,step:10,action:fail,phase:INNER_REDUCE},"

@@ -109,3 +109,13 @@ def test_flat_params_keep_parameter_identity_and_write_in_place():
     model.weight.data = torch.zeros(2, 3)  # what seed 004's bug amounted to
     with pytest.raises(InvariantViolation, match="I4"):
         flat.check_in_place()
+
+
+def test_group_rank_check_rejects_a_rank_outside_the_group():
+    from hier_localsgd.invariants import check_group_rank
+
+    check_group_rank("inner", 1, 2)  # rank 1 of 2: fine
+    for rank, size in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(InvariantViolation) as e:
+            check_group_rank("inner", rank, size)
+        assert "I6" in str(e.value) and f"group_rank={rank}" in str(e.value)
