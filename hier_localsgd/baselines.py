@@ -7,7 +7,10 @@ torchft Manager each (no hierarchy, no leaders):
   restarted group before its forward pass), all-reduces the gradients, and steps
   the optimizer only if the commit vote succeeds.
 * ``flat`` — torchft's own ``DiLoCo`` (outer Nesterov SGD) or ``LocalSGD``
-  (parameter average) every ``sync.flat.every`` steps, used as torchft ships it.
+  (parameter average) every ``sync.flat.every`` steps, used as torchft ships it, with
+  DiLoCo's bucketization on (the whole model in one all-reduce per sync, like the
+  hierarchy's flat buffer; torchft's LocalSGD has no such option and all-reduces each
+  parameter separately, paying a link's latency once per tensor).
 
 They expose the same interface as :class:`hier_localsgd.sync.HierarchicalSync`
 (``start``, ``before_forward``, ``before_optimizer_step``, ``after_optimizer_step``,
@@ -196,7 +199,12 @@ class FlatSync(_Baseline):
         manager = self.mgr.manager
         if algorithm == "diloco":
             outer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=nesterov)
-            self.algo = DiLoCo(manager, [model], self.opt, outer, sync_every=every, backup_device=torch.device("cpu"), pin_memory=False)
+            # One bucket (torchft's default cap, 1 GiB) per sync, as the hierarchy sends one flat
+            # buffer: per-parameter all-reduces would pay the WAN latency once per tensor.
+            self.algo = DiLoCo(
+                manager, [model], self.opt, outer, sync_every=every, backup_device=torch.device("cpu"),
+                pin_memory=False, use_bucketization=True,
+            )
         else:
             self.algo = LocalSGD(manager, model, self.opt, sync_every=every)
         self.algo.__enter__()  # registers the optimizer hooks that run the syncs

@@ -21,7 +21,8 @@ the payload all-reduce next to its analytical ring bound. Outputs: a markdown ta
 and two plots (excess loss vs wall time, vs slow-link bytes).
 
 ``bench.mode=quick`` (tiny model, a couple of minutes) for smoke checks; ``full`` (the
-debugmodel workload, under 30 minutes on 2 cores).
+debugmodel workload, under 30 minutes on 2 cores). The workload's periods are the mode's
+preset unless ``bench.h_inner``/``bench.h_outer`` say otherwise (the flat arms follow).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def flat_budget_every(C: int, R: int, period: int) -> int:
 
 def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
     w = WORKLOADS[cfg.bench.mode]
-    h_in, h_out = w["h"]
+    h_in, h_out = cfg.bench.h_inner or w["h"][0], cfg.bench.h_outer or w["h"][1]
     period = h_in * h_out
     C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
     budget = flat_budget_every(C, R, period)

@@ -195,6 +195,8 @@ class BenchConfig:
     wan_latency_ms: float = 20.0
     target_margin: float = 0.02  # target loss = the ddp arm's final eval loss + this
     target_loss: float = 0.0  # > 0: use this target instead
+    h_inner: int = 0  # 0 = the mode's preset (quick 5, full 10); the workload's H overrides sync.*.every
+    h_outer: int = 0  # 0 = the mode's preset (quick 2, full 3)
     out: str = ""  # "" = <run.dir>/bench
     timeout_s: float = 1800.0  # per arm
 
@@ -487,7 +489,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     for name in ("lan_gbps", "wan_gbps"):
         if getattr(b, name) <= 0:
             err(f"bench.{name}", f"{getattr(b, name)} — a bandwidth must be positive")
-    for name in ("lan_latency_ms", "wan_latency_ms", "target_margin", "target_loss"):
+    for name in ("lan_latency_ms", "wan_latency_ms", "target_margin", "target_loss", "h_inner", "h_outer"):
         if getattr(b, name) < 0:
             err(f"bench.{name}", f"{getattr(b, name)} — must be at least 0")
 

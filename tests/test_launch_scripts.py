@@ -1,8 +1,10 @@
 """launch/replica.sh restarts a failed replica group, and --no-restart turns that off."""
 
+import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,3 +55,29 @@ def test_replica_script_never_retries_a_configuration_error(tmp_path):
     assert p.returncode == 2
     assert "sync.inner.algorithm: unknown algorithm 'adam'" in p.stderr
     assert "restart 1/" not in p.stderr and "c0r0 exited with 2; not restarting" in p.stderr
+
+
+def test_replica_script_runs_a_two_rank_group_under_torchrun(tmp_path):
+    """--ranks 2: one torchrun, a log per rank, both ranks finish on the same model; the
+    lighthouse (lighthouse.until_done) exits by itself once the group has finished."""
+    g, c0 = closed_addr(), closed_addr()
+    job = ["model=tiny", "topology.clusters=1", "topology.replicas_per_cluster=1", "topology.ranks_per_replica=2",
+           f"run.dir={tmp_path}", "sync.min_clusters=1", "sync.min_replicas=1", "train.steps=20",
+           "sync.inner.every=5", "sync.outer.every=2", f"lighthouse.global_addr='{g}'", f"lighthouse.cluster_addrs=[{c0}]"]
+    env = dict(os.environ, RUST_LOG="warn")
+    lh = subprocess.Popen([sys.executable, "-m", "hier_localsgd", "lighthouse", "lighthouse.until_done=true", *job],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        p = subprocess.run(["bash", str(SCRIPT), "--no-restart", "--ranks", "2", "0", "0", g, c0, *job],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        lh_out, _ = lh.communicate(timeout=30)
+        assert lh.returncode == 0 and "every replica group served here finished (1 results)" in lh_out
+    finally:
+        if lh.poll() is None:
+            lh.kill()
+    results = [json.loads((tmp_path / "replicas" / "c0r0" / sub / "result.json").read_text()) for sub in ("", "rank1")]
+    assert [r["steps"] for r in results] == [20, 20] and [r["group_rank"] for r in results] == [0, 1]
+    assert results[0]["checksum"] == results[1]["checksum"]
+    assert len(list((tmp_path / "logs" / "c0r0.ranks").rglob("stderr.log"))) == 2
+    assert "[c0r0g0 leader]" in p.stderr and "[c0r0g1 " not in p.stderr  # the console shows rank 0 only

@@ -32,10 +32,10 @@ def test_two_ranks_per_group_train_consistently_with_one_model_per_cluster_on_sl
     # One log file per rank; the group's console log carries rank 0 only, tagged.
     for c, r in run.job.keys():
         group_log = (run.job.run_dir / "logs" / f"c{c}r{r}.log").read_text()
-        assert f"[c{c}r{r}g0]" in group_log and f"[c{c}r{r}g1]" not in group_log
+        assert f"[c{c}r{r}g0 " in group_log and f"[c{c}r{r}g1 " not in group_log
         rank_logs = list((run.job.run_dir / "logs" / f"c{c}r{r}.ranks").rglob("stderr.log"))
         assert len(rank_logs) == 2
-        assert any(f"[c{c}r{r}g1]" in p.read_text() for p in rank_logs)
+        assert any(f"[c{c}r{r}g1 " in p.read_text() for p in rank_logs)
     # every rank trained on its own data shard: rank results differ in train loss
     r0 = read_json(replica_dir(run.job.run_dir, 0, 0) / "result.json")
     r1 = read_json(replica_dir(run.job.run_dir, 0, 0, 1) / "result.json")
