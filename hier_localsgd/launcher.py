@@ -14,6 +14,7 @@ and, after a grace period, SIGKILL.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,6 +30,8 @@ from hier_localsgd.managers import LighthouseUnreachable, probe_lighthouse
 from hier_localsgd.status import read_json, replica_dir
 
 Key = Tuple[int, int]
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -55,6 +58,29 @@ class Proc:
     restarts: int = 0
 
 
+RUN_OUTPUTS = ("replicas", "logs", "tensorboard", "job_events.jsonl", "summary.json")
+
+
+def archive_previous_run(run_dir: Path) -> Optional[Path]:
+    """Moves an earlier job's outputs in ``run_dir`` to ``run_dir/previous/<time>/``.
+
+    Status and event files are appended to, so a new job in a used directory would mix
+    its timeline with the old one's; nothing is deleted. Checkpoints stay where they are
+    (``checkpoint.resume`` continues a job in place and archives nothing).
+    """
+    found = [n for n in RUN_OUTPUTS if (run_dir / n).exists()]
+    if not found:
+        return None
+    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    while dest.exists():
+        dest = dest.with_name(dest.name + "_")
+    dest.mkdir(parents=True)
+    for n in found:
+        os.replace(run_dir / n, dest / n)
+    logger.info("%s: an earlier run's outputs (%s) moved to %s", run_dir, ", ".join(found), dest)
+    return dest
+
+
 @dataclass
 class LocalJob:
     """One job's processes on this host.
@@ -79,6 +105,8 @@ class LocalJob:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
+        if not self.cfg.checkpoint.resume:
+            archive_previous_run(self.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.events_path = self.run_dir / "job_events.jsonl"
         self.gate_path.unlink(missing_ok=True)

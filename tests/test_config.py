@@ -103,3 +103,23 @@ def test_cli_train_with_unreachable_lighthouse_exits_nonzero_naming_address(tmp_
     assert p.returncode == 1, p.stderr[-2000:]
     assert f"lighthouse.cluster_addrs[1]={c1}: lighthouse unreachable" in p.stderr
     assert time.time() - t0 < 60
+
+
+def test_a_new_local_job_archives_the_previous_runs_outputs_and_keeps_checkpoints(tmp_path):
+    from hier_localsgd.launcher import LocalJob
+
+    (tmp_path / "replicas" / "c0r0").mkdir(parents=True)
+    (tmp_path / "replicas" / "c0r0" / "events.jsonl").write_text('{"kind": "old"}\n')
+    (tmp_path / "job_events.jsonl").write_text("old\n")
+    (tmp_path / "checkpoints").mkdir()
+    cfg = load_config(["model=tiny", f"run.dir={tmp_path}"])
+    LocalJob(cfg, [], free_ports=True)
+    archived = list((tmp_path / "previous").iterdir())
+    assert len(archived) == 1
+    assert (archived[0] / "replicas" / "c0r0" / "events.jsonl").read_text() == '{"kind": "old"}\n'
+    assert (archived[0] / "job_events.jsonl").read_text() == "old\n"
+    assert not (tmp_path / "replicas").exists() and (tmp_path / "checkpoints").exists()
+    # resuming continues in place: nothing moves
+    (tmp_path / "replicas").mkdir()
+    LocalJob(load_config(["model=tiny", f"run.dir={tmp_path}", "checkpoint.resume=true"]), [], free_ports=True)
+    assert (tmp_path / "replicas").exists() and len(list((tmp_path / "previous").iterdir())) == 1

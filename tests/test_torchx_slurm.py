@@ -94,7 +94,7 @@ def test_torchx_local_job_trains_to_the_end(tmp_path):
         [torchx_cli(), "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'torchx'}", f"{COMPONENT}:hier",
          "--clusters", "1", "--replicas", "2", "--max_restarts", "1",
          "--global_addr", f"http://127.0.0.1:{ports[0]}", "--cluster_addrs", f"http://127.0.0.1:{ports[1]}",
-         "--", "model=tiny", "train.steps=40", "sync.min_clusters=1", f"run.dir={run_dir}", "train.eval_every=0"],
+         "--", "model=tiny", "train.steps=40", "sync.inner.every=5", "sync.outer.every=2", "sync.min_clusters=1", f"run.dir={run_dir}", "train.eval_every=0"],
         capture_output=True, text=True, timeout=420, cwd=ROOT, env=dict(os.environ, RUST_LOG="warn"),
     )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
