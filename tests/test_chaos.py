@@ -13,9 +13,9 @@ def test_short_chaos_run_recovers_every_kill_and_reports(tmp_path):
     report_path = tmp_path / "report.json"
     p = subprocess.run(
         [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}",
-         "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.05", "train.steps=400",
+         "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.05", "train.steps=240",
          "sync.inner.every=5", "sync.outer.every=2", "sync.min_clusters=1",
-         "chaos.kill_every_s=3", "chaos.seed=3", "chaos.restart_delay_s=1",
+         "chaos.kill_every_s=5", "chaos.seed=3", "chaos.restart_delay_s=1",
          "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50", "lighthouse.join_timeout_ms=10000",
          "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30", "timeouts.outer_reduce=30",
          "timeouts.broadcast=30"],
