@@ -198,10 +198,18 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     # -- data, model, inner optimizer -------------------------------------------
     data = build_data(cfg, grp.rank)
     model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
-    # Gradients as one flat buffer: the ddp baseline all-reduces them across replica groups,
-    # a multi-rank replica group inside the group (its own process group) every step.
+    # Gradients as one flat buffer: the ddp baseline all-reduces it across replica groups;
+    # in a multi-rank replica group DDP writes the group's averaged gradients into it.
     flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp" or grp.size > 1)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
+    # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
+    # group (bucketed gradient averaging overlapped with backward), never across the
+    # fault-tolerant dimension. Its reducer writes the averaged gradients into the flat buffer.
+    fwd: torch.nn.Module = model
+    if grp.pg is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False)
     eval_set = data.eval_batches()
     floor = data.entropy_floor
     eval_start = evaluate(model, eval_set)
@@ -251,13 +259,8 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         t_step = time.time()
         t_perf = time.perf_counter()
         x, y = data.batch(c.step)
-        loss = lm_loss(model, x, y)
-        loss.backward()
-        if grp.pg is not None:  # data parallel inside the replica group: average gradients
-            import torch.distributed as dist
-
-            dist.all_reduce(flat.grad, group=grp.pg)  # type: ignore[arg-type]
-            flat.grad.div_(grp.size)  # type: ignore[union-attr]
+        loss = lm_loss(fwd, x, y)
+        loss.backward()  # with G > 1 ranks, DDP has averaged the gradients across the group on return
         if sync.before_optimizer_step():  # ddp: gradient all-reduce + commit vote
             opt.step()
         if flat.grad is not None:

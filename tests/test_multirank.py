@@ -89,3 +89,51 @@ def test_workers_exit_when_their_torchrun_agent_is_killed(tmp_path):
     ranks_logs = "".join(p.read_text() for p in (run.job.run_dir / "logs" / "c1r1.ranks").rglob("stderr.log"))
     assert "received SIGTERM" in ranks_logs or "torchrun agent) is gone" in ranks_logs
     assert run.summary["consistent"] is True
+
+
+
+def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
+    """One rank wired as the trainer wires it: FlatParams (flat gradient buffer) + DDP."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hier_localsgd.flat import FlatParams
+    from hier_localsgd.model import build_model, lm_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(100 + rank))  # a batch per rank
+    solo = build_model("tiny", 64, 16, 32, seed=0)  # the same model without DDP: this rank's own gradient
+    lm_loss(solo, x[:, :-1], x[:, 1:]).backward()
+    own = torch.cat([p.grad.reshape(-1) for p in solo.parameters()])
+    model = build_model("tiny", 64, 16, 32, seed=0)
+    flat = FlatParams(model, flat_grads=True)
+    ddp = DistributedDataParallel(model, forward_sync_buffers=False)
+    lm_loss(ddp, x[:, :-1], x[:, 1:]).backward()
+    q.put((rank, own.numpy(), flat.grad.numpy().copy()))  # numpy: pickled by value, not shared by fd
+    dist.destroy_process_group()
+
+
+def test_ddp_inside_a_group_averages_gradients_into_the_flat_buffer():
+    """Two real gloo ranks: after backward, each rank's flat gradient buffer (what the inner
+    optimizer steps on) holds the average of the two ranks' own gradients."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from hier_localsgd.launcher import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {r: (torch.from_numpy(own), torch.from_numpy(avg)) for r, own, avg in (q.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (own0, avg0), (own1, avg1) = got[0], got[1]
+    assert not torch.allclose(own0, own1)  # the ranks' batches differ
+    assert torch.equal(avg0, avg1)
+    torch.testing.assert_close(avg0, (own0 + own1) / 2, rtol=1e-5, atol=1e-7)
