@@ -198,13 +198,12 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     # -- data, model, inner optimizer -------------------------------------------
     data = build_data(cfg, grp.rank)
     model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
-    # Gradients as one flat buffer: the ddp baseline all-reduces it across replica groups;
-    # in a multi-rank replica group DDP writes the group's averaged gradients into it.
-    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp" or grp.size > 1)
+    # Gradients as one flat buffer for the ddp baseline, which all-reduces it across replica groups.
+    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
     # group (bucketed gradient averaging overlapped with backward), never across the
-    # fault-tolerant dimension. Its reducer writes the averaged gradients into the flat buffer.
+    # fault-tolerant dimension.
     fwd: torch.nn.Module = model
     if grp.pg is not None:
         from torch.nn.parallel import DistributedDataParallel

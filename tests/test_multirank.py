@@ -93,7 +93,7 @@ def test_workers_exit_when_their_torchrun_agent_is_killed(tmp_path):
 
 
 def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
-    """One rank wired as the trainer wires it: FlatParams (flat gradient buffer) + DDP."""
+    """One rank wired as the trainer wires it: FlatParams (parameters in one buffer) + DDP."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -108,16 +108,17 @@ def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
     lm_loss(solo, x[:, :-1], x[:, 1:]).backward()
     own = torch.cat([p.grad.reshape(-1) for p in solo.parameters()])
     model = build_model("tiny", 64, 16, 32, seed=0)
-    flat = FlatParams(model, flat_grads=True)
+    FlatParams(model)
     ddp = DistributedDataParallel(model, forward_sync_buffers=False)
     lm_loss(ddp, x[:, :-1], x[:, 1:]).backward()
-    q.put((rank, own.numpy(), flat.grad.numpy().copy()))  # numpy: pickled by value, not shared by fd
+    avg = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    q.put((rank, own.numpy(), avg.numpy()))  # numpy: pickled by value, not shared by fd
     dist.destroy_process_group()
 
 
-def test_ddp_inside_a_group_averages_gradients_into_the_flat_buffer():
-    """Two real gloo ranks: after backward, each rank's flat gradient buffer (what the inner
-    optimizer steps on) holds the average of the two ranks' own gradients."""
+def test_ddp_inside_a_group_averages_gradients():
+    """Two real gloo ranks: after backward, each rank's gradients (what the inner optimizer
+    steps on) are the average of the two ranks' own."""
     import torch
     import torch.multiprocessing as mp
 
