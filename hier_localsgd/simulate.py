@@ -122,6 +122,7 @@ from hier_localsgd.plan import (
     table,
     transfer_time,
 )
+from hier_localsgd.timeouts import Timeouts
 
 MODES = ("hier", "flat", "ddp")
 FAILURE_MODELS = ("independent", "chaos", "none")
@@ -157,19 +158,21 @@ class FailureConfig:
     reconfigure_s: float = 0.0  # process-group reconfiguration when a quorum's membership changes
 
 
+_DEFAULT_TIMEOUTS = Timeouts()
+
 @dataclass
 class SimTimeoutsConfig:
-    """Seconds; the project's defaults (configs/config.yaml)."""
+    """Seconds; the project's defaults (phase timeouts from :class:`Timeouts`)."""
 
     heartbeat_s: float = 5.0  # lighthouse.heartbeat_timeout_ms
     join_s: float = 30.0  # lighthouse.join_timeout_ms
-    inner_quorum_s: float = 60.0
-    outer_quorum_s: float = 120.0
-    inner_reduce_s: float = 60.0
-    outer_reduce_s: float = 120.0
-    local_step_s: float = 120.0
-    watchdog_grace_s: float = 30.0
-    startup_s: float = 60.0
+    inner_quorum_s: float = _DEFAULT_TIMEOUTS.inner_quorum.total_seconds()
+    outer_quorum_s: float = _DEFAULT_TIMEOUTS.outer_quorum.total_seconds()
+    inner_reduce_s: float = _DEFAULT_TIMEOUTS.inner_reduce.total_seconds()
+    outer_reduce_s: float = _DEFAULT_TIMEOUTS.outer_reduce.total_seconds()
+    local_step_s: float = _DEFAULT_TIMEOUTS.local_step.total_seconds()
+    watchdog_grace_s: float = _DEFAULT_TIMEOUTS.watchdog_grace.total_seconds()
+    startup_s: float = _DEFAULT_TIMEOUTS.startup.total_seconds()
 
 
 @dataclass
