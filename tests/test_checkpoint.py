@@ -61,12 +61,25 @@ def test_resume_after_the_whole_job_stopped_matches_an_uninterrupted_run(tmp_pat
     full = run_job(tmp_path / "full", COMMON)
     assert all(c == 0 for c in full.codes.values()), logs_tail(full)
 
-    # Same job, stopped entirely (every process and the lighthouses) at step >= 37 ...
+    # Same job, stopped entirely (every process and the lighthouses) while every group is
+    # held at step 35 by an injected hang: no group can reach the step-40 checkpoint, and
+    # the stop comes only once each group's step-30 checkpoint is on disk. (Stopping "at
+    # step >= 37" raced the step-40 checkpoint.)
     part_dir = tmp_path / "part"
-    stopper = when_step((0, 0), 37, lambda job: job.stop(grace_s=10))
-    part = run_job(part_dir, COMMON, during=stopper, timeout_s=120)
-    assert stopper.fired["done"]
+    hang = "faults=[" + ",".join(f"{{cluster:{c},replica:{r},step:35,action:hang}}" for c in (0, 1) for r in (0, 1)) + "]"
+    ckpt30 = [part_dir / "checkpoints" / f"c{c}r{r}" / "ckpt_000000030.pt" for c in (0, 1) for r in (0, 1)]
+    stopped = {}
+
+    def stopper(job):
+        held = all(int((job.status(k) or {}).get("step", 0)) == 35 for k in job.keys())
+        if not stopped and held and all(p.exists() for p in ckpt30):
+            stopped["t"] = time.time()
+            job.stop(grace_s=10)
+
+    part = run_job(part_dir, [*COMMON, hang], during=stopper, timeout_s=120)
+    assert stopped, logs_tail(part)
     assert all(c != 0 for c in part.codes.values())  # stopped, not finished
+    assert all(not (part_dir / "checkpoints" / f"c{c}r{r}" / "ckpt_000000040.pt").exists() for c in (0, 1) for r in (0, 1))
     # ... a newer but corrupt checkpoint is lying around for one group ...
     corrupt = part_dir / "checkpoints" / "c0r0" / "ckpt_000000039.pt"
     corrupt.write_bytes(b"\x00" * 100)
