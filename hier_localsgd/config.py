@@ -63,6 +63,9 @@ class SyncConfig:
     min_clusters: int = 2
     max_quorum_failures: int = 3
     max_commit_failures: int = 5
+    # A level whose lighthouse does not answer skips its rounds and trains on; past this
+    # many seconds of outage the process gives up (hier mode; outage.py).
+    outage_limit_s: float = 600.0
 
 
 @dataclass
@@ -77,6 +80,10 @@ class LighthouseConfig:
     # Exit 0 once every replica group served here has written <run.dir>/.../result.json
     # (after this lighthouse started): for launchers that wait for every role to end (TorchX).
     until_done: bool = False
+    # The local launcher and launch/lighthouses.sh restart a lighthouse that exits, at its
+    # own address, after restart_delay_s; replica processes ride out the outage.
+    supervise: bool = True
+    restart_delay_s: float = 2.0
 
 
 @dataclass
@@ -381,6 +388,10 @@ def validate(cfg: Config, command: str = "train") -> None:
         err("sync.max_quorum_failures", f"{s.max_quorum_failures} — must be at least 1")
     if s.max_commit_failures < 0:
         err("sync.max_commit_failures", f"{s.max_commit_failures} — must be at least 0")
+    if s.outage_limit_s <= 0:
+        err("sync.outage_limit_s", f"{s.outage_limit_s} — must be positive (seconds)")
+    if cfg.lighthouse.restart_delay_s < 0:
+        err("lighthouse.restart_delay_s", f"{cfg.lighthouse.restart_delay_s} — must be at least 0")
 
     tr = cfg.train
     for name in ("steps", "batch_size", "eval_batches", "log_every", "threads"):

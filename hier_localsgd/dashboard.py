@@ -448,6 +448,8 @@ def _replica_view(key: Key, st: Optional[Dict[str, Any]], job: List[Dict[str, An
         outer=outer,
         lighthouse=(inner or {}).get("lighthouse") or lighthouses.get("cluster"),
         link=_link_view(st.get("link")),
+        # per level whose lighthouse is not answering: since, for_s, retries (outage.py)
+        outage=st.get("outage") if isinstance(st.get("outage"), dict) else None,
     )
     view["kill"] = bool(allow_kill and view["replica_id"] and view["lighthouse"] and health in ("live", "waiting", "stale", "starting"))
     return view
@@ -588,8 +590,11 @@ def _timeline(files: RunFiles, limit: int) -> Tuple[List[Dict[str, Any]], Dict[s
                 singles.append(ent)
     singles.extend(_eval_entries(files.events))
     for j in files.job_events:
-        kind, who = j.get("kind"), f"c{j.get('cluster')}r{j.get('replica')}"
-        if kind == "start":
+        kind = j.get("kind")
+        who = f"lighthouse {j['lighthouse']}" if j.get("lighthouse") else f"c{j.get('cluster')}r{j.get('replica')}"
+        if kind == "up":
+            text = f"{who} answering"
+        elif kind == "start":
             text = f"{who} started (pid {j.get('pid')})"
         elif kind == "restart":
             text = f"{who} restarted by the launcher (pid {j.get('pid')})"

@@ -98,7 +98,7 @@ class LocalJob:
     run_dir_override: Optional[Path] = None  # default: cfg.run.dir
     torchrun_restarts: int = 3  # multi-rank groups: torchrun restarts the whole group this often
     python: str = sys.executable
-    lighthouse: Optional[Proc] = None
+    lighthouses: Dict[str, Proc] = field(default_factory=dict)  # role ("global", "cluster<i>") -> process
     replicas: Dict[Key, Proc] = field(default_factory=dict)
     addr_overrides: List[str] = field(default_factory=list)
     history: List[dict] = field(default_factory=list)  # starts, exits, restarts, kills, with times
@@ -129,27 +129,51 @@ class LocalJob:
         f.close()
         return Proc(name=name, popen=p, started=time.time(), log=log)
 
-    def start_lighthouses(self, timeout_s: float = 60.0) -> None:
-        """Starts every lighthouse in one process and waits until each accepts connections."""
-        argv = [self.python, "-m", "hier_localsgd", "lighthouse", *self._args(), "lighthouse.serve=all"]
-        self.lighthouse = self._spawn("lighthouses", argv)
-        addrs = [("lighthouse.global_addr", self.global_addr)]
+    def lighthouse_roles(self) -> List[Tuple[str, str, str]]:
+        """(role, config field, address) of every lighthouse this job runs: ``global``,
+        then ``cluster<i>`` in hier mode (the baselines use only the global one)."""
+        out = [("global", "lighthouse.global_addr", self.global_addr)]
         if self.cfg.sync.mode == "hier":
-            addrs += [(f"lighthouse.cluster_addrs[{i}]", a) for i, a in enumerate(self.cluster_addrs)]
-        deadline = time.time() + timeout_s
+            out += [(f"cluster{i}", f"lighthouse.cluster_addrs[{i}]", a) for i, a in enumerate(self.cluster_addrs)]
+        return out
+
+    def start_lighthouse(self, role: str, timeout_s: float = 60.0) -> Proc:
+        """Starts one lighthouse (its own process, so it can fail and return alone) at its
+        configured address and waits until it accepts connections."""
+        fieldname, addr = next((f, a) for r, f, a in self.lighthouse_roles() if r == role)
+        serve = ["lighthouse.serve=global"] if role == "global" else ["lighthouse.serve=cluster", f"lighthouse.cluster={role[len('cluster'):]}"]
+        prev = self.lighthouses.get(role)
+        proc = self._spawn(f"lighthouse_{role}", [self.python, "-m", "hier_localsgd", "lighthouse", *self._args(), *serve])
+        if prev is not None:
+            proc.restarts = prev.restarts + 1
+        self.lighthouses[role] = proc
+        self._record({"t": proc.started, "event": "restart" if prev else "start", "key": role, "pid": proc.popen.pid})
         from datetime import timedelta
 
-        for fieldname, addr in addrs:
-            while True:
-                if self.lighthouse.popen.poll() is not None:
-                    raise RuntimeError(f"lighthouse process exited with {self.lighthouse.popen.returncode}; see {self.lighthouse.log}")
-                try:
-                    probe_lighthouse(fieldname, addr, timedelta(seconds=1))
-                    break
-                except LighthouseUnreachable:
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.2)
+        deadline = time.time() + timeout_s
+        while True:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{fieldname}: lighthouse process exited with {proc.popen.returncode}; see {proc.log}")
+            try:
+                probe_lighthouse(fieldname, addr, timedelta(seconds=1))
+                self._record({"t": time.time(), "event": "up", "key": role, "pid": proc.popen.pid})
+                return proc
+            except LighthouseUnreachable:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def start_lighthouses(self, timeout_s: float = 60.0) -> None:
+        """Starts every lighthouse, one process each, and waits until each accepts connections."""
+        for role, _, _ in self.lighthouse_roles():
+            self.start_lighthouse(role, timeout_s)
+
+    def kill_lighthouse(self, role: str, sig: int = signal.SIGKILL) -> None:
+        """Signals one lighthouse (SIGKILL: it dies; SIGSTOP: it goes silent) and records it."""
+        p = self.lighthouses[role].popen
+        if p.poll() is None:
+            self._record({"t": time.time(), "event": "kill", "key": role, "signal": signal.Signals(sig).name, "pid": p.pid})
+            os.kill(p.pid, sig)
 
     def start_replica(self, cluster: int, replica: int, extra: Sequence[str] = ()) -> Proc:
         prev = self.replicas.get((cluster, replica))
@@ -175,11 +199,16 @@ class LocalJob:
         return proc
 
     def _record(self, entry: dict) -> None:
-        """Keeps the entry and appends it to ``<run_dir>/job_events.jsonl`` (the dashboard reads it)."""
+        """Keeps the entry and appends it to ``<run_dir>/job_events.jsonl`` (the dashboard reads it).
+
+        ``key`` is a replica group's (cluster, replica) or a lighthouse's role."""
         self.history.append(entry)
-        c, r = entry["key"]
         line = {k: v for k, v in entry.items() if k != "key"}
-        line.update(kind=entry["event"], cluster=c, replica=r)
+        if isinstance(entry["key"], str):
+            line.update(kind=entry["event"], lighthouse=entry["key"])
+        else:
+            c, r = entry["key"]
+            line.update(kind=entry["event"], cluster=c, replica=r)
         with open(self.events_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -240,14 +269,31 @@ class LocalJob:
 
         With ``restart``, a replica group that exits non-zero (other than 2, a
         configuration error) is started again after ``restart_delay_s``, as the
-        launch script or torchelastic would; it rejoins and heals. Returns the
-        exit codes (None: still running).
+        launch script or torchelastic would; it rejoins and heals. A lighthouse
+        that exits is started again at its address after
+        ``lighthouse.restart_delay_s`` unless ``lighthouse.supervise`` is false.
+        Returns the replica groups' exit codes (None: still running).
         """
         deadline = time.time() + timeout_s
         seen_exit: Dict[Key, int] = {}
         due: Dict[Key, float] = {}
+        lh = self.cfg.lighthouse
+        lh_due: Dict[str, float] = {}
         while time.time() < deadline:
             now = time.time()
+            # Lighthouses are supervised like replica groups: a dead one comes back at its
+            # own address; the replica processes ride out the outage (sync.outage_limit_s).
+            for role, proc in self.lighthouses.items():
+                code = proc.popen.poll()
+                if code is None or seen_exit.get(role) == proc.popen.pid:  # type: ignore[call-overload]
+                    continue
+                seen_exit[role] = proc.popen.pid  # type: ignore[index]
+                self._record({"t": now, "event": "exit", "key": role, "code": code, "pid": proc.popen.pid})
+                if lh.supervise:
+                    lh_due[role] = now + lh.restart_delay_s
+            for role in [r for r, t in lh_due.items() if t <= now]:
+                del lh_due[role]
+                self.start_lighthouse(role)
             for key, proc in self.replicas.items():
                 code = proc.popen.poll()
                 if code is None or seen_exit.get(key) == proc.popen.pid:
@@ -276,7 +322,7 @@ class LocalJob:
             os.killpg(p.pid, sig) if sig == signal.SIGKILL else p.send_signal(sig)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        procs = [p for p in self.replicas.values()] + ([self.lighthouse] if self.lighthouse else [])
+        procs = [p for p in self.replicas.values()] + list(self.lighthouses.values())
         for p in procs:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)

@@ -19,7 +19,12 @@ Failure semantics:
   and address, when the lighthouse does not accept a connection within
   ``timeouts.connect``.
 * :meth:`LevelManager.start_quorum` raises :class:`QuorumFailed` when no quorum
-  forms in time. torchft 0.2.0 keeps a failed quorum future and re-raises it from
+  forms in time although the lighthouse answers, and
+  :class:`hier_localsgd.outage.LighthouseOutage` within one slice (the lighthouse's
+  heartbeat timeout) when the lighthouse does not answer. A quorum that forms in the
+  few milliseconds between two slices is missed by this replica (torchft's
+  lighthouse answers the requests waiting at that instant only); its peers then
+  fail that round at their process-group timeout, and the next round re-forms. torchft 0.2.0 keeps a failed quorum future and re-raises it from
   every later ``start_quorum``; we drop it so the next round can try a fresh
   quorum. A heal that fails after the quorum formed does not raise: the Manager is
   left errored and the round's commit vote fails.
@@ -43,6 +48,7 @@ from torchft.checkpointing import HTTPTransport
 
 from hier_localsgd.invariants import check_group_rank
 from hier_localsgd.link import LinkProcessGroup
+from hier_localsgd.outage import LighthouseHealth, LighthouseOutage
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +205,33 @@ class LevelManager:
         self._healed = True
         self._load(sd)
 
-    def start_quorum(self, timeout: timedelta) -> QuorumView:
-        """Forms a quorum (and heals from a peer if behind). Raises :class:`QuorumFailed` if none forms."""
+    def start_quorum(self, timeout: timedelta, health: Optional[LighthouseHealth] = None, slice_: Optional[timedelta] = None) -> QuorumView:
+        """Forms a quorum (and heals from a peer if behind) within ``timeout``.
+
+        With ``health`` and ``slice_`` (the lighthouse's heartbeat timeout), the request
+        is made in slices of at most ``slice_`` and the lighthouse is probed between
+        slices (outage.py says why): an answering lighthouse is asked again until
+        ``timeout`` is spent; one that does not answer ends the call at once.
+
+        Raises:
+            LighthouseOutage: the lighthouse does not answer (before or during the call).
+            QuorumFailed: no quorum formed within ``timeout`` although the lighthouse answered.
+        """
+        if health is not None:
+            health.before_quorum()
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            left = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+            this = min(left, slice_) if slice_ is not None and health is not None else left
+            try:
+                return self._quorum_once(this)
+            except QuorumFailed as e:
+                if health is not None and not health.probe():
+                    raise LighthouseOutage(health.message(f"quorum request failed: {e}")) from e
+                if time.monotonic() >= deadline - 0.05:
+                    raise
+
+    def _quorum_once(self, timeout: timedelta) -> QuorumView:
         self._healed = False
         try:
             self.manager.start_quorum(timeout=timeout)

@@ -9,7 +9,10 @@ One sync round, top to bottom (see :mod:`hier_localsgd.sync` for the code)::
                                               └─► (outer round, non-leader) BROADCAST┘
 
 Any failure goes straight to ROLLBACK (restore the last commit) and then LOCAL; the
-next round starts from a fresh quorum. STOPPED is terminal.
+next round starts from a fresh quorum. A round whose lighthouse does not answer
+(outage.py) goes from its QUORUM phase straight back to LOCAL: nothing was exchanged
+and the replica keeps its local progress (INNER_QUORUM -> LOCAL; OUTER_QUORUM ->
+BROADCAST as for any failed outer level). STOPPED is terminal.
 
 Invariants enforced here (docs/invariants.md):
 
@@ -56,7 +59,8 @@ class Phase(str, enum.Enum):
 TRANSITIONS: Dict[Phase, FrozenSet[Phase]] = {
     Phase.START: frozenset({Phase.LOCAL, Phase.INNER_QUORUM}),
     Phase.LOCAL: frozenset({Phase.LOCAL, Phase.INNER_QUORUM}),
-    Phase.INNER_QUORUM: frozenset({Phase.INNER_REDUCE}),
+    # -> LOCAL: the cluster lighthouse does not answer; the round is skipped (outage.py).
+    Phase.INNER_QUORUM: frozenset({Phase.INNER_REDUCE, Phase.LOCAL}),
     Phase.INNER_REDUCE: frozenset({Phase.INNER_COMMIT, Phase.OUTER_QUORUM, Phase.BROADCAST}),
     # A failed outer quorum/reduce still ends in BROADCAST: the leader tells its
     # cluster the outer level failed so nobody waits for the broadcast timeout.

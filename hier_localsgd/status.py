@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from hier_localsgd.phases import Transition
 
@@ -108,7 +108,18 @@ class ReplicaPublisher:
             self._events.close()
 
 
-def iter_replicas(run_dir: str | Path) -> Iterator[Path]:
-    root = Path(run_dir) / "replicas"
-    if root.is_dir():
-        yield from sorted(p for p in root.iterdir() if p.is_dir())
+def job_finished(run_dir: str | Path, keys: Iterable[Tuple[int, int]], steps_total: int) -> Optional[str]:
+    """A message if any of ``keys`` (other replica groups of the job) has written a result
+    for the whole run (``steps >= steps_total``), else None.
+
+    This is how a late or lone replica group learns that the job moved on without it:
+    the run directory is the job's shared state (as for ``lighthouse.until_done``). A
+    job whose groups share no run directory never sees it and keeps today's behaviour
+    (exit non-zero after ``sync.max_quorum_failures``). Each process deletes its own
+    result file when it starts, so a result present here is from this job's run.
+    """
+    for c, r in keys:
+        res = read_json(replica_dir(run_dir, c, r) / "result.json")
+        if res and int(res.get("steps", 0)) >= steps_total:
+            return f"the job has finished without this replica group: c{c}r{r} completed step {res['steps']}/{steps_total}"
+    return None

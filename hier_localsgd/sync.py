@@ -60,6 +60,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -74,6 +75,7 @@ from hier_localsgd.level import Level, LevelAlgorithm, Staged
 from hier_localsgd.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
 from hier_localsgd.lossy import LinkSpec
 from hier_localsgd.managers import LevelManager, LighthouseUnreachable, QuorumFailed, QuorumView
+from hier_localsgd.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.phases import Phase, PhaseTracker
 from hier_localsgd.timeouts import Timeouts
 
@@ -84,6 +86,11 @@ EventSink = Callable[..., None]
 
 class FatalSyncError(RuntimeError):
     """The sync cannot continue (repeated quorum failures); the process must exit."""
+
+
+class JobFinished(RuntimeError):
+    """The job ended without this replica group (another group finished every step while
+    this one was away): nobody is left to sync with. The process exits 0 with the message."""
 
 
 class Status(enum.IntEnum):
@@ -143,6 +150,11 @@ class HierSettings:
     outer_link: Optional[LinkSpec] = None
     group_rank: int = 0
     group_world_size: int = 1
+    # Lighthouse outages (outage.py): each quorum request waits at most quorum_slice (the
+    # lighthouse heartbeat timeout) before the lighthouse is probed; a level whose
+    # lighthouse has not answered for outage_limit ends the process.
+    quorum_slice: timedelta = timedelta(seconds=5)
+    outage_limit: timedelta = timedelta(seconds=600)
 
 
 @dataclass
@@ -173,9 +185,12 @@ class HierarchicalSync:
         faults: Optional[FaultPlan] = None,
         group: Optional[object] = None,
         group_store: Optional[object] = None,
+        job_done: Optional[Callable[[], Optional[str]]] = None,
     ) -> None:
         """``group``/``group_store``: the replica group's own torch.distributed process
-        group and store (torchrun's), when it has several ranks."""
+        group and store (torchrun's), when it has several ranks. ``job_done``: returns a
+        message once the job has finished without this group (status.py), asked before
+        a failing quorum ends the process."""
         self.s = settings
         self.id = identity
         self.t = timeouts
@@ -185,6 +200,7 @@ class HierarchicalSync:
         self.events = events
         self.faults = faults or FaultPlan([], identity.cluster, identity.replica)
         self.counters = Counters()
+        self.job_done = job_done
 
         # This rank's slice of the flat vector (all of it with one rank per group).
         g, k = settings.group_world_size, settings.group_rank
@@ -221,6 +237,12 @@ class HierarchicalSync:
         self._since_outer = 0  # steps committed at the inner level since the last outer commit
         tracker.set_extra(**self.work)
 
+        probe = min(timedelta(seconds=1), settings.quorum_slice)
+        self.health = {
+            "inner": LighthouseHealth("inner", settings.cluster_lighthouse_field, settings.cluster_lighthouse, probe, settings.quorum_slice, settings.outage_limit),
+            "outer": LighthouseHealth("outer", settings.global_lighthouse_field, settings.global_lighthouse, probe, settings.quorum_slice, settings.outage_limit),
+        }
+        self._published_outage: Dict[str, bool] = {"inner": False, "outer": False}
         self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link)
         self.inner_mgr = LevelManager(
             level="inner",
@@ -314,11 +336,17 @@ class HierarchicalSync:
         tr.enter(Phase.INNER_QUORUM, t.inner_quorum, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
-            q = self.inner_mgr.start_quorum(tr.remaining())
+            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice)
+        except LighthouseOutage as e:
+            # Nothing was exchanged: keep the local progress and train on (outage.py).
+            self._outage("inner", e)
+            tr.enter(Phase.LOCAL, t.local_step, reason="cluster lighthouse not answering: round skipped")
+            return False
         except QuorumFailed as e:
             self._quorum_failed("inner", e)
             self._rollback(f"inner quorum failed: {e}")
             return False
+        self._lighthouse_ok("inner")
         self._quorum_failures["inner"] = 0
         self._last_quorum_size, self._last_rank, self._last_healed = q.size, q.rank, q.healed
         self.tracker.set_extra(inner=self.inner_mgr.describe(q.size))
@@ -407,13 +435,24 @@ class HierarchicalSync:
         tr.enter(Phase.OUTER_QUORUM, t.outer_quorum)
         self._fault_point(Phase.OUTER_QUORUM)
         self._outer_healed = None
+        health = self.health["outer"]
         try:
+            if self.outer_mgr is None:
+                health.before_quorum()
+                if not health.probe():  # a new Manager would wait timeouts.connect for it
+                    raise LighthouseOutage(health.message("no cluster Manager yet"))
             mgr, comm = self._ensure_outer()
-            q = mgr.start_quorum(tr.remaining())
+            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
+        except LighthouseOutage as e:
+            # The clusters train and sync inside themselves until the global lighthouse returns.
+            self._outage("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=c.step)
+            return fallback
         except (QuorumFailed, LighthouseUnreachable) as e:
             self._quorum_failed("outer", e)
             self.events("rollback", level="outer", reason=str(e), step=c.step)
             return fallback
+        self._lighthouse_ok("outer")
         self._quorum_failures["outer"] = 0
         self.tracker.set_extra(outer=mgr.describe(q.size))
         if q.healed:
@@ -565,7 +604,40 @@ class HierarchicalSync:
         self.events("timeout" if is_timeout(e) else "quorum_failed", level=level, op="quorum", phase=self.tracker.phase.value, detail=str(e)[:200])
         logger.warning("%s %s quorum failed (%d in a row): %s", self.id, level, n, e)
         if n >= self.s.max_quorum_failures:
+            self._check_job_done()
             raise FatalSyncError(f"{level} quorum failed {n} times in a row (last: {e})") from e
+
+    def _check_job_done(self) -> None:
+        """Raises :class:`JobFinished` if the job ended without this group (a late or lone
+        group must not exit non-zero, or its launcher would restart it for nothing)."""
+        done = self.job_done() if self.job_done is not None else None
+        if done:
+            raise JobFinished(done)
+
+    def _outage(self, level: str, e: LighthouseOutage) -> None:
+        """A round skipped because the level's lighthouse does not answer (outage.py)."""
+        health = self.health[level]
+        if not self._published_outage[level]:
+            self._published_outage[level] = True
+            self.events("outage", level=level, state="start", lighthouse=health.addr, detail=str(e)[:200], step=self.counters.step)
+        self._publish_outages()
+        try:
+            health.check_limit()
+        except OutageLimitExceeded as limit:
+            self._check_job_done()
+            raise FatalSyncError(str(limit)) from limit
+
+    def _lighthouse_ok(self, level: str) -> None:
+        health = self.health[level]
+        was = self._published_outage[level]
+        health.mark_up()
+        if was:
+            self._published_outage[level] = False
+            self.events("outage", level=level, state="end", lighthouse=health.addr, step=self.counters.step)
+            self._publish_outages()
+
+    def _publish_outages(self) -> None:
+        self.tracker.set_extra(outage={lv: h.describe() for lv, h in self.health.items() if h.describe() is not None} or None)
 
     # ------------------------------------------------------------------ leadership
     def _set_leader(self, leader: bool) -> None:
@@ -578,11 +650,12 @@ class HierarchicalSync:
             self.outer_mgr.shutdown()
             self.outer_mgr, self.outer_comm = None, None
             self.tracker.set_extra(outer=None)
-        if leader and self.outer_mgr is None:
+        if leader and self.outer_mgr is None and not self.health["outer"].down and self.health["outer"].probe():
             # Join the global lighthouse early so the first outer quorum waits for us.
             try:
                 self._ensure_outer()
             except LighthouseUnreachable as e:
+                self.health["outer"].mark_down()
                 logger.error("%s cannot reach the global lighthouse yet: %s", self.id, e)
 
     def _ensure_outer(self) -> tuple[LevelManager, LevelComm]:

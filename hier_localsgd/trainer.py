@@ -15,7 +15,8 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from datetime import timedelta
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -28,8 +29,8 @@ from hier_localsgd.level import LevelAlgorithm
 from hier_localsgd.model import build_model, evaluate, lm_loss
 from hier_localsgd.phases import Phase, PhaseTracker
 from hier_localsgd.runtime import LOG_TAG, Runtime
-from hier_localsgd.status import ReplicaPublisher
-from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity
+from hier_localsgd.status import ReplicaPublisher, job_finished
+from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity, JobFinished
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,13 @@ def group_context(cfg: Config, t: Any) -> GroupContext:
     return GroupContext(rank=rank, size=g, pg=dist.group.WORLD, store=store)
 
 
+def job_done_check(cfg: Config, identity: Identity) -> Callable[[], Optional[str]]:
+    """Whether the job finished without this replica group (status.job_finished)."""
+    t = cfg.topology
+    others = [(c, r) for c in range(t.clusters) for r in range(t.replicas_per_cluster) if (c, r) != (identity.cluster, identity.replica)]
+    return lambda: job_finished(cfg.run.dir, others, cfg.train.steps)
+
+
 def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext()):  # type: ignore[no-untyped-def]
     s, t = cfg.sync, cfg.timeouts_obj()
     hostname = cfg.run.hostname or socket.gethostname()
@@ -117,9 +125,12 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outer_link=cfg.link_spec("outer"),
             group_rank=grp.rank,
             group_world_size=grp.size,
+            quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
+            outage_limit=timedelta(seconds=s.outage_limit_s),
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
-        return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store)
+        return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,
+                                job_done=job_done_check(cfg, identity))
 
     from hier_localsgd.baselines import DDPSync, FlatSync
 
@@ -167,7 +178,23 @@ def _trimmed_mean(xs: list, warmup: int = 3) -> float | None:
 
 
 def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
-    """Trains one replica group to ``train.steps`` and returns its result record."""
+    """Trains one replica group to ``train.steps`` and returns its result record.
+
+    A group that finds the job already finished without it (at start-up, or when its
+    quorums keep failing: :class:`JobFinished`) says so in one line and returns without
+    a result, so the process exits 0 and no launcher restarts it."""
+    done = job_done_check(cfg, Identity(cfg.run.cluster, cfg.run.replica))()
+    if done:
+        logger.warning("c%dr%d: %s; exiting", cfg.run.cluster, cfg.run.replica, done)
+        return {"job_finished": done}
+    try:
+        return _train(cfg, rt)
+    except JobFinished as e:
+        logger.warning("c%dr%d: %s; exiting", cfg.run.cluster, cfg.run.replica, e)
+        return {"job_finished": str(e)}
+
+
+def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     t0 = time.time()
     identity = Identity(cfg.run.cluster, cfg.run.replica)
     tr = cfg.train

@@ -194,13 +194,16 @@ function replicaRow(rg, allowKill) {
   const commit = isNum(rg.last_commit_age_s)
     ? esc(rg.last_commit_level || "") + " #" + esc(rg.last_commit_round) + ' <span class="small">' + fmtAge(rg.last_commit_age_s) + " ago</span>"
     : '<span class="muted">none yet</span>';
+  const outage = Object.entries(rg.outage || {}).map(([lvl, o]) =>
+    ' <span class="badge warn" title="' + esc(lvl) + " lighthouse " + esc(o.lighthouse) + " not answering for " + fmtAge(o.for_s) + ", " + esc(o.retries) + ' retries; training on">' +
+    esc(lvl) + " lighthouse out " + fmtAge(o.for_s) + "</span>").join("");
   const excessTxt = isNum(rg.excess) ? '<span class="small" title="excess over the entropy floor"> ' + (rg.excess >= 0 ? "+" : "−") + Math.abs(rg.excess).toFixed(3) + "</span>" : "";
   let html = '<tr class="rg-row' + (dead ? " dead" : "") + '" data-replica="' + rg.name + '" data-health="' + esc(rg.health) + '" data-phase="' + esc(phase) + '">' +
     '<td class="c-name" title="' + esc(rg.replica_id || "") + '">' + rg.name + "</td>" +
     '<td class="c-role"><span class="badge role-' + rg.role + '">' + (rg.leader ? "★ leader" : "member") + "</span></td>" +
     '<td class="c-health"><span class="badge ' + healthCls + '" title="' + title + '">' + esc(rg.health) + "</span>" +
     (rg.restarts ? ' <span class="small" title="restarts">↻' + rg.restarts + "</span>" : "") + "</td>" +
-    '<td class="c-phase"><span class="phase ph-' + esc(phase) + '" title="' + esc(phaseTitle) + '">' + esc(phase) + '</span> <span class="small">' + fmtAge(rg.phase_age_s) + "</span></td>" +
+    '<td class="c-phase"><span class="phase ph-' + esc(phase) + '" title="' + esc(phaseTitle) + '">' + esc(phase) + '</span> <span class="small">' + fmtAge(rg.phase_age_s) + "</span>" + outage + "</td>" +
     '<td class="c-step num">' + esc(rg.step) + (rg.steps_total ? '<span class="small"> / ' + rg.steps_total + '</span><div class="bar stepbar"><span style="width:' + stepPct.toFixed(1) + '%"></span></div>' : "") + "</td>" +
     '<td class="c-inner num">' + esc(rg.inner_round) + "</td>" +
     '<td class="c-outer num">' + esc(rg.outer_round) + "</td>" +
