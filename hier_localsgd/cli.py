@@ -11,7 +11,11 @@
     hier-localsgd simulate   [overrides...]   scale simulator: goodput under failures
 
 Overrides are hydra syntax (``topology.clusters=3 model=tiny``); see configs/.
-A configuration error exits with code 2 and a message naming the field.
+A configuration error (a bad data file included) exits with code 2 and one line
+naming the field, before any process starts. ``train`` on a terminal or pipe prints
+one line per log record and writes its full log, tracebacks included, to
+``<run.dir>/logs/<tag>.log``; ``HIER_LOCALSGD_DEBUG=1`` prints tracebacks on the
+console too.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import argparse
 import logging
 import os
 import signal
+import stat
 import sys
+import traceback
 from typing import List, Optional
 
 COMMANDS = {
@@ -36,16 +42,68 @@ COMMANDS = {
 }
 
 
-def setup_logging(level: str, tag: str) -> None:
+DEBUG_ENV = "HIER_LOCALSGD_DEBUG"  # set (not "0"): tracebacks on the console too
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(tag)s] %(name)s: %(message)s"
+
+
+def debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+class OneLineFormatter(logging.Formatter):
+    """Formats a record as one line for a console: a traceback, or a message's further lines,
+    is left out and the line names the log file that has it."""
+
+    def __init__(self, fmt: str, log_file: str) -> None:
+        super().__init__(fmt)
+        self.log_file = log_file
+
+    def format(self, record: logging.LogRecord) -> str:
+        # The record is shared with the file handler: hide its traceback only while formatting.
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            text = super().format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+        line, more, _ = text.partition("\n")
+        if more or saved[0] or saved[2]:
+            line += f" (details in {self.log_file})"
+        return line
+
+
+def _stderr_is_a_file() -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(sys.stderr.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def setup_logging(level: str, tag: str, log_file: Optional[str] = None) -> None:
+    """Logs to stderr, tagged.
+
+    With ``log_file``, when stderr is a terminal or a pipe (a console, not a log), every
+    record also goes in full to ``log_file`` and the console gets one line per record
+    (tracebacks only with ``HIER_LOCALSGD_DEBUG=1``). When stderr already is a file (the
+    local launcher and torchrun redirect it to the process's log), it gets everything.
+    """
     from hier_localsgd.runtime import LOG_TAG
 
     LOG_TAG.tag = tag
-    flt = LOG_TAG
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(tag)s] %(name)s: %(message)s"))
-    handler.addFilter(flt)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handlers: List[logging.Handler] = [handler]
+    if log_file is not None and not _stderr_is_a_file():
+        os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+        to_file = logging.FileHandler(log_file, mode="a")  # append across restarts, as the launcher's logs
+        to_file.setFormatter(logging.Formatter(LOG_FORMAT))
+        handlers.append(to_file)
+        if not debug():
+            handler.setFormatter(OneLineFormatter(LOG_FORMAT, log_file))
+    for h in handlers:
+        h.addFilter(LOG_TAG)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     root.setLevel(logging.WARNING)
     logging.getLogger("hier_localsgd").setLevel(level.upper())
 
@@ -70,6 +128,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = load_config(args.overrides, validate_for=args.command)
     except ConfigError as e:
+        if debug():
+            traceback.print_exc()
         print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -133,7 +193,7 @@ def _train(cfg: "Config") -> int:  # type: ignore[name-defined]  # noqa: F821
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     rank = os.environ.get("RANK", "0") if cfg.topology.ranks_per_replica > 1 else None
     tag = f"c{cfg.run.cluster}r{cfg.run.replica}" + (f"g{rank}" if rank is not None else "")
-    setup_logging(cfg.run.log_level, tag)
+    setup_logging(cfg.run.log_level, tag, log_file=os.path.join(cfg.run.dir, "logs", f"{tag}.log"))
     rt = Runtime(tag, shutdown_timeout=t.shutdown, watchdog_grace=t.watchdog_grace)
     rt.install(watch_parent=under_torchrun)
     rt.run(lambda: train(cfg, rt))

@@ -11,7 +11,6 @@ the field.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from hier_localsgd.dashboard import DashboardConfig
+from hier_localsgd.data import check_input
 from hier_localsgd.faults import Fault
 from hier_localsgd.plan import PlanConfig
 from hier_localsgd.simulate import SimulateConfig
@@ -29,6 +29,7 @@ from hier_localsgd.managers import parse_address
 from hier_localsgd.timeouts import Timeouts
 
 MODES = ("hier", "flat", "ddp")
+TRAINING_COMMANDS = ("train", "demo", "chaos", "sweep", "bench")  # validate() checks their data input
 DATA_KINDS = ("markov", "text", "parquet")
 LIGHTHOUSE_ROLES = ("all", "global", "cluster")
 
@@ -353,7 +354,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     """Semantic checks; raises :class:`ConfigError` whose message starts with the field path.
 
     ``command``: "train" checks the identity of this process too; "demo", "chaos"
-    and "lighthouse" skip the lighthouse address list checks that they fill in.
+    and "lighthouse" skip the lighthouse address list checks that they fill in. The
+    commands that train (:data:`TRAINING_COMMANDS`) also check a text or parquet
+    ``data.path`` itself (:func:`hier_localsgd.data.check_input`).
     """
 
     def err(path: str, msg: str) -> None:
@@ -421,12 +424,15 @@ def validate(cfg: Config, command: str = "train") -> None:
         if d.concentration <= 0:
             err("data.concentration", f"{d.concentration} — must be positive")
     else:
-        if not d.path:
-            err("data.path", f"required for data.kind={d.kind}")
-        if not os.path.isfile(d.path):
-            err("data.path", f"{d.path!r}: no such file")
         if not 0 < d.eval_fraction < 1:
             err("data.eval_fraction", f"{d.eval_fraction} — must be in (0, 1)")
+        if command in TRAINING_COMMANDS:
+            # The file itself, once, here: before a launcher starts processes that would
+            # each fail on it (a lighthouse or the dashboard never reads it).
+            try:
+                check_input(d, tr.seq_len, cfg.num_shards)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
 
     if cfg.model.name != "tiny" and not cfg.model.name.startswith("llama3_"):
         err("model.name", f"unknown model {cfg.model.name!r} (expected 'tiny' or 'llama3_<flavor>', e.g. llama3_debugmodel)")

@@ -40,7 +40,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 from typing import Callable, List, Optional
 
@@ -131,12 +130,15 @@ class Runtime:
             main()
         except BaseException as e:  # includes KeyboardInterrupt/SystemExit from main
             code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else EXIT_ERROR
-            logger.error("%s failed: %s\n%s", self.describe, e, traceback.format_exc())
-            self.exit(code, f"{e.__class__.__name__}: {e}")
+            self.exit(code, f"{e.__class__.__name__}: {e}", error=e)
         self.exit(EXIT_OK, "finished")
 
-    def exit(self, code: int, reason: str) -> None:
-        """Stops heartbeats, publishes, exits. Safe from any thread; the first caller wins."""
+    def exit(self, code: int, reason: str, error: Optional[BaseException] = None) -> None:
+        """Stops heartbeats, publishes, exits. Safe from any thread; the first caller wins.
+
+        A non-zero exit is logged as one ERROR record carrying ``error``'s traceback, which
+        the console shows as one line unless HIER_LOCALSGD_DEBUG is set (cli.setup_logging).
+        """
         with self._lock:
             if self._exiting:
                 # Another thread is already exiting; don't return into a hung caller.
@@ -145,7 +147,7 @@ class Runtime:
             self._exiting = True
             closers, on_exit = list(self._closers), list(self._on_exit)
         if code != EXIT_OK:
-            logger.error("%s exiting with code %d: %s", self.describe, code, reason)
+            logger.error("%s exiting with code %d: %s", self.describe, code, reason, exc_info=error)
         done = threading.Event()
 
         def close_all() -> None:
