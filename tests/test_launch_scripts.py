@@ -81,3 +81,52 @@ def test_replica_script_runs_a_two_rank_group_under_torchrun(tmp_path):
     assert results[0]["checksum"] == results[1]["checksum"]
     assert len(list((tmp_path / "logs" / "c0r0.ranks").rglob("stderr.log"))) == 2
     assert "[c0r0g0 leader]" in p.stderr and "[c0r0g1 " not in p.stderr  # the console shows rank 0 only
+
+
+LIGHTHOUSES = Path(__file__).resolve().parent.parent / "launch" / "lighthouses.sh"
+
+
+def _lighthouse_children(script_pid: int) -> list:
+    out = subprocess.run(["pgrep", "-P", str(script_pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def _wait_answering(addr: str, timeout_s: float) -> float:
+    from hier_localsgd.outage import lighthouse_answers
+    from datetime import timedelta
+
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if lighthouse_answers(addr, timedelta(seconds=0.5)):
+            return time.time()
+        time.sleep(0.1)
+    raise AssertionError(f"{addr} not answering after {timeout_s}s")
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_lighthouse_script_restarts_a_dead_lighthouse_at_its_address(tmp_path, restart):
+    """A SIGKILLed lighthouse comes back at the same address (replica processes then rejoin
+    it: tests/test_outages.py); --no-restart leaves it dead."""
+    addr = closed_addr()
+    env = dict(os.environ, RESTART_DELAY="0.5", RUST_LOG="warn")
+    flags = [] if restart else ["--no-restart"]
+    p = subprocess.Popen(["bash", str(LIGHTHOUSES), *flags, "global", f"lighthouse.global_addr={addr}", f"run.dir={tmp_path}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _wait_answering(addr, 60)
+        # with --no-restart the script execs the lighthouse: it is the process itself
+        victims = _lighthouse_children(p.pid) if restart else [p.pid]
+        assert len(victims) == 1, victims
+        os.kill(victims[0], 9)
+        if restart:
+            _wait_answering(addr, 60)
+            assert _lighthouse_children(p.pid) and _lighthouse_children(p.pid) != victims
+            assert p.poll() is None
+        else:
+            assert p.wait(timeout=30) == -9
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 15)
+            p.wait(timeout=30)
+    if restart:
+        assert "lighthouses.sh: global lighthouse exited with 137; restart 1" in p.stderr.read()
