@@ -13,12 +13,17 @@ Every collective the hierarchy issues goes through :class:`LevelComm`:
    process group's default timeout only bounds rendezvous (see timeouts.py); the
    wait for its result is bounded the same way. An error or timeout is reported
    to the Manager, which makes the round's commit vote fail, and the call returns
-   False. It never raises for a network failure.
+   False. It never raises for a network failure;
+5. with a :class:`hier_localsgd.peers.QuorumWatch`, a wait whose peer stopped
+   heartbeating (a stopped process) is abandoned within the heartbeat timeout plus a
+   poll instead of running to the deadline (peers.py says why that is safe), and the
+   round's remaining collectives in the same quorum fail at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -29,6 +34,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOption
 from hier_localsgd.invariants import CollectiveGate
 from hier_localsgd.link import LinkProcessGroup
 from hier_localsgd.managers import LevelManager
+from hier_localsgd.peers import QuorumWatch
 from hier_localsgd.phases import PhaseTracker
 
 logger = logging.getLogger(__name__)
@@ -36,6 +42,10 @@ logger = logging.getLogger(__name__)
 _FAILED = object()
 # How a timeout reads: torchft's future_timeout, Gloo's own per-operation timeout, a gRPC deadline.
 _TIMEOUT_WORDS = ("did not complete within", "timed out", "timeout expired")
+
+
+class PeerLapsed(RuntimeError):
+    """A member of the open quorum stopped heartbeating while we waited for it."""
 
 
 def is_timeout(err: object) -> bool:
@@ -51,8 +61,11 @@ class LevelComm:
         tracker: PhaseTracker,
         gate: CollectiveGate,
         events: Optional[Callable[..., None]] = None,
+        watch: Optional[QuorumWatch] = None,
     ) -> None:
         self.mgr = mgr
+        self.watch = watch
+        self._lapsed_quorum: Optional[int] = None  # a quorum with a lapsed member: fail at once
         self._events = events
         self.link = link
         self.level = mgr.level
@@ -65,9 +78,11 @@ class LevelComm:
         with self._gate.collective(self.level, op), self.link.kind(kind):
             try:
                 remaining = self._tracker.remaining()
+                if self._lapsed_quorum is not None and self._lapsed_quorum == self.mgr.quorum_id:
+                    raise PeerLapsed(f"{self.level} {op} skipped: a member of quorum {self._lapsed_quorum} stopped heartbeating")
                 work = issue(remaining)
                 fut = self.mgr.manager.wrap_future(work.get_future(), default=_FAILED, timeout=remaining)
-                result = fut.wait()
+                result = self._wait(fut, op)
             except Exception as e:  # a broken group can raise at issue time
                 logger.warning("%s %s failed: %s", self.level, op, e)
                 self.mgr.report_error(e)
@@ -80,6 +95,26 @@ class LevelComm:
                     self._events("timeout", level=self.level, op=op, phase=self._tracker.phase.value)
             return False
         return True
+
+    def _wait(self, fut: object, op: str) -> object:
+        """Waits for ``fut``; with a watch, gives up once a quorum member's heartbeat lapsed."""
+        if self.watch is None:
+            return fut.wait()  # type: ignore[attr-defined]
+        done = threading.Event()
+        fut.add_done_callback(lambda _f: done.set())  # type: ignore[attr-defined]
+        while not done.wait(self.watch.poll.total_seconds()):
+            quorum = self.mgr.quorum_id
+            who = self.watch.lapsed(quorum, self.mgr.full_replica_id)
+            if who is not None:
+                self._lapsed_quorum = quorum
+                self.link.retire()
+                if self._events is not None:
+                    self._events("peer_lapsed", level=self.level, op=op, member=who, quorum_id=quorum, phase=self._tracker.phase.value)
+                raise PeerLapsed(
+                    f"{self.level} quorum member {who} has not heartbeated for over {self.watch.heartbeat_timeout}: "
+                    f"abandoning the {op} (quorum {quorum})"
+                )
+        return fut.value()  # type: ignore[attr-defined]
 
     def allreduce_sum(self, tensor: torch.Tensor, kind: str) -> bool:
         """Sums ``tensor`` in place across the level's quorum."""

@@ -13,7 +13,9 @@ and what happens:
 * ``hang``: the process stops making progress at that step, inside the given
   phase (LOCAL by default), holding its heartbeat (only the watchdog can end it);
 * ``exit``: the process exits with code 17 at once, without any cleanup
-  (like a crash that leaves the heartbeat threads alive until the OS reaps it).
+  (like a crash that leaves the heartbeat threads alive until the OS reaps it);
+* ``stop``: the process SIGSTOPs itself at the start of a sync phase (every thread,
+  heartbeats included, stops: a wedged host); whoever runs the test sends SIGCONT.
 
 Faults come from the ``faults`` list of the config.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, List, Mapping, Optional
 
-ACTIONS = ("fail", "raise", "hang", "exit")
+ACTIONS = ("fail", "raise", "hang", "exit", "stop")
 FAIL_PHASES = ("INNER_REDUCE", "OUTER_REDUCE", "BROADCAST")
 
 

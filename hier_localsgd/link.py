@@ -151,6 +151,11 @@ class LinkProcessGroup(ProcessGroupWrapper):
         # Manager wrapper re-raises a violation recorded here (managers.py).
         self.violation: Optional[InvariantViolation] = None
         self._ids: List[int] = []
+        # Process groups with an abandoned collective (peers.py), set aside unaborted and
+        # kept alive: aborting or destroying a Gloo group waits for its pending work, so
+        # the next quorum's configure would block until that collective ends.
+        self._retired: List[object] = []
+        self._retire_pending = False
 
     def set_emulation(self, spec: Optional[LinkSpec]) -> None:
         """Emulates ``spec`` on this level's links (None or inactive: a plain link)."""
@@ -163,6 +168,12 @@ class LinkProcessGroup(ProcessGroupWrapper):
             stats.emulation = self.emu
         self.stats = stats
         self.emu = stats.emulation
+
+    def retire(self) -> None:
+        """A collective on the current group was abandoned: the next configure sets the
+        group aside (neither aborted nor destroyed: both wait for the pending work) instead
+        of aborting it. One group per abandoned round, released at process exit."""
+        self._retire_pending = True
 
     # -- configuration ---------------------------------------------------------
     def configure(
@@ -191,6 +202,10 @@ class LinkProcessGroup(ProcessGroupWrapper):
         logger.info(
             "%s link configured: rank %d of %d, quorum %s", self.level, rank, world_size, quorum_id
         )
+        if self._retire_pending and self._pg is not None:
+            self._retired.append(self._pg)
+            self._pg = None  # torchft's configure aborts only a group it still holds
+        self._retire_pending = False
         super().configure(
             store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
         )

@@ -58,6 +58,7 @@ import copy
 import enum
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -76,6 +77,7 @@ from hier_localsgd.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
 from hier_localsgd.lossy import LinkSpec
 from hier_localsgd.managers import LevelManager, LighthouseUnreachable, QuorumFailed, QuorumView
 from hier_localsgd.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
+from hier_localsgd.peers import QuorumWatch
 from hier_localsgd.phases import Phase, PhaseTracker
 from hier_localsgd.timeouts import Timeouts
 
@@ -264,7 +266,8 @@ class HierarchicalSync:
             group_store=group_store,
             store_key="store/inner",
         )
-        self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events)
+        self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events,
+                                    watch=QuorumWatch(settings.cluster_lighthouse, settings.quorum_slice))
         # The cluster Manager exists only while this replica group leads its cluster:
         # a Manager that heartbeats without joining would stall the global lighthouse.
         self.outer_stats = LinkStats()
@@ -685,7 +688,8 @@ class HierarchicalSync:
                 store_key=f"store/outer/{self._outer_epoch}",  # one per leadership term
             )
             self._outer_epoch += 1
-            self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate, self.events)
+            self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate, self.events,
+                                        watch=QuorumWatch(self.s.global_lighthouse, self.s.quorum_slice))
         return self.outer_mgr, self.outer_comm
 
     # ------------------------------------------------------------------ state
@@ -749,7 +753,7 @@ class HierarchicalSync:
     def _fault_point(self, phase: Phase) -> None:
         """Fires a planned fault for this step and phase (tests, experiments)."""
         step = self.counters.step
-        f = self.faults.take(step, phase.value, ("fail", "raise", "hang", "exit"))
+        f = self.faults.take(step, phase.value, ("fail", "raise", "hang", "exit", "stop"))
         if f is None:
             return
         self.events("fault", action=f.action, phase=phase.value, step=step)
@@ -764,3 +768,5 @@ class HierarchicalSync:
                 time.sleep(1.0)
         elif f.action == "exit":
             os._exit(17)
+        elif f.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)

@@ -198,3 +198,47 @@ def test_outage_clock_backs_off_and_gives_up_after_the_limit():
         h.before_quorum()
     h.mark_up()
     assert not h.down and h.describe() is None
+
+
+def process_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_survivors_abandon_a_collective_with_a_stopped_peer_within_the_heartbeat_timeout(tmp_path):
+    """c0r1 SIGSTOPs itself as it enters INNER_REDUCE at step 10 (a wedged host, heartbeat
+    and all). Its cluster peer, waiting for it in the round's first all-reduce, gives up
+    once the lighthouse shows c0r1's heartbeat lapsed, not at the 30 s phase deadline;
+    c0r1, continued 8 s later, rejoins (or its watchdog ends it and it restarts) and heals."""
+    state = {}
+
+    def during(job):
+        pid = job.replicas[(0, 1)].popen.pid
+        if "stopped" not in state and process_state(pid) == "T":
+            state["stopped"] = time.time()
+        if "stopped" in state and "cont" not in state and time.time() - state["stopped"] >= 8:
+            state["cont"] = time.time()
+            os.kill(pid, signal.SIGCONT)
+
+    run = run_job(tmp_path, ["train.min_step_time_s=0.05", "sync.inner.every=5", "sync.outer.every=2", "train.steps=150", "train.log_every=1",
+                             "faults=[{cluster:0,replica:1,step:10,action:stop,phase:INNER_REDUCE}]"],
+                  during=during, restart=True, timeout_s=240)
+    assert "cont" in state, logs_tail(run)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    (lapse,) = [e for e in run.kinds((0, 0), "peer_lapsed", level="inner") if e["t"] < state["cont"]][:1]
+    assert lapse["member"].startswith("c0_r0001:"), lapse
+    entered = max(e["t"] for e in run.kinds((0, 0), "phase", dst="INNER_REDUCE") if e["t"] < lapse["t"])
+    waited = lapse["t"] - entered
+    print(f"stopped peer: c0r0 abandoned its {lapse['op']} {waited:.2f}s after entering INNER_REDUCE "
+          f"(heartbeat timeout {HB_S}s, phase timeout 30s)")
+    assert waited <= HB_S + 1.5, waited
+    # No wait ran into its deadline in that round: the watch ended it.
+    assert not [e for e in run.kinds((0, 0), "timeout") if entered <= e["t"] <= state["cont"]]
+    # c0r0 kept training while c0r1 was stopped.
+    assert steps_between(run, (0, 0), lapse["t"], state["cont"]) >= 20
+    # c0r1 came back and healed from its cluster (the same process, or its restart).
+    assert [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > state["cont"]], logs_tail(run)
+    assert run.summary["consistent"] is True
