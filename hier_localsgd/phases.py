@@ -60,13 +60,15 @@ TRANSITIONS: Dict[Phase, FrozenSet[Phase]] = {
     Phase.START: frozenset({Phase.LOCAL, Phase.INNER_QUORUM}),
     Phase.LOCAL: frozenset({Phase.LOCAL, Phase.INNER_QUORUM}),
     # -> LOCAL: the cluster lighthouse does not answer; the round is skipped (outage.py).
-    Phase.INNER_QUORUM: frozenset({Phase.INNER_REDUCE, Phase.LOCAL}),
+    # -> OUTER_QUORUM: ... and at an outer round the leader syncs across clusters alone,
+    # then returns to LOCAL from OUTER_QUORUM or OUTER_COMMIT (no cluster to broadcast to).
+    Phase.INNER_QUORUM: frozenset({Phase.INNER_REDUCE, Phase.LOCAL, Phase.OUTER_QUORUM}),
     Phase.INNER_REDUCE: frozenset({Phase.INNER_COMMIT, Phase.OUTER_QUORUM, Phase.BROADCAST}),
     # A failed outer quorum/reduce still ends in BROADCAST: the leader tells its
     # cluster the outer level failed so nobody waits for the broadcast timeout.
-    Phase.OUTER_QUORUM: frozenset({Phase.OUTER_REDUCE, Phase.BROADCAST}),
+    Phase.OUTER_QUORUM: frozenset({Phase.OUTER_REDUCE, Phase.BROADCAST, Phase.LOCAL}),
     Phase.OUTER_REDUCE: frozenset({Phase.OUTER_COMMIT, Phase.BROADCAST}),
-    Phase.OUTER_COMMIT: frozenset({Phase.BROADCAST}),
+    Phase.OUTER_COMMIT: frozenset({Phase.BROADCAST, Phase.LOCAL}),
     Phase.BROADCAST: frozenset({Phase.INNER_COMMIT}),
     Phase.INNER_COMMIT: frozenset({Phase.LOCAL}),
     Phase.ROLLBACK: frozenset({Phase.LOCAL}),

@@ -343,6 +343,8 @@ class HierarchicalSync:
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             self._outage("inner", e)
+            if self._leader and self.is_outer_round() and self.s.group_world_size == 1 and not join:
+                self._outer_without_cluster()
             tr.enter(Phase.LOCAL, t.local_step, reason="cluster lighthouse not answering: round skipped")
             return False
         except QuorumFailed as e:
@@ -492,6 +494,31 @@ class HierarchicalSync:
             participants=q.size, total_weight=plan.total_weight, checksum=checksum(self.outer.backup),
         )
         return _OuterResult(Status.OUTER_COMMITTED, self.outer.backup.clone(), new_round, view_step, plan.weights[q.rank])
+
+    def _outer_without_cluster(self) -> None:
+        """The leader's outer round while its cluster lighthouse is out (one rank per group).
+
+        The other clusters must not wait at their outer quorum for a cluster that cannot
+        sync inside: the leader contributes its own model as the cluster's (its local
+        progress since the last inner commit) and adopts the global result. Its cluster
+        peers, who cannot hear a broadcast, are brought along by the consistency guard when
+        their lighthouse returns: they are behind the leader's outer round, so they carry
+        weight 0 in that round and are resynced from it (guard.py). With several ranks per
+        group the ranks could see the outage at different rounds, so they skip instead.
+        """
+        c = self.counters
+        result = self._outer_round(self.flat.data[self.part].clone(), contribute=True, inner_ok=True)
+        if result.status != Status.OUTER_COMMITTED or result.params is None:
+            return
+        self.inner.set_backup(result.params)
+        c.outer_round, c.step = result.outer_round, result.step
+        # The leader's steps since its last inner commit reached the global model.
+        self.work["steps_since_commit"] = 0
+        self._since_outer = 0
+        self.tracker.set_extra(**self.work)
+        self._publish_committed()  # the model becomes the new global model
+        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self.tracker.set_counters(step=c.step, outer_round=c.outer_round)
 
     def _broadcast(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
         """BROADCAST: the leader (inner rank 0) sends status + model to its cluster.

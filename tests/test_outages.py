@@ -106,12 +106,17 @@ def test_cluster_lighthouse_killed_and_restarted_costs_no_process(tmp_path):
     inner = sorted(e["t"] for e in run.kinds((0, 1), "commit", level="inner"))
     period = statistics.median([b - a for a, b in zip(inner, inner[1:]) if b < t_kill])
     resumed = min(t for t in inner if t > t_up) - t_up
-    # Cluster 1 needs cluster 0's leader for its outer rounds (min_clusters=2), so it pauses
-    # at its outer quorum while cluster 0 cannot reach it: measured and printed, not hidden.
-    times = sorted(e["t"] for e in run.kinds((1, 1), "loss"))
+    # Cluster 1 needs cluster 0's leader for its outer rounds (min_clusters=2): the leader
+    # keeps syncing across clusters with its own model while its cluster lighthouse is out,
+    # so cluster 1 never waits for the outage.
+    assert [e for e in run.kinds((0, 0), "commit", level="outer") if t_kill + HB_S < e["t"] < t_up], logs_tail(run)
+    times = sorted(e["t"] for e in run.kinds((1, 1), "loss") if t_kill <= e["t"] <= t_up + 5)
     pause = max(b - a for a, b in zip(times, times[1:]))
+    # c0r1 missed those outer rounds: the guard resyncs it from its leader once it can.
+    assert [e for e in run.kinds((0, 1), "resync", level="inner") if e["t"] > t_up], logs_tail(run)
     print(f"cluster lighthouse outage: inner commits resumed {resumed:.2f}s after it answered (inner period {period:.2f}s); "
-          f"cluster 1's longest pause between two steps {pause:.1f}s")
+          f"cluster 1's longest pause between two steps during the outage {pause:.1f}s")
+    assert pause <= HB_S + 2.0, pause
     assert resumed <= HB_S + 2 * period + 1.0, (resumed, period)
 
 
