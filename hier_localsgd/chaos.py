@@ -5,8 +5,11 @@ SIGKILLs processes by role — a ``non_leader`` replica group, a cluster's ``lea
 whole ``cluster`` — at exponentially distributed intervals with mean
 ``chaos.kill_every_s`` (seeded by ``chaos.seed``). Killed processes are restarted after
 ``chaos.restart_delay_s``, as the launch script or torchelastic would; they rejoin and
-heal. No kills happen after ``chaos.stop_kills_at`` of the steps, so the run can end
-consistent. With ``chaos.baseline``, a failure-free run with the same seed goes first.
+heal. No kills happen once every running process has passed ``chaos.stop_kills_at`` of the
+steps, so the run can end consistent, and none that would leave no *continuous* process
+(below): killing a cluster while the only other one is a fresh restart that has not healed
+yet would end the job's trained state, which no restart can recover. With
+``chaos.baseline``, a failure-free run with the same seed goes first.
 
 Every figure in the report (``chaos.report``, default ``<run.dir>/chaos_report.json``, plus
 a human summary) is computed from evidence: what the processes published (events.jsonl,
