@@ -26,6 +26,7 @@ class Fake:
         self.kills: List[Dict[str, Any]] = []
         self.pids: Dict[tuple, int] = {}
         self._pid = 100
+        self.history.append({"t": T0 - 1, "event": "start", "key": "global", "pid": 99})  # a lighthouse: not a replica group
         for k in ALL:
             self.start(k, T0)
 
