@@ -5,23 +5,72 @@ SIGKILLs processes by role — a ``non_leader`` replica group, a cluster's ``lea
 whole ``cluster`` — at exponentially distributed intervals with mean
 ``chaos.kill_every_s`` (seeded by ``chaos.seed``). Killed processes are restarted after
 ``chaos.restart_delay_s``, as the launch script or torchelastic would; they rejoin and
-heal. No kills happen after ``chaos.stop_kills_at`` of the steps, so the run can end
-consistent. With ``chaos.baseline``, a failure-free run with the same seed goes first.
+heal. No kills happen once every running process has passed ``chaos.stop_kills_at`` of the
+steps, so the run can end consistent, and none that would leave no *continuous* process
+(below): killing a cluster while the only other one is a fresh restart that has not healed
+yet would end the job's trained state, which no restart can recover. With
+``chaos.baseline``, a failure-free run with the same seed goes first.
 
-The report (``chaos.report``, default ``<run.dir>/chaos_report.json``, plus a human
-summary) is computed from what the processes published and from the launcher's own
-record of kills, exits and restarts:
+Every figure in the report (``chaos.report``, default ``<run.dir>/chaos_report.json``, plus
+a human summary) is computed from evidence: what the processes published (events.jsonl,
+status.json, result.json) and the launcher's own record of starts, kills, exits (each
+with the process's last status) and restarts. A figure without evidence is ``None``, not
+a guess.
 
-* ``kills``: time, role, targets, each target's phase and step when killed;
-* ``time_to_next_commit_s`` per kill: from the kill to the next commit by a survivor of
-  the same cluster (by any other cluster for a whole-cluster kill);
-* ``time_to_heal_s`` per restart: from the restart to the restarted process's first
-  commit whose model checksum equals a peer's at the same step;
-* ``recovered``: kills whose every target restarted and healed;
-* ``hangs``: waits that ran into a timeout (collectives, quorums) plus watchdog exits;
-* ``steps_run``, ``steps_discarded`` and ``efficiency`` = steps kept / steps run, over
-  every incarnation of every process (a killed incarnation's count is read from its
-  status just before the kill; steps since its last commit count as discarded);
+Terms. An *incarnation* is one process of one replica group (a restart is a new one). An
+*outage* is a kill by the monkey (its targets) or an incarnation that exited non-zero on
+its own. An incarnation *holds its cluster's model* from its start if it is one of the
+job's first processes, else from its first inner heal or first inner commit at a step > 0
+(a restart of a whole cluster holds a new model trained from step 0). A cluster is *lost*
+in an outage when no incarnation outside the outage holds its model at that moment (a
+``cluster`` kill; also a ``leader`` kill while the cluster's other groups are down). The
+outage's *survivors* are the incarnations outside it that hold a model at that moment. An
+incarnation is *continuous* if it is one of the job's first processes, or a restarted one
+from its own heal on: its model descends without a break from the job's start.
+
+* ``kills``: time, role, targets, each target's phase and step when killed.
+* ``time_to_next_commit_s`` per kill: from the kill to the survivors' next commit — an
+  *outer* commit by another cluster when the kill lost a cluster (inner commits never
+  needed the dead cluster), else an inner commit by a surviving group of the victim's
+  cluster.
+* ``time_to_heal_s`` per restart (``restarts``): from the restart to the restarted
+  incarnation's first inner commit at a step > 0 whose (step, model checksum) equals an
+  inner commit that another continuous incarnation made after the outage. Step 0 never
+  counts: every process's join round commits the same initial model. Commits from before
+  the outage do not count either: a cluster restarted whole retrains from step 0 on the
+  same batches and commits, at step 5, what it committed at step 5 before. Its two groups
+  match each other but neither is continuous, so a lost cluster heals only when it matches
+  another cluster, after it adopted a global model through an outer round (its leader's
+  outer ``heal`` event alone is not evidence: the identical commit is).
+* ``recovered``: kills whose every target's own restart (the first restart of that
+  target after the kill) healed.
+* ``hangs``: waits that ran into their deadline (``timeout`` events the processes write,
+  decided by the clock, see comm.py), watchdog exits (the process's ``watchdog`` event,
+  or exit code 3 recorded by the launcher without one), and stalls (no replica group's
+  step advanced for longer than the heartbeat timeout plus the longest phase timeout
+  while one was training, recorded by this driver); ``hangs_detail`` lists each.
+* ``goodput`` = tokens whose work reaches the final model / tokens computed. Every replica
+  group computes ``train.batch_size x train.seq_len x topology.ranks_per_replica`` tokens per
+  local step, so this is steps kept / steps run, over every incarnation (a killed one's
+  counters are its last status, read by the launcher when it records the exit, or by the
+  monkey just before the kill). A step is kept only if it was committed at the inner
+  level AND its cluster's model carrying it was then committed at the outer level with
+  non-zero cluster weight (sync.py discards what a live process loses at weight 0), or it
+  is in the final model: work since the last outer commit at the end of the run counts
+  as kept only if the run ended consistent (one final model), else it is
+  ``unmerged_at_end``. Lost, in ``steps_lost``: ``rolled_back_or_weight0`` (the processes'
+  own counters), ``uncommitted_at_death`` (a dead incarnation's steps since its last inner
+  commit), ``with_lost_cluster`` (a dead incarnation's inner-committed steps when its
+  cluster was lost before the next outer commit: a whole-cluster kill loses them, a
+  leader-only or non-leader kill does not, since the cluster's survivors carry them),
+  ``at_outer_weight0`` (those steps carried by survivors into an outer commit where the
+  cluster had weight 0), ``unmerged_at_end``.
+* ``process_efficiency``: 1 - (``rolled_back_or_weight0`` + ``uncommitted_at_death``) / steps
+  run: the processes' own accounting, which ignores work lost with a cluster. This is
+  what the simulator's "steps kept / steps run" predicts (docs/planner.md).
+* ``throughput_retained`` = failure-free wall time / chaos wall time, both for
+  ``train.steps`` steps (needs ``chaos.baseline``, and both runs to reach the steps;
+  else None).
 * ``consistent`` (identical final checksums) and the final eval loss next to the
   failure-free run's.
 """
@@ -32,19 +81,82 @@ import json
 import random
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from hier_localsgd.config import Config
 from hier_localsgd.demo import summarize
 from hier_localsgd.launcher import Key, LocalJob
+from hier_localsgd.phases import Phase
 from hier_localsgd.status import read_events, replica_dir
 
 ROLES = ("non_leader", "leader", "cluster")
+WORK_KEYS = ("steps_run", "steps_discarded", "steps_since_commit", "steps_since_outer")
+
+
+def name(key: Key) -> str:
+    return f"c{key[0]}r{key[1]}"
+
+
+def parse_name(s: str) -> Key:
+    c, r = s[1:].split("r")
+    return int(c), int(r)
+
+
+def stall_limit_s(cfg: Config) -> float:
+    """Heartbeat timeout + the longest phase timeout: the longest no replica group may go
+    without a step when nothing hangs (a dead peer is noticed, then one phase runs out)."""
+    t = cfg.timeouts_obj()
+    phases = (Phase.INNER_QUORUM, Phase.INNER_REDUCE, Phase.INNER_COMMIT, Phase.OUTER_QUORUM, Phase.OUTER_REDUCE, Phase.OUTER_COMMIT, Phase.BROADCAST)
+    return cfg.lighthouse.heartbeat_timeout_ms / 1000.0 + max(t.phase(p).total_seconds() for p in phases)
+
+
+class StallWatch:
+    """Records a stall when no replica group's step advanced for longer than ``limit_s``
+    while one of them was training (state ``running``, alive, short of its steps)."""
+
+    def __init__(self, job: LocalJob, limit_s: float, steps_total: int, t0: Optional[float] = None) -> None:
+        self.job, self.limit_s, self.steps_total = job, limit_s, steps_total
+        self.t0 = time.time() if t0 is None else t0
+        self.last_progress = self.t0
+        self.best: Dict[Tuple[Key, Any], int] = {}
+        self.stalls: List[Dict[str, Any]] = []
+        self._open: Optional[Dict[str, Any]] = None
+
+    def __call__(self) -> None:
+        now = time.time()
+        progressed = training = False
+        steps = {}
+        for key, proc in self.job.replicas.items():
+            st = self.job.status(key) or {}
+            step = st.get("step")
+            if not isinstance(step, int):
+                continue
+            steps[name(key)] = step
+            inc = (key, st.get("pid"))
+            if inc in self.best and step > self.best[inc]:
+                progressed = True  # a new incarnation's first status is no progress
+            self.best[inc] = max(step, self.best.get(inc, step))
+            if proc.popen.poll() is None and st.get("state") == "running" and step < self.steps_total:
+                training = True
+        if progressed or not training:
+            if self._open is not None:
+                self._open["duration_s"] = now - self.t0 - self._open["since"]
+                self._open = None
+            self.last_progress = now
+        elif self._open is None and now - self.last_progress > self.limit_s:
+            self._open = {"t": now - self.t0, "since": self.last_progress - self.t0, "limit_s": self.limit_s, "steps": steps, "duration_s": None}
+            self.stalls.append(self._open)
+
+    def finish(self) -> None:
+        if self._open is not None:
+            self._open["duration_s"] = time.time() - self.t0 - self._open["since"]
+            self._open = None
 
 
 class ChaosMonkey:
-    """Picks and kills targets on the seeded schedule; records what it did."""
+    """Picks and kills targets on the seeded schedule; records what it did (and stalls)."""
 
     def __init__(self, job: LocalJob, cfg: Config) -> None:
         ch = cfg.chaos
@@ -57,6 +169,7 @@ class ChaosMonkey:
         self.next_kill = self.t0 + self.rng.expovariate(1.0 / self.mean)
         self.kills: List[Dict[str, Any]] = []
         self.work_at_kill: List[Dict[str, Any]] = []
+        self.stall = StallWatch(job, stall_limit_s(cfg), cfg.train.steps, self.t0)
 
     def _running(self) -> Dict[Key, dict]:
         out = {}
@@ -66,7 +179,11 @@ class ChaosMonkey:
                 out[key] = st
         return out
 
-    def _pick(self, role: str, running: Dict[Key, dict]) -> Optional[List[Key]]:
+    def _continuous_now(self) -> List["Incarnation"]:
+        events = {k: read_events(replica_dir(self.job.run_dir, *k) / "events.jsonl") for k in self.job.keys()}
+        return Timeline(self.job.history, events, self.kills).continuous(time.time())
+
+    def _pick(self, role: str, running: Dict[Key, dict], continuous: Sequence["Incarnation"]) -> Optional[List[Key]]:
         t = self.cfg.topology
         if role == "leader":
             cands = [[k] for k, st in running.items() if st.get("leader")]
@@ -80,9 +197,14 @@ class ChaosMonkey:
             ]
             if len(cands) < 2:  # never kill the last cluster standing
                 cands = []
+        # Never kill the last processes whose model continues from the job's start (a cluster
+        # restarted whole is not standing until it healed): that would end the job's state,
+        # and nothing could recover from it.
+        cands = [ts for ts in cands if any(i.key not in ts for i in continuous)]
         return self.rng.choice(cands) if cands else None
 
     def __call__(self) -> None:
+        self.stall()
         now = time.time()
         if now < self.next_kill:
             return
@@ -92,93 +214,419 @@ class ChaosMonkey:
             return
         roles = self.roles[:]
         self.rng.shuffle(roles)
+        continuous = self._continuous_now()
         for role in roles:
-            targets = self._pick(role, running)
+            targets = self._pick(role, running, continuous)
             if targets:
                 break
         else:
             self.next_kill = now + 1.0  # nothing eligible right now (restarting); try again soon
             return
-        record = {"t": now - self.t0, "t_abs": now, "role": role, "targets": [f"c{c}r{r}" for c, r in targets], "phase": {}, "step": {}}
+        record = {"t": now - self.t0, "t_abs": now, "role": role, "targets": [name(k) for k in targets], "pids": {}, "phase": {}, "step": {}}
         for key in targets:
             st = running[key]
-            record["phase"][f"c{key[0]}r{key[1]}"] = st.get("phase")
-            record["step"][f"c{key[0]}r{key[1]}"] = st.get("step")
-            self.work_at_kill.append({k: st.get(k, 0) for k in ("steps_run", "steps_discarded", "steps_since_commit")})
+            record["phase"][name(key)] = st.get("phase")
+            record["step"][name(key)] = st.get("step")
+            record["pids"][name(key)] = st.get("pid")
+            self.work_at_kill.append({"key": key, "pid": st.get("pid"), **{k: st.get(k, 0) for k in WORK_KEYS}})
             self.job.kill(key, signal.SIGKILL)
         self.kills.append(record)
         self.next_kill = now + self.rng.expovariate(1.0 / self.mean)
 
 
-def _commits(events: Dict[Key, List[dict]]) -> List[Tuple[float, Key, dict]]:
-    out = []
-    for key, evs in events.items():
+# ----------------------------------------------------------------------------- evidence
+
+
+@dataclass
+class Incarnation:
+    """One process of one replica group, from the launcher's history."""
+
+    key: Key
+    pid: Optional[int]
+    start: float
+    restart: bool
+    end: Optional[float] = None  # when the launcher saw it exit (None: running when the job ended)
+    code: Optional[int] = None
+    killed_at: Optional[float] = None
+    last_status: Optional[Dict[str, Any]] = None
+    holds_from: Optional[float] = None  # when it came to hold its cluster's model (None: never)
+    until: float = float("inf")  # the next incarnation's start: its events end here
+
+    @property
+    def death(self) -> Optional[float]:
+        return self.killed_at if self.killed_at is not None else self.end
+
+    def alive_at(self, t: float) -> bool:
+        return self.start <= t and (self.death is None or t < self.death)
+
+    def holds_at(self, t: float) -> bool:
+        return self.alive_at(t) and self.holds_from is not None and self.holds_from <= t
+
+
+@dataclass
+class Outage:
+    """A kill (its targets) or an incarnation that exited non-zero on its own."""
+
+    t: float
+    keys: List[Key]
+    dead: List[Incarnation]
+    cause: str  # the kill's role, or "exit <code>"
+    kill: Optional[Dict[str, Any]] = None
+
+
+class Timeline:
+    """Incarnations, outages and events of one job, for the analyses below.
+
+    Args:
+        history: ``LocalJob.history`` (start / restart / kill / exit records, an exit with
+            the process's ``last_status``).
+        events: every replica group's events.jsonl, by key.
+        kills: the monkey's kill records (``t_abs``, ``targets``, ``pids``).
+    """
+
+    def __init__(self, history: Sequence[Dict[str, Any]], events: Dict[Key, List[Dict[str, Any]]], kills: Sequence[Dict[str, Any]] = ()) -> None:
+        self.events = {tuple(k): list(v) for k, v in events.items()}
+        self.incs: Dict[Key, List[Incarnation]] = {}
+        for h in history:
+            if isinstance(h["key"], str) or len(h["key"]) != 2:
+                continue  # a lighthouse's record (key: its role), not a replica group's
+            key = tuple(h["key"])
+            if h["event"] in ("start", "restart"):
+                self.incs.setdefault(key, []).append(Incarnation(key, h.get("pid"), h["t"], h["event"] == "restart"))
+                continue
+            inc = self._by_pid(key, h.get("pid"))
+            if inc is None:
+                continue
+            if h["event"] == "kill" and inc.killed_at is None:
+                inc.killed_at = h["t"]
+            elif h["event"] == "exit" and inc.end is None:
+                inc.end, inc.code, inc.last_status = h["t"], h.get("code"), h.get("last_status")
+        for key, incs in self.incs.items():
+            for a, b in zip(incs, incs[1:]):
+                a.until = b.start
+            for inc in incs:
+                inc.holds_from = inc.start if not inc.restart else next(
+                    (e["t"] for e in self.of(inc) if (e["kind"] == "heal" and e.get("level") == "inner")
+                     or (e["kind"] == "commit" and e.get("level") == "inner" and e.get("step", 0) > 0)),
+                    None,
+                )
+        self.healed_at = self._heals()
+        self.outages: List[Outage] = []
+        killed_pids = set()
+        for k in kills:
+            keys = [parse_name(n) for n in k["targets"]]
+            dead = []
+            for key in keys:
+                inc = self._by_pid(key, (k.get("pids") or {}).get(name(key))) or self.at(key, k["t_abs"])
+                if inc is not None:
+                    dead.append(inc)
+                    killed_pids.add((key, inc.pid))
+            self.outages.append(Outage(k["t_abs"], keys, dead, k["role"], k))
+        for incs in self.incs.values():
+            for inc in incs:
+                if (inc.key, inc.pid) in killed_pids:
+                    continue
+                if inc.killed_at is not None:  # killed through the launcher, not by the monkey
+                    self.outages.append(Outage(inc.killed_at, [inc.key], [inc], "kill (launcher)"))
+                elif inc.code not in (0, None):
+                    self.outages.append(Outage(inc.end or inc.start, [inc.key], [inc], f"exit {inc.code}"))
+        self.outages.sort(key=lambda o: o.t)
+
+    def _heals(self) -> Dict[int, float]:
+        """When each restarted incarnation healed (by ``id``): its first inner commit at a step
+        > 0 whose (step, checksum) equals an inner commit made after its predecessor died by
+        another *continuous* incarnation (one of the job's first processes, or a restarted one
+        from its own heal on). Step 0 is everyone's initial model; a commit from before the
+        death could be matched by a cluster that retrained from step 0 on the same batches;
+        and a whole cluster restarted together only matches itself until it adopts a global
+        model, which continuous incarnations of other clusters also commit."""
+        restarts = [i for incs in self.incs.values() for i in incs if i.restart]
+        prev = {id(b): a for incs in self.incs.values() for a, b in zip(incs, incs[1:])}
+        healed: Dict[int, float] = {}
+        changed = True
+        while changed:  # a heal can make another incarnation's heal evident (transitively)
+            changed = False
+            made: Dict[Tuple[int, str], List[Tuple[float, int]]] = {}
+            for incs in self.incs.values():
+                for i in incs:
+                    since = healed.get(id(i)) if i.restart else -float("inf")
+                    if since is None:
+                        continue
+                    for e in self.commits(i, "inner"):
+                        if e.get("step", 0) > 0 and e["t"] >= since:
+                            made.setdefault((e["step"], e.get("checksum")), []).append((e["t"], id(i)))
+            for r in restarts:
+                if id(r) in healed:
+                    continue
+                p = prev.get(id(r))
+                died = (p.death if p is not None else None) or r.start
+                for e in self.commits(r, "inner"):
+                    if e.get("step", 0) > 0 and any(t > died and who != id(r) for t, who in made.get((e["step"], e.get("checksum")), [])):
+                        healed[id(r)] = e["t"]
+                        changed = True
+                        break
+        return healed
+
+    def _by_pid(self, key: Key, pid: Any) -> Optional[Incarnation]:
+        incs = self.incs.get(key, [])
+        found = [i for i in incs if pid is not None and i.pid == pid]
+        return found[-1] if found else None
+
+    def at(self, key: Key, t: float) -> Optional[Incarnation]:
+        """The incarnation of ``key`` whose span (start to the next start) contains ``t``."""
+        found = [i for i in self.incs.get(key, []) if i.start <= t]
+        return found[-1] if found else None
+
+    def of(self, inc: Incarnation) -> List[Dict[str, Any]]:
+        """The events ``inc`` wrote."""
+        return [e for e in self.events.get(inc.key, []) if inc.start <= e["t"] < inc.until]
+
+    def commits(self, inc: Incarnation, level: str) -> List[Dict[str, Any]]:
+        return [e for e in self.of(inc) if e["kind"] == "commit" and e.get("level") == level]
+
+    def holders(self, t: float, exclude: Iterable[Key] = (), cluster: Optional[int] = None) -> List[Incarnation]:
+        """Incarnations holding a model at ``t`` (of ``cluster``, if given), outside ``exclude``."""
+        ex = set(exclude)
+        return [
+            inc for key, incs in self.incs.items() if key not in ex and (cluster is None or key[0] == cluster)
+            for inc in incs if inc.holds_at(t)
+        ]
+
+    def continuous(self, t: float, exclude: Iterable[Key] = ()) -> List[Incarnation]:
+        """Continuous incarnations alive at ``t`` outside ``exclude``: those whose model descends
+        without a break from the job's start (first processes; restarted ones once healed)."""
+        ex = set(exclude)
+        out = []
+        for key, incs in self.incs.items():
+            if key in ex:
+                continue
+            for i in incs:
+                healed = i.start if not i.restart else self.healed_at.get(id(i))
+                if i.alive_at(t) and healed is not None and healed <= t:
+                    out.append(i)
+        return out
+
+    def lost_clusters(self, o: Outage) -> List[int]:
+        return sorted(c for c in {k[0] for k in o.keys} if not self.holders(o.t, o.keys, cluster=c))
+
+    def state_lost(self) -> List[Outage]:
+        """Outages after which no continuous incarnation was left: the job's trained state was
+        gone, and whatever trains on starts again from step 0 (nothing heals after that)."""
+        return [o for o in self.outages if not self.continuous(o.t, o.keys)]
+
+    def restart_of(self, key: Key, t: float) -> Optional[Incarnation]:
+        """``key``'s own restart after an outage at ``t``: its first incarnation started after ``t``."""
+        return next((i for i in self.incs.get(key, []) if i.start > t), None)
+
+
+def next_commit_s(tl: Timeline, o: Outage) -> Optional[float]:
+    """Seconds from the outage to the survivors' next commit: an outer one when it lost a
+    cluster, else an inner one by a surviving group of the victims' clusters."""
+    lost = tl.lost_clusters(o)
+    if lost:
+        survivors = [i for i in tl.holders(o.t, o.keys) if i.key[0] not in lost]
+        level = "outer"
+    else:
+        survivors = [i for i in tl.holders(o.t, o.keys) if i.key[0] in {k[0] for k in o.keys}]
+        level = "inner"
+    times = [e["t"] for i in survivors for e in tl.commits(i, level) if e["t"] > o.t]
+    return min(times) - o.t if times else None
+
+
+def heal_s(tl: Timeline, o: Outage, key: Key) -> Tuple[Optional[Incarnation], Optional[float]]:
+    """``key``'s own restart after the outage (its first incarnation started after it), and
+    seconds from that restart to its heal (:meth:`Timeline.healed_at`), or None."""
+    restart = tl.restart_of(key, o.t)
+    if restart is None:
+        return None, None
+    t = tl.healed_at.get(id(restart))
+    return restart, None if t is None else t - restart.start
+
+
+def work_of(inc: Incarnation, tl: Timeline, results: Dict[Key, Optional[dict]], final_status: Dict[Key, Optional[dict]], work_at_kill: Sequence[Dict[str, Any]]) -> Tuple[Dict[str, int], str]:
+    """An incarnation's work counters and where they came from."""
+    last = tl.incs[inc.key][-1] is inc
+    src: Optional[dict] = None
+    how = "none"
+    if inc.code == 0 and last and (results.get(inc.key) or {}).get("work"):
+        src, how = results[inc.key]["work"], "result"  # type: ignore[index]
+    elif inc.last_status is not None:
+        src, how = inc.last_status, "exit status"
+    elif inc.end is None and last and final_status.get(inc.key) is not None:
+        src, how = final_status[inc.key], "status at the end"
+    else:
+        w = [w for w in work_at_kill if tuple(w["key"]) == inc.key and w.get("pid") == inc.pid]
+        if w:
+            src, how = w[-1], "status before the kill"
+    return {k: int((src or {}).get(k) or 0) for k in WORK_KEYS}, how
+
+
+def account_work(
+    tl: Timeline,
+    results: Dict[Key, Optional[dict]],
+    consistent: bool,
+    final_status: Optional[Dict[Key, Optional[dict]]] = None,
+    work_at_kill: Sequence[Dict[str, Any]] = (),
+    tokens_per_step: int = 1,
+) -> Dict[str, Any]:
+    """Steps run and kept over every incarnation (see the module docstring for the rules)."""
+    final_status = final_status or {}
+    dead = {id(i) for o in tl.outages for i in o.dead}
+    work = {id(i): work_of(i, tl, results, final_status, work_at_kill) for incs in tl.incs.values() for i in incs}
+    lost = {"rolled_back_or_weight0": 0, "uncommitted_at_death": 0, "with_lost_cluster": 0, "at_outer_weight0": 0,
+            "with_lost_state": 0, "unmerged_at_end": 0}
+    losses = tl.state_lost()
+    t_lost = losses[-1].t if losses else None
+    gone = {id(i) for o in tl.outages if t_lost is not None and o.t <= t_lost for i in o.dead}  # not in the final model
+    run = at_end = 0
+    sources: Dict[str, int] = {}
+    for incs in tl.incs.values():
+        for i in incs:
+            w, how = work[id(i)]
+            sources[how] = sources.get(how, 0) + 1
+            run += w["steps_run"]
+            lost["rolled_back_or_weight0"] += w["steps_discarded"]
+            if id(i) in dead:
+                lost["uncommitted_at_death"] += w["steps_since_commit"]  # its steps_since_outer: below
+                if id(i) in gone:
+                    lost["with_lost_state"] += w["steps_run"] - w["steps_discarded"] - w["steps_since_commit"]
+            else:
+                at_end += w["steps_since_commit"] + w["steps_since_outer"]
+
+    # A dead incarnation's inner-committed steps ride on its cluster's model: kept at the
+    # cluster's next outer commit with non-zero weight, lost with the cluster or at weight 0.
+    clusters = sorted({k[0] for k in tl.incs})
+    for c in clusters:
+        after = -float("inf") if t_lost is None else t_lost  # before: counted as lost with the state
+        items: List[Tuple[float, int, Any]] = [(o.t, 0, o) for o in tl.outages if o.t > after and any(k[0] == c for k in o.keys)]
+        for key in [k for k in tl.incs if k[0] == c]:
+            items += [(e["t"], 1, e) for e in tl.events.get(key, []) if e["t"] > after
+                      and e["kind"] == "commit" and e.get("level") == "inner" and e.get("outer")]
+        pending = 0
+        for t, kind, item in sorted(items, key=lambda x: (x[0], x[1])):
+            if kind == 0:
+                mine = sum(work[id(i)][0]["steps_since_outer"] for i in item.dead if i.key[0] == c)
+                if not tl.holders(t, item.keys, cluster=c):
+                    lost["with_lost_cluster"] += pending + mine
+                    pending = 0
+                else:
+                    pending += mine
+            elif pending:
+                weight = item.get("cluster_weight")
+                if weight is None or float(weight) > 0:
+                    pass  # kept
+                else:
+                    lost["at_outer_weight0"] += pending
+                pending = 0
+        at_end += pending
+    if not consistent:
+        lost["unmerged_at_end"] = at_end
+    kept = run - sum(lost.values())
+    return {
+        "steps_run": run,
+        "steps_kept": kept,
+        "steps_discarded": run - kept,
+        "steps_lost": lost,
+        "steps_in_final_model_since_last_outer_commit": at_end if consistent else 0,
+        "goodput": kept / run if run else None,
+        "process_efficiency": (run - lost["rolled_back_or_weight0"] - lost["uncommitted_at_death"]) / run if run else None,
+        "tokens_per_step": tokens_per_step,
+        "tokens_run": run * tokens_per_step,
+        "tokens_kept": kept * tokens_per_step,
+        "work_sources": sources,
+    }
+
+
+def hangs_of(tl: Timeline, t0: float) -> Dict[str, List[Dict[str, Any]]]:
+    """Timeouts and watchdog exits, from what the processes wrote and the launcher recorded."""
+    timeouts, watchdog = [], []
+    for key, evs in tl.events.items():
         for e in evs:
-            if e["kind"] == "commit":
-                out.append((e["t"], key, e))
-    return sorted(out, key=lambda x: x[0])
+            if e["kind"] == "timeout":
+                timeouts.append({"t": e["t"] - t0, "target": name(key), "level": e.get("level"), "op": e.get("op"), "phase": e.get("phase")})
+            elif e["kind"] == "watchdog":
+                watchdog.append({"t": e["t"] - t0, "target": name(key), "reason": e.get("reason"), "source": "event"})
+    for incs in tl.incs.values():
+        for i in incs:
+            if i.code == 3 and not any(e["kind"] == "watchdog" for e in tl.of(i)):
+                watchdog.append({"t": (i.end or i.start) - t0, "target": name(i.key), "reason": "exit code 3", "source": "launcher"})
+    return {"timeouts": sorted(timeouts, key=lambda x: x["t"]), "watchdog_exits": sorted(watchdog, key=lambda x: x["t"])}
 
 
-def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float) -> Dict[str, Any]:
+def evidence(
+    history: Sequence[Dict[str, Any]],
+    events: Dict[Key, List[Dict[str, Any]]],
+    kills: Sequence[Dict[str, Any]],
+    results: Dict[Key, Optional[dict]],
+    consistent: bool,
+    t0: float,
+    final_status: Optional[Dict[Key, Optional[dict]]] = None,
+    work_at_kill: Sequence[Dict[str, Any]] = (),
+    tokens_per_step: int = 1,
+) -> Dict[str, Any]:
+    """Kills with their next commit and recovery, restarts with their heal, work, hangs —
+    from the launcher's history, the processes' events and results only."""
+    tl = Timeline(history, events, kills)
+    kill_out, restarts = [], []
+    for o in tl.outages:
+        lost = tl.lost_clusters(o)
+        healed = {}
+        for key in o.keys:
+            restart, dt = heal_s(tl, o, key)
+            healed[key] = dt
+            restarts.append({"target": name(key), "cause": o.cause, "outage_t": o.t - t0, "lost_cluster": key[0] in lost,
+                             "t": None if restart is None else restart.start - t0, "time_to_heal_s": dt})
+        if o.kill is not None:
+            k = {kk: v for kk, v in o.kill.items() if kk not in ("t_abs", "pids")}
+            k["lost_clusters"] = lost
+            k["time_to_next_commit_s"] = next_commit_s(tl, o)
+            k["time_to_heal_s"] = {name(key): healed[key] for key in o.keys}
+            k["recovered"] = all(healed[key] is not None for key in o.keys)
+            kill_out.append(k)
+    out = {
+        "kills": kill_out,
+        "restarts": restarts,
+        "recovered": sum(1 for k in kill_out if k["recovered"]),
+        "time_to_next_commit_s": [k["time_to_next_commit_s"] for k in kill_out],
+        "time_to_heal_s": [r["time_to_heal_s"] for r in restarts],
+        "self_exits": [{"t": o.t - t0, "target": name(o.keys[0]), "cause": o.cause} for o in tl.outages if o.cause.startswith("exit")],
+        "state_lost": [{"t": o.t - t0, "targets": [name(k) for k in o.keys], "cause": o.cause} for o in tl.state_lost()],
+    }
+    out.update(account_work(tl, results, consistent, final_status, work_at_kill, tokens_per_step))
+    out["hangs_detail"] = hangs_of(tl, t0)
+    return out
+
+
+def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float, baseline: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     keys = job.keys()
     events = {k: read_events(replica_dir(job.run_dir, *k) / "events.jsonl") for k in keys}
-    commits = _commits(events)
     summary = summarize(cfg, job, wall_s)
-
-    # survivors' next commit after each kill
-    for kill in monkey.kills:
-        victims = {tuple(int(x) for x in t[1:].split("r")) for t in kill["targets"]}
-        clusters = {c for c, _ in victims}
-        same = [k for k in keys if k not in victims and k[0] in clusters]
-        survivors = same or [k for k in keys if k not in victims]
-        nxt = [t for t, k, e in commits if k in survivors and t > kill["t_abs"]]
-        kill["time_to_next_commit_s"] = (min(nxt) - kill["t_abs"]) if nxt else None
-
-    # time to heal per restart: first commit matching a peer's checksum at the same step
-    by_step: Dict[Tuple[int, str], set] = {}
-    for _, k, e in commits:
-        if e["level"] == "inner":
-            by_step.setdefault((e["step"], e["checksum"]), set()).add(k)
-    restarts = []
-    for h in job.history:
-        if h["event"] != "restart":
-            continue
-        key, t = h["key"], h["t"]
-        healed = None
-        for tc, k, e in commits:
-            if k == key and tc > t and e["level"] == "inner" and len(by_step.get((e["step"], e["checksum"]), set()) - {key}) > 0:
-                healed = tc - t
-                break
-        restarts.append({"target": f"c{key[0]}r{key[1]}", "t": t - monkey.t0, "time_to_heal_s": healed})
-    for kill in monkey.kills:
-        later = [r for r in restarts if r["target"] in kill["targets"] and r["t"] >= kill["t"]]
-        got = {r["target"] for r in later if r["time_to_heal_s"] is not None}
-        kill["recovered"] = set(kill["targets"]) <= got
-
-    # work accounting over every incarnation
-    finals = [job.result(k) or {} for k in keys]
-    run = sum(w["steps_run"] for w in monkey.work_at_kill) + sum(r.get("work", {}).get("steps_run", 0) for r in finals)
-    discarded = sum(w["steps_discarded"] + w["steps_since_commit"] for w in monkey.work_at_kill) + sum(
-        r.get("work", {}).get("steps_discarded", 0) for r in finals
+    tr = cfg.train
+    ev = evidence(
+        job.history, events, monkey.kills,
+        results={k: job.result(k) for k in keys},
+        consistent=bool(summary["consistent"]),
+        t0=monkey.t0,
+        final_status={k: job.last_status(k) for k in keys},
+        work_at_kill=monkey.work_at_kill,
+        tokens_per_step=tr.batch_size * tr.seq_len * cfg.topology.ranks_per_replica,
     )
-    timeouts = sum(1 for k in keys for e in events[k] if e["kind"] == "timeout")
-    watchdog = sum(1 for h in job.history if h["event"] == "exit" and h.get("code") == 3)
-
+    monkey.stall.finish()
+    hd = dict(ev.pop("hangs_detail"), stalls=list(monkey.stall.stalls))
+    finished = summary["steps"] >= tr.steps
+    retained = None
+    if baseline and finished and baseline.get("steps", 0) >= tr.steps and wall_s > 0:
+        retained = baseline["wall_s"] / wall_s
     return {
         "topology": summary["topology"],
         "model": summary["model"],
-        "steps_target": cfg.train.steps,
+        "steps_target": tr.steps,
+        "steps_reached": summary["steps"],
         "chaos": {"seed": cfg.chaos.seed, "kill_every_s": cfg.chaos.kill_every_s, "roles": list(cfg.chaos.roles), "restart_delay_s": cfg.chaos.restart_delay_s},
-        "kills": [{k: v for k, v in kill.items() if k != "t_abs"} for kill in monkey.kills],
-        "restarts": restarts,
-        "recovered": sum(1 for k in monkey.kills if k["recovered"]),
-        "hangs": timeouts + watchdog,
-        "hangs_detail": {"timeouts": timeouts, "watchdog_exits": watchdog},
-        "time_to_next_commit_s": [k["time_to_next_commit_s"] for k in monkey.kills],
-        "time_to_heal_s": [r["time_to_heal_s"] for r in restarts],
-        "steps_run": run,
-        "steps_discarded": discarded,
-        "efficiency": (run - discarded) / run if run else None,
+        **ev,
+        "hangs": sum(len(v) for v in hd.values()),
+        "hangs_detail": hd,
+        "throughput_retained": retained,
         "consistent": summary["consistent"],
         "final_eval_loss": summary["final_eval_loss"],
         "entropy_floor": summary["entropy_floor"],
@@ -195,7 +643,7 @@ def _run(cfg: Config, overrides: List[str], subdir: str, chaos: bool) -> Tuple[L
         job.start_lighthouses()
         job.start_all()
         if monkey is not None:
-            monkey.t0 = time.time()
+            monkey.t0 = monkey.stall.t0 = monkey.stall.last_progress = time.time()
             monkey.next_kill = monkey.t0 + monkey.rng.expovariate(1.0 / monkey.mean)
         job.wait(cfg.chaos.timeout_s, tick=monkey, tick_every_s=0.2, restart=chaos, restart_delay_s=cfg.chaos.restart_delay_s)
     finally:
@@ -207,15 +655,23 @@ def human(report: Dict[str, Any]) -> str:
     def f(x: Any, n: int = 2) -> str:
         return "-" if x is None else f"{x:.{n}f}"
 
+    hd = report["hangs_detail"]
+    lost = report["steps_lost"]
     lines = [
         f"chaos: {len(report['kills'])} kills ({', '.join(k['role'] for k in report['kills'])}), "
-        f"{report['recovered']} recovered, {report['hangs']} hangs, consistent: {report['consistent']}",
-        f"  time to survivors' next commit (s): {[f(x) for x in report['time_to_next_commit_s']]}",
+        f"{report['recovered']} recovered, {report['hangs']} hangs "
+        f"({len(hd['timeouts'])} timeouts, {len(hd['watchdog_exits'])} watchdog exits, {len(hd['stalls'])} stalls), "
+        f"{len(report['self_exits'])} non-zero exits on their own, consistent: {report['consistent']}",
+        f"  time to survivors' next commit (s; outer commit when a cluster was lost): {[f(x) for x in report['time_to_next_commit_s']]}",
         f"  time to heal per restart (s): {[f(x) for x in report['time_to_heal_s']]}",
-        f"  steps run {report['steps_run']}, discarded {report['steps_discarded']}, efficiency {f(report['efficiency'], 3)}",
+        f"  steps run {report['steps_run']}, kept {report['steps_kept']}; lost: "
+        + ", ".join(f"{k} {v}" for k, v in lost.items()),
+        f"  goodput (tokens in the final model / tokens computed) {f(report['goodput'], 3)}; "
+        f"processes' own count {f(report['process_efficiency'], 3)}",
+        f"  throughput retained (failure-free wall / chaos wall, {report['steps_target']} steps) {f(report['throughput_retained'], 3)}",
         f"  final eval loss {f(report['final_eval_loss'], 4)}"
         + (f" vs failure-free {f(report['baseline']['final_eval_loss'], 4)}" if report.get("baseline") else ""),
-        f"  wall {report['wall_s']:.1f} s",
+        f"  wall {report['wall_s']:.1f} s" + (f" vs failure-free {report['baseline']['wall_s']:.1f} s" if report.get("baseline") else ""),
     ]
     return "\n".join(lines)
 
@@ -231,7 +687,7 @@ def run_chaos(cfg: Config, overrides: List[str]) -> int:
     print("chaos: run with kills", flush=True)
     job, monkey, wall = _run(cfg, overrides, "chaos", chaos=True)
     assert monkey is not None
-    report = analyse(cfg, job, monkey, wall)
+    report = analyse(cfg, job, monkey, wall, baseline)
     report["baseline"] = baseline
     if baseline and report["final_eval_loss"] is not None and baseline["final_eval_loss"]:
         report["final_loss_vs_baseline"] = report["final_eval_loss"] / baseline["final_eval_loss"] - 1.0

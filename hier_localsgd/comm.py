@@ -18,6 +18,12 @@ Every collective the hierarchy issues goes through :class:`LevelComm`:
    heartbeating (a stopped process) is abandoned within the heartbeat timeout plus a
    poll instead of running to the deadline (peers.py says why that is safe), and the
    round's remaining collectives in the same quorum fail at once.
+
+A wait that ran into its deadline writes a ``timeout`` event (what ``hier-localsgd chaos``
+counts as a hang). The clock decides, not the error's text: the collective failed at or
+after the phase deadline it was given. A peer that died fails the collective at once (a
+closed connection), which is no timeout; a peer that is alive but stuck makes us wait to
+the deadline, which is.
 """
 
 from __future__ import annotations
@@ -36,12 +42,11 @@ from hier_localsgd.link import LinkProcessGroup
 from hier_localsgd.managers import LevelManager
 from hier_localsgd.peers import QuorumWatch
 from hier_localsgd.phases import PhaseTracker
+from hier_localsgd.timeouts import ran_into_deadline
 
 logger = logging.getLogger(__name__)
 
 _FAILED = object()
-# How a timeout reads: torchft's future_timeout, Gloo's own per-operation timeout, a gRPC deadline.
-_TIMEOUT_WORDS = ("did not complete within", "timed out", "timeout expired")
 
 
 class PeerLapsed(RuntimeError):
@@ -49,8 +54,10 @@ class PeerLapsed(RuntimeError):
 
 
 def is_timeout(err: object) -> bool:
-    text = str(err).lower()
-    return any(w in text for w in _TIMEOUT_WORDS)
+    """Whether a failed wait ran into its deadline, as the clock decided where it failed
+    (:class:`hier_localsgd.managers.QuorumFailed` carries ``timed_out``). The error's text
+    is not consulted."""
+    return bool(getattr(err, "timed_out", False))
 
 
 class LevelComm:
@@ -75,6 +82,7 @@ class LevelComm:
     def _run(self, op: str, kind: str, issue: Callable[[timedelta], Work]) -> bool:
         self._tracker.require(self.level)
         already_failed = self.mgr.errored() is not None
+        deadline = self._tracker.deadline()
         with self._gate.collective(self.level, op), self.link.kind(kind):
             try:
                 remaining = self._tracker.remaining()
@@ -91,8 +99,8 @@ class LevelComm:
             err = self.mgr.errored()
             if not already_failed:
                 logger.warning("%s %s failed: %s", self.level, op, err)
-                if self._events is not None and is_timeout(err):
-                    self._events("timeout", level=self.level, op=op, phase=self._tracker.phase.value)
+                if self._events is not None and ran_into_deadline(deadline):
+                    self._events("timeout", level=self.level, op=op, phase=self._tracker.phase.value, deadline=deadline, detail=str(err)[:200])
             return False
         return True
 

@@ -101,7 +101,7 @@ class LocalJob:
     lighthouses: Dict[str, Proc] = field(default_factory=dict)  # role ("global", "cluster<i>") -> process
     replicas: Dict[Key, Proc] = field(default_factory=dict)
     addr_overrides: List[str] = field(default_factory=list)
-    history: List[dict] = field(default_factory=list)  # starts, exits, restarts, kills, with times
+    history: List[dict] = field(default_factory=list)  # starts, exits (with the last status), restarts, kills, with times
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
@@ -203,7 +203,7 @@ class LocalJob:
 
         ``key`` is a replica group's (cluster, replica) or a lighthouse's role."""
         self.history.append(entry)
-        line = {k: v for k, v in entry.items() if k != "key"}
+        line = {k: v for k, v in entry.items() if k not in ("key", "last_status")}
         if isinstance(entry["key"], str):
             line.update(kind=entry["event"], lighthouse=entry["key"])
         else:
@@ -251,7 +251,24 @@ class LocalJob:
         return read_json(replica_dir(self.run_dir, *key) / "status.json")
 
     def result(self, key: Key) -> Optional[dict]:
-        return read_json(replica_dir(self.run_dir, *key) / "result.json")
+        """The replica group's result, or None if there is none from the process this job started
+        last for ``key`` (a file older than that start is an earlier run's, e.g. before a resume)."""
+        path = replica_dir(self.run_dir, *key) / "result.json"
+        proc = self.replicas.get(key)
+        try:
+            if proc is not None and path.stat().st_mtime < proc.started:
+                return None
+        except FileNotFoundError:
+            return None
+        return read_json(path)
+
+    def last_status(self, key: Key) -> Optional[dict]:
+        """``status.json`` if the process this job started last for ``key`` wrote it, else None."""
+        st = self.status(key)
+        proc = self.replicas.get(key)
+        if st is None or proc is None or float(st.get("started_at") or 0) < proc.started:
+            return None
+        return st
 
     def exit_codes(self) -> Dict[Key, Optional[int]]:
         return {k: p.popen.poll() for k, p in self.replicas.items()}
@@ -299,7 +316,8 @@ class LocalJob:
                 if code is None or seen_exit.get(key) == proc.popen.pid:
                     continue
                 seen_exit[key] = proc.popen.pid
-                self._record({"t": now, "event": "exit", "key": key, "code": code, "pid": proc.popen.pid})
+                # What the process published last (its work counters): kept in memory, not in job_events.jsonl.
+                self._record({"t": now, "event": "exit", "key": key, "code": code, "pid": proc.popen.pid, "last_status": self.last_status(key)})
                 if restart and code not in (0, 2) and proc.restarts < max_restarts:
                     due[key] = now + restart_delay_s
             for key in [k for k, t in due.items() if t <= now]:

@@ -49,6 +49,7 @@ from torchft.checkpointing import HTTPTransport
 from hier_localsgd.invariants import check_group_rank
 from hier_localsgd.link import LinkProcessGroup
 from hier_localsgd.outage import LighthouseHealth, LighthouseOutage
+from hier_localsgd.timeouts import ran_into_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,11 @@ class LighthouseUnreachable(RuntimeError):
 
 
 class QuorumFailed(RuntimeError):
-    pass
+    """No quorum formed. ``timed_out``: the wait ran into its deadline (the clock's verdict)."""
+
+    def __init__(self, msg: str, timed_out: bool = False) -> None:
+        super().__init__(msg)
+        self.timed_out = timed_out
 
 
 def parse_address(field: str, addr: str) -> tuple[str, int]:
@@ -228,11 +233,16 @@ class LevelManager:
             except QuorumFailed as e:
                 if health is not None and not health.probe():
                     raise LighthouseOutage(health.message(f"quorum request failed: {e}")) from e
-                if time.monotonic() >= deadline - 0.05:
+                if this >= left or time.monotonic() >= deadline - 0.05:
+                    # the last slice: a timeout only if the whole budget ran out
+                    e.timed_out = e.timed_out and time.monotonic() >= deadline - 0.05
                     raise
+                if not e.timed_out:
+                    time.sleep(0.1)  # failed early with the lighthouse answering: don't spin
 
     def _quorum_once(self, timeout: timedelta) -> QuorumView:
         self._healed = False
+        deadline = time.time() + timeout.total_seconds()
         try:
             self.manager.start_quorum(timeout=timeout)
             rank = self.manager.participating_rank()
@@ -241,7 +251,7 @@ class LevelManager:
             # torchft 0.2.0 would re-raise this failed future from every later
             # start_quorum; drop it so the next round starts from a fresh quorum.
             self.manager._quorum_future = None
-            raise QuorumFailed(f"{self.level} quorum failed: {e}") from e
+            raise QuorumFailed(f"{self.level} quorum failed: {e}", timed_out=ran_into_deadline(deadline)) from e
         if self.pg.violation is not None:
             raise self.pg.violation  # e.g. I1: never continue in a group that breaks it
         if rank is None:

@@ -7,7 +7,9 @@ Layout of a run directory (``run.dir``)::
     <run.dir>/replicas/c<C>r<R>/events.jsonl  one JSON object per event: phase
                                               transitions, commits, rollbacks, heals,
                                               resyncs, leader changes, evals, faults
-    <run.dir>/replicas/c<C>r<R>/result.json   written once, at a clean end of training
+    <run.dir>/replicas/c<C>r<R>/result.json   written once, at a clean end of training (deleted
+                                              when a process starts, so a restarted or resumed
+                                              job never reads an earlier run's)
     <run.dir>/replicas/c<C>r<R>/rank<k>/...   the same for rank k > 0 of a multi-rank group
     <run.dir>/logs/c<C>r<R>.log               the process's log (written by the launcher)
 
@@ -75,6 +77,7 @@ class ReplicaPublisher:
         self.status_path = self.dir / "status.json"
         self.events_path = self.dir / "events.jsonl"
         self.result_path = self.dir / "result.json"
+        self.result_path.unlink(missing_ok=True)  # an earlier incarnation's or run's result is not ours
         self._lock = threading.Lock()
         self._status: Dict[str, Any] = dict(static, pid=os.getpid(), state="starting", started_at=time.time())
         self._events = open(self.events_path, "a", buffering=1)

@@ -234,10 +234,10 @@ class HierarchicalSync:
         self._last_healed = False
         self._outer_epoch = 0
         # Work accounting: local steps run, and those discarded by a rollback (or
-        # contributed with weight 0) — what chaos reports as efficiency.
+        # contributed with weight 0) — what chaos.py's goodput starts from.
         self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
         self._since_outer = 0  # steps committed at the inner level since the last outer commit
-        tracker.set_extra(**self.work)
+        tracker.set_extra(**self.work_counters())
 
         probe = min(timedelta(seconds=1), settings.quorum_slice)
         self.health = {
@@ -308,12 +308,17 @@ class HierarchicalSync:
         """Runs a round at round boundaries; returns whether one ran."""
         self.work["steps_run"] += 1
         self.work["steps_since_commit"] += 1
+        self.tracker.set_extra(**self.work_counters())  # a status written mid-round must not be stale
         self.tracker.set_counters(step=self.counters.step)
         if self.counters.step % self.s.h_inner == 0:
             self.round()
             return True
         self.tracker.enter(Phase.LOCAL, self.t.local_step)
         return False
+
+    def work_counters(self) -> Dict[str, int]:
+        """``work`` plus ``steps_since_outer``: steps committed at the inner level since the last outer commit."""
+        return {**self.work, "steps_since_outer": self._since_outer}
 
     def is_outer_round(self) -> bool:
         step = self.counters.step
@@ -574,7 +579,7 @@ class HierarchicalSync:
                 # healed to a newer one): everything since its last outer commit is lost.
                 self.work["steps_discarded"] += self._since_outer
             self._since_outer = 0
-        self.tracker.set_extra(**self.work)
+        self.tracker.set_extra(**self.work_counters())
         if adopted:
             assert result is not None and result.params is not None
             self.inner.set_backup(result.params)
@@ -590,6 +595,7 @@ class HierarchicalSync:
         self.events(
             "commit", level="inner", inner_round=c.inner_round, outer_round=c.outer_round, step=c.step,
             outer=bool(result is not None and result.status == Status.OUTER_COMMITTED),
+            cluster_weight=result.cluster_weight if result is not None and result.status == Status.OUTER_COMMITTED else None,
             total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self._committed),
         )
         self.tracker.enter(Phase.LOCAL, self.t.local_step)
@@ -619,7 +625,7 @@ class HierarchicalSync:
 
     def _rollback(self, reason: str) -> None:
         self._discard_local_work()
-        self.tracker.set_extra(**self.work)
+        self.tracker.set_extra(**self.work_counters())
         self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
         # the committed slice may have moved this round (resync, or a final outer commit)
         self._publish_committed()

@@ -24,11 +24,24 @@ Derived waits (computed, never configured separately):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Mapping
+from typing import Mapping, Optional
 
 from hier_localsgd.phases import Phase
+
+# Timers fire at or after their deadline; this much earlier still counts as "at" it (the
+# deadline and a timer's start are read from the clock at slightly different times).
+CLOCK_SLACK_S = 0.05
+
+
+def ran_into_deadline(deadline: Optional[float], now: Optional[float] = None) -> bool:
+    """Whether a wait that failed at ``now`` (default: now) had run into ``deadline`` (epoch
+    seconds): how a timeout is told from a failure, by the clock rather than the error's text."""
+    if deadline is None:
+        return False
+    return (time.time() if now is None else now) >= deadline - CLOCK_SLACK_S
 
 
 @dataclass(frozen=True)

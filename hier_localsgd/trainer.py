@@ -28,7 +28,7 @@ from hier_localsgd.flat import FlatParams, checksum
 from hier_localsgd.level import LevelAlgorithm
 from hier_localsgd.model import build_model, evaluate, lm_loss
 from hier_localsgd.phases import Phase, PhaseTracker
-from hier_localsgd.runtime import LOG_TAG, Runtime
+from hier_localsgd.runtime import EXIT_WATCHDOG, LOG_TAG, Runtime
 from hier_localsgd.status import ReplicaPublisher, job_finished
 from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity, JobFinished
 
@@ -171,6 +171,13 @@ def _bytes_by_level(stats: Dict[str, Any]) -> Dict[str, float]:
     return {level: st["sent_bytes_total"] for level, st in stats.items()}
 
 
+def _work(sync: Any) -> Dict[str, int]:
+    """The strategy's work accounting (hier: steps run, discarded, since the last inner and outer commit)."""
+    if hasattr(sync, "work_counters"):
+        return sync.work_counters()
+    return dict(getattr(sync, "work", {}))
+
+
 def _trimmed_mean(xs: list, warmup: int = 3) -> float | None:
     """Mean step time, skipping the first steps (allocator and cache warm-up)."""
     xs = xs[warmup:]
@@ -211,7 +218,13 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
          "topology": {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster, "ranks_per_replica": grp.size}},
         rank=grp.rank,
     )
-    rt.on_exit(lambda code, reason: pub.close("done" if code == 0 else f"failed ({reason})"))
+
+    def closing(code: int, reason: str) -> None:
+        if code == EXIT_WATCHDOG:  # a hang: hier-localsgd chaos counts these
+            pub.event("watchdog", reason=reason, pid=os.getpid())
+        pub.close("done" if code == 0 else f"failed ({reason})")
+
+    rt.on_exit(closing)
     LOG_TAG.set_role("member")
     tracker = PhaseTracker(
         describe=str(identity) + (f"g{grp.rank}" if grp.size > 1 else ""),
@@ -304,14 +317,14 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             ckpt.save_async(c.step, {**sync.snapshot(), "rng": rng_state()})
         loss_val = float(loss.detach())
         # Every step: a killed process's last status says how much work it had done.
-        pub.update(step=c.step, loss=loss_val, loss_step=c.step, **getattr(sync, "work", {}))
+        pub.update(step=c.step, loss=loss_val, loss_step=c.step, **_work(sync))
 
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
             links = sync.link_stats()
             pub.update(loss=loss_val, loss_step=c.step, link=links)
             pub.event("loss", step=c.step, loss=loss_val)
-            work = getattr(sync, "work", {})
+            work = _work(sync)
             tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
                    work__steps_discarded=work.get("steps_discarded"),
                    **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
@@ -342,7 +355,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         "model_params": flat.numel,
         "model_bytes": flat.nbytes,
         "link": sync.link_stats(),
-        "work": dict(getattr(sync, "work", {})),
+        "work": _work(sync),
         "local_step_s": _trimmed_mean(local_step_times),
         "local_steps_timed": len(local_step_times),
         "wall_s": time.time() - t0,

@@ -1,38 +1,310 @@
-"""A short `hier-localsgd chaos` run in the suite: real kills, restarts, heals, a report."""
+"""`hier-localsgd chaos`: its evidence rules on hand-built histories and events (fast), and
+a short real run: real kills, restarts, heals, a report."""
 
 import json
 import subprocess
 import sys
+from typing import Any, Dict, List, Optional
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from hier_localsgd.chaos import Timeline, account_work, evidence
+
+T0 = 1000.0
+ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+class Fake:
+    """A 2 x 2 job's launcher history, monkey kills and events, written by hand.
+
+    Training runs at 4 steps/s from T0; inner rounds every 5 steps, outer every 10.
+    """
+
+    def __init__(self) -> None:
+        self.history: List[Dict[str, Any]] = []
+        self.events: Dict[tuple, List[Dict[str, Any]]] = {k: [] for k in ALL}
+        self.kills: List[Dict[str, Any]] = []
+        self.pids: Dict[tuple, int] = {}
+        self._pid = 100
+        self.history.append({"t": T0 - 1, "event": "start", "key": "global", "pid": 99})  # a lighthouse: not a replica group
+        for k in ALL:
+            self.start(k, T0)
+
+    def start(self, key, t, restart=False) -> int:
+        self._pid += 1
+        self.pids[key] = self._pid
+        self.history.append({"t": t, "event": "restart" if restart else "start", "key": key, "pid": self._pid})
+        self.commit(key, t + 0.5, 0, "init")  # the join round: everyone's initial model
+        return self._pid
+
+    def status(self, key, t, **work) -> Dict[str, Any]:
+        return {"pid": self.pids[key], "started_at": t, **{k: work.get(k, 0) for k in ("steps_run", "steps_discarded", "steps_since_commit", "steps_since_outer")}}
+
+    def exit(self, key, t, code, **work) -> None:
+        self.history.append({"t": t, "event": "exit", "key": key, "code": code, "pid": self.pids[key], "last_status": self.status(key, t, **work)})
+
+    def kill(self, t, role, works: Dict[tuple, Dict[str, int]]) -> None:
+        keys = list(works)
+        self.kills.append({"t": t - T0, "t_abs": t, "role": role, "targets": [f"c{c}r{r}" for c, r in keys],
+                           "pids": {f"c{c}r{r}": self.pids[(c, r)] for c, r in keys}, "phase": {}, "step": {}})
+        for k in keys:
+            self.history.append({"t": t + 0.01, "event": "kill", "key": k, "signal": "SIGKILL", "pid": self.pids[k]})
+        for k in keys:
+            self.exit(k, t + 0.2, -9, **works[k])
+
+    def commit(self, key, t, step, checksum, level="inner", outer=False, cluster_weight=None) -> None:
+        e = {"t": t, "kind": "commit", "level": level, "step": step, "checksum": checksum}
+        if level == "inner":
+            e.update(outer=outer, cluster_weight=cluster_weight)
+        self.events[key].append(e)
+
+    def train(self, key, t_from, t_to, first_step=5, outer_weight=1.0, leader=False, tag=None) -> None:
+        """Inner commits every 5 steps (4 steps/s from T0), outer ones (global model) every 10."""
+        c = key[0]
+        step = first_step
+        while T0 + step / 4 <= t_to:
+            t = T0 + step / 4
+            if t >= t_from:
+                if step % 10 == 0:
+                    if leader:
+                        self.commit(key, t - 0.01, step, f"g{step}", level="outer")
+                    self.commit(key, t, step, f"g{step}", outer=True, cluster_weight=outer_weight)
+                else:
+                    self.commit(key, t, step, f"{tag or f'c{c}'}s{step}")
+            step += 5
+
+    def evidence(self, results: Optional[Dict[tuple, dict]] = None, consistent=True) -> Dict[str, Any]:
+        for k in ALL:
+            self.events[k].sort(key=lambda e: e["t"])
+        return evidence(self.history, self.events, self.kills, results or {}, consistent, T0)
+
+
+def cluster_kill(restarted_heal: bool) -> Fake:
+    """Cluster 1 killed at T0+10 (step 40); restarted at T0+12. With ``restarted_heal``, its
+    leader heals from cluster 0 at its first outer round and both groups commit the global
+    model of step 60; without, the restarted cluster only reaches its join round and its own
+    first inner round (identical between its two groups and to its own pre-kill commit)."""
+    f = Fake()
+    f.train((0, 0), T0, T0 + 20, leader=True)
+    f.train((0, 1), T0, T0 + 20)
+    f.train((1, 0), T0, T0 + 10, leader=True)
+    f.train((1, 1), T0, T0 + 10)
+    f.kill(T0 + 10.0, "cluster", {(1, 0): dict(steps_run=40, steps_since_commit=2, steps_since_outer=5),
+                                  (1, 1): dict(steps_run=40, steps_since_commit=2, steps_since_outer=5)})
+    for k in [(1, 0), (1, 1)]:
+        f.start(k, T0 + 12.0, restart=True)  # joins at step 0 with the initial model: T0+12.5
+        # Its first inner round: retrained from step 0 on the same batches, it commits what
+        # cluster 1 committed at step 5 before the kill — and its groups agree. No evidence.
+        f.commit(k, T0 + 13.0, 5, "c1s5")
+        if restarted_heal:
+            f.commit(k, T0 + 15.0, 60, "g60", outer=True, cluster_weight=0.0)
+            f.train(k, T0 + 15.1, T0 + 20, first_step=65)
+    if restarted_heal:
+        f.events[(1, 0)].append({"t": T0 + 14.9, "kind": "heal", "level": "outer", "step": 10})
+    return f
+
+
+def test_a_cluster_kill_whose_restart_only_reached_its_join_round_is_not_recovered():
+    r = cluster_kill(restarted_heal=False).evidence()
+    (kill,) = r["kills"]
+    assert kill["lost_clusters"] == [1]
+    assert kill["recovered"] is False and r["recovered"] == 0
+    # step 0 (everyone's initial model) and step 5 (its cluster-mate; its dead self) are no evidence
+    assert kill["time_to_heal_s"] == {"c1r0": None, "c1r1": None}
+
+
+def test_a_cluster_kill_heals_when_it_matches_the_other_cluster_after_an_outer_commit():
+    r = cluster_kill(restarted_heal=True).evidence()
+    (kill,) = r["kills"]
+    assert kill["recovered"] is True
+    assert kill["time_to_heal_s"] == {"c1r0": pytest.approx(3.0), "c1r1": pytest.approx(3.0)}  # restart T0+12, g60 at T0+15
+    # The survivors' next commit is cluster 0's next *outer* commit (step 50 at T0+12.49),
+    # not its next inner one (step 45 at T0+11.25), which never needed cluster 1.
+    assert kill["time_to_next_commit_s"] == pytest.approx(2.49)
+
+
+def test_a_heal_counts_only_at_a_step_above_zero():
+    f = Fake()
+    f.train((0, 0), T0, T0 + 20, leader=True)
+    f.train((0, 1), T0, T0 + 7)
+    f.kill(T0 + 7.0, "non_leader", {(0, 1): dict(steps_run=28, steps_since_commit=3)})
+    f.start((0, 1), T0 + 9.0, restart=True)  # its join commit: step 0, "init" — as every survivor's
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c0r1": None} and r["recovered"] == 0
+    f.events[(0, 1)].append({"t": T0 + 9.4, "kind": "heal", "level": "inner", "step": 35})
+    f.commit((0, 1), T0 + 9.5, 35, "c0s35")  # now it holds its peer's committed model
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c0r1": pytest.approx(0.5)} and r["recovered"] == 1
+    assert r["kills"][0]["time_to_next_commit_s"] == pytest.approx(T0 + 7.5 - (T0 + 7.0))  # c0r0's inner commit at step 30
+
+
+def test_a_kill_is_matched_with_its_own_restart_not_a_later_one():
+    f = Fake()
+    f.train((0, 0), T0, T0 + 20, leader=True)
+    f.train((0, 1), T0, T0 + 5)
+    f.kill(T0 + 5.0, "non_leader", {(0, 1): dict(steps_run=20)})
+    f.start((0, 1), T0 + 7.0, restart=True)
+    f.exit((0, 1), T0 + 8.0, 1, steps_run=0)  # dies on its own before healing
+    f.start((0, 1), T0 + 9.0, restart=True)
+    f.commit((0, 1), T0 + 9.5, 35, "c0s35")  # this one heals
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c0r1": None} and r["recovered"] == 0
+    assert [x["cause"] for x in r["self_exits"]] == ["exit 1"]
+    assert [(x["cause"], x["time_to_heal_s"]) for x in r["restarts"]] == [("non_leader", None), ("exit 1", pytest.approx(0.5))]
+
+
+def test_inner_committed_work_lost_with_a_whole_cluster_is_discarded():
+    f = cluster_kill(restarted_heal=True)
+    results = {k: {"work": {"steps_run": 80, "steps_discarded": 0, "steps_since_commit": 0, "steps_since_outer": 0}} for k in [(0, 0), (0, 1)]}
+    # the restarted groups trained steps 1-10 again and lost them at weight 0 (sync.py counts it), then 20 more
+    results.update({k: {"work": {"steps_run": 30, "steps_discarded": 10, "steps_since_commit": 0, "steps_since_outer": 0}} for k in [(1, 0), (1, 1)]})
+    for k in ALL:
+        f.exit(k, T0 + 21, 0)
+    r = f.evidence(results)
+    assert r["steps_run"] == 2 * 80 + 2 * 40 + 2 * 30
+    assert r["steps_lost"] == {"rolled_back_or_weight0": 20, "uncommitted_at_death": 4, "with_lost_cluster": 10,
+                               "at_outer_weight0": 0, "with_lost_state": 0, "unmerged_at_end": 0}
+    assert r["steps_kept"] == 300 - 34 and r["goodput"] == pytest.approx(266 / 300)
+    # the processes' own count misses the 10 inner-committed steps lost with the cluster
+    assert r["process_efficiency"] == pytest.approx(276 / 300)
+
+
+def test_work_of_a_lost_leader_or_non_leader_rides_on_its_cluster_to_the_next_outer_commit():
+    def run(role, weight):
+        f = Fake()
+        f.train((0, 0), T0, T0 + 7.1, leader=True)
+        f.train((0, 1), T0, T0 + 20)
+        f.train((0, 1), T0 + 7.1, T0 + 20, first_step=30, outer_weight=weight, leader=True)  # took over as leader
+        f.kill(T0 + 7.1, role, {(0, 0): dict(steps_run=28, steps_since_commit=3, steps_since_outer=5)})
+        f.events[(0, 1)] = sorted({(e["t"], e["level"]): e for e in f.events[(0, 1)]}.values(), key=lambda e: e["t"])
+        return account_work(Timeline(f.history, f.events, f.kills), {}, consistent=True)["steps_lost"]
+
+    assert run("leader", 1.0) == {"rolled_back_or_weight0": 0, "uncommitted_at_death": 3, "with_lost_cluster": 0, "at_outer_weight0": 0,
+                                  "with_lost_state": 0, "unmerged_at_end": 0}
+    assert run("leader", 0.0)["at_outer_weight0"] == 5  # the cluster's next outer commit did not use its work
+
+
+def test_killing_the_last_continuous_cluster_loses_the_state_and_nothing_recovers():
+    f = cluster_kill(restarted_heal=False)  # cluster 1 restarted at T0+12, never healed
+    f.kill(T0 + 14.0, "cluster", {(0, 0): dict(steps_run=56, steps_since_commit=1, steps_since_outer=5),
+                                  (0, 1): dict(steps_run=56, steps_since_commit=1, steps_since_outer=5)})
+    for k in [(0, 0), (0, 1)]:
+        f.start(k, T0 + 16.0, restart=True)
+        f.commit(k, T0 + 17.0, 10, "late10", outer=True, cluster_weight=1.0)  # matches only the fresh cluster 1
+        f.commit((1, k[1]), T0 + 17.0, 10, "late10", outer=True, cluster_weight=1.0)
+    r = f.evidence()
+    assert [x["targets"] for x in r["state_lost"]] == [["c0r0", "c0r1"]]
+    assert r["recovered"] == 0 and all(t is None for t in r["time_to_heal_s"])
+    # what cluster 0 had kept (outer-committed) and carried died with it: 56 - 1 steps each
+    assert r["steps_lost"]["with_lost_state"] == 2 * 55 + 2 * (40 - 2)
+    assert r["steps_lost"]["uncommitted_at_death"] == 2 * 2 + 2 * 1
+
+
+def test_an_incarnation_that_exits_nonzero_on_its_own_counts():
+    f = Fake()
+    f.train((0, 0), T0, T0 + 20, leader=True)
+    f.train((0, 1), T0, T0 + 5)
+    f.exit((0, 1), T0 + 5.2, 1, steps_run=21, steps_discarded=5, steps_since_commit=1, steps_since_outer=0)
+    f.start((0, 1), T0 + 7.0, restart=True)
+    f.commit((0, 1), T0 + 7.6, 30, "g30", outer=True, cluster_weight=1.0)
+    r = f.evidence()
+    assert r["steps_run"] == 21 and r["steps_lost"]["rolled_back_or_weight0"] == 5 and r["steps_lost"]["uncommitted_at_death"] == 1
+    assert r["self_exits"] == [{"t": pytest.approx(5.2), "target": "c0r1", "cause": "exit 1"}]
+    assert r["restarts"][0]["time_to_heal_s"] == pytest.approx(0.6) and r["kills"] == []
+
+
+def test_hangs_come_from_events_and_exit_codes_not_from_error_text():
+    f = Fake()
+    f.events[(0, 0)].append({"t": T0 + 3, "kind": "timeout", "level": "inner", "op": "allreduce", "phase": "INNER_REDUCE"})
+    f.events[(0, 1)].append({"t": T0 + 3, "kind": "quorum_failed", "level": "inner", "detail": "timed out"})  # text is no evidence
+    f.events[(0, 1)].append({"t": T0 + 4, "kind": "watchdog", "reason": "watchdog: stuck"})
+    f.exit((0, 1), T0 + 4.1, 3)  # the same hang, seen by the launcher
+    f.start((0, 1), T0 + 6, restart=True)
+    f.exit((0, 1), T0 + 8, 3)  # a watchdog exit without its event
+    r = f.evidence()["hangs_detail"]
+    assert [x["target"] for x in r["timeouts"]] == ["c0r0"]
+    assert [(x["target"], x["source"]) for x in r["watchdog_exits"]] == [("c0r1", "event"), ("c0r1", "launcher")]
+
+
+def test_a_stall_is_recorded_when_no_group_steps_for_longer_than_the_limit():
+    import time as _time
+
+    class Proc:
+        class popen:
+            @staticmethod
+            def poll():
+                return None
+
+    class Job:
+        replicas = {k: Proc() for k in ALL}
+        steps = {k: 5 for k in ALL}
+
+        def status(self, key):
+            return {"pid": 1, "state": "running", "step": self.steps[key]}
+
+    from hier_localsgd.chaos import StallWatch
+
+    job = Job()
+    w = StallWatch(job, limit_s=0.3, steps_total=100)
+    for _ in range(3):  # advancing: no stall
+        w()
+        job.steps[(0, 0)] += 1
+        _time.sleep(0.15)
+    assert w.stalls == []
+    for _ in range(4):  # nobody advances for 0.6 s > 0.3 s
+        w()
+        _time.sleep(0.15)
+    assert len(w.stalls) == 1 and w.stalls[0]["duration_s"] is None
+    job.steps[(1, 1)] += 1
+    w()
+    assert len(w.stalls) == 1 and w.stalls[0]["duration_s"] > 0.3
+
+
+HB_S, PHASE_S = 2.0, 30.0  # the run below: lighthouse.heartbeat_timeout_ms, every phase timeout
+# Seed 219 at a mean of 8 s draws a whole-cluster kill (cluster 0) about 3 s into training
+# and a non-leader kill (c1r1) about 15 s in; the next draw (46 s) comes after the last kill
+# step (65 % of 300 steps of >= 0.1 s). Each restart (1 s delay, ~5-8 s of imports on a
+# loaded machine, a heal) then has about 10 s to spare before the others finish: a kill
+# whose restart cannot rejoin in time fails the test for a reason that is not recovery.
+CHAOS_RUN = [
+    "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=300",
+    "sync.inner.every=5", "sync.outer.every=2", "sync.min_clusters=1",
+    "chaos.kill_every_s=8", "chaos.seed=219", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.65",
+    "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50", "lighthouse.join_timeout_ms=10000",
+    "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30", "timeouts.outer_reduce=30",
+    "timeouts.broadcast=30", "timeouts.inner_commit=30", "timeouts.outer_commit=30",
+]
+
+
+@pytest.mark.slow
 def test_short_chaos_run_recovers_every_kill_and_reports(tmp_path):
     report_path = tmp_path / "report.json"
     p = subprocess.run(
-        [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}",
-         "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.05", "train.steps=240",
-         "sync.inner.every=5", "sync.outer.every=2", "sync.min_clusters=1",
-         "chaos.kill_every_s=5", "chaos.seed=3", "chaos.restart_delay_s=1",
-         "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50", "lighthouse.join_timeout_ms=10000",
-         "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30", "timeouts.outer_reduce=30",
-         "timeouts.broadcast=30"],
+        [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}", *CHAOS_RUN],
         capture_output=True, text=True, timeout=600,
     )
+    print(p.stdout[-2000:])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(report_path.read_text())
-    for key in ("kills", "recovered", "hangs", "time_to_next_commit_s", "time_to_heal_s", "steps_run",
-                "steps_discarded", "efficiency", "consistent", "final_eval_loss", "baseline"):
-        assert key in r, key
-    assert len(r["kills"]) >= 2, r["kills"]
-    assert all(k["phase"] and k["role"] in ("non_leader", "leader", "cluster") for k in r["kills"])
-    assert r["recovered"] == len(r["kills"])
+    kills = r["kills"]
+    assert len(kills) >= 2, kills
+    assert all(k["phase"] and k["role"] in ("non_leader", "leader", "cluster") for k in kills)
+    assert any(k["lost_clusters"] for k in kills), "a whole cluster must be lost: the strictest heal rule must be exercised"
+    assert r["state_lost"] == []  # the monkey never kills the last continuous processes
+    # every kill's own restarts healed: a commit at a step > 0 identical to a survivor's
+    assert r["recovered"] == len(kills), kills
+    assert all(t is not None for t in r["time_to_heal_s"]), r["restarts"]
     assert r["hangs"] == 0, r["hangs_detail"]
     assert r["consistent"] is True
-    assert all(t is not None and t <= 2.0 + 30.0 for t in r["time_to_next_commit_s"])
-    assert all(t is not None for t in r["time_to_heal_s"])
-    assert 0 < r["steps_discarded"] < r["steps_run"] and 0.5 < r["efficiency"] < 1.0
+    # a dead peer is noticed within the heartbeat timeout; then at most one phase runs out
+    assert all(t is not None and t <= HB_S + PHASE_S for t in r["time_to_next_commit_s"]), r["time_to_next_commit_s"]
+    lost = r["steps_lost"]
+    assert r["steps_kept"] + sum(lost.values()) == r["steps_run"] and r["steps_discarded"] == sum(lost.values())
+    # a restarted cluster retrains from step 0 until its first outer round and loses that at weight 0
+    assert lost["rolled_back_or_weight0"] > 0, lost
+    assert 0 < r["goodput"] <= r["process_efficiency"] < 1.0
+    assert r["goodput"] == pytest.approx(r["steps_kept"] / r["steps_run"])
+    assert r["tokens_per_step"] == 16 * 64 and r["tokens_kept"] == r["steps_kept"] * 16 * 64  # batch x seq_len
+    assert r["throughput_retained"] == pytest.approx(r["baseline"]["wall_s"] / r["wall_s"])
     assert abs(r["final_eval_loss"] / r["baseline"]["final_eval_loss"] - 1) < 0.15
-    assert "chaos:" in p.stdout and "efficiency" in p.stdout
+    assert "chaos:" in p.stdout and "goodput" in p.stdout and "throughput retained" in p.stdout

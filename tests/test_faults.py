@@ -156,8 +156,22 @@ def test_start_order_does_not_matter(tmp_path, name, order):
     logs = "".join((run.job.run_dir / "logs" / f"c{c}r{r}.log").read_text() for c, r in ALL)
     for bad in ("rank not found", "Exception in checkpoint server", "got exception in recovery", "TimeoutError"):
         assert bad not in logs, bad
-    # The late starters healed from the early ones through the HTTP checkpoint transport.
-    late = order[2:]
-    assert all(run.kinds(k, "heal", level="inner") for k in late if k[0] == order[0][0] or k[0] == order[1][0]), logs_tail(run)
+    joined = {k: min(e["t"] for e in run.kinds(k, "commit", level="inner")) for k in ALL}
+    for c in (0, 1):
+        first, second = [k for k in order if k[0] == c]
+        # sync.start(): the cluster's first group repeats no-op join rounds alone (each one a
+        # commit: its inner Manager's step moves ahead) until the second arrives, 3 s later;
+        # the second is behind, so it heals from the first through the HTTP checkpoint
+        # transport, at step 0, in its join round. The first has no one to heal from.
+        heals = run.kinds(second, "heal", level="inner")
+        assert [e["step"] for e in heals] == [0], (second, heals, joined)
+        assert heals[0]["t"] <= joined[second] + 1.0, (heals, joined)
+        assert run.kinds(first, "heal", level="inner") == [], (first, joined)
+    # No outer heal: with sync.min_clusters=2 (default) no outer round commits until both
+    # clusters' leaders are in the global quorum, so both cluster Managers join it at step 0
+    # — whichever cluster started first waits there for the other.
+    assert not any(run.kinds(k, "heal", level="outer") for k in ALL)
+    first_outer = min((e for k in ALL for e in run.kinds(k, "commit", level="outer")), key=lambda e: e["t"])
+    assert first_outer["participants"] == 2 and first_outer["step"] == 10, first_outer
     assert run.summary["consistent"] is True
     assert run.summary["steps"] == 40
