@@ -3,7 +3,9 @@
 Runs the configured topology on this machine (as the demo does), and while it trains
 SIGKILLs processes by role — a ``non_leader`` replica group, a cluster's ``leader``, or a
 whole ``cluster`` — at exponentially distributed intervals with mean
-``chaos.kill_every_s`` (seeded by ``chaos.seed``). Killed processes are restarted after
+``chaos.kill_every_s`` (seeded by ``chaos.seed``); ``chaos.kinds`` adds phase-targeted and
+simultaneous kills, hangs (SIGSTOP), lighthouse kills and network partitions
+(chaos_faults.py, which also holds their evidence). Killed processes are restarted after
 ``chaos.restart_delay_s``, as the launch script or torchelastic would; they rejoin and
 heal. No kills happen once every running process has passed ``chaos.stop_kills_at`` of the
 steps, so the run can end consistent, and none that would leave no *continuous* process
@@ -85,6 +87,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from hier_localsgd.chaos_faults import FAULT_KINDS, PendingFaults, fault_evidence, signal_group
 from hier_localsgd.config import Config
 from hier_localsgd.demo import summarize
 from hier_localsgd.launcher import Key, LocalJob
@@ -170,12 +173,23 @@ class ChaosMonkey:
         self.kills: List[Dict[str, Any]] = []
         self.work_at_kill: List[Dict[str, Any]] = []
         self.stall = StallWatch(job, stall_limit_s(cfg), cfg.train.steps, self.t0)
+        # Kinds other than plain kills (chaos_faults.py); partitions only where the job
+        # runs in network namespaces.
+        self.kinds = [k for k in ch.kinds if k != "partition" or hasattr(job, "partition") and getattr(job, "netns", None) is not None]
+        self.faults: List[Dict[str, Any]] = []
+        self.pending = PendingFaults()
+        self.armed: Optional[Dict[str, Any]] = None  # a phase_kill waiting for its phase
+        self.kinds_done: List[str] = []
 
     def _running(self) -> Dict[Key, dict]:
+        """Processes a fault may hit: running, and continuous (not still recovering from an
+        earlier fault: a restart counts once it has healed), so each fault's recovery is
+        its own."""
+        continuous = {i.key for i in self._continuous_now()}
         out = {}
         for key, proc in self.job.replicas.items():
             st = self.job.status(key) or {}
-            if proc.popen.poll() is None and st.get("state") == "running" and st.get("pid") == proc.popen.pid:
+            if proc.popen.poll() is None and st.get("state") == "running" and st.get("pid") == proc.popen.pid and key in continuous:
                 out[key] = st
         return out
 
@@ -206,23 +220,49 @@ class ChaosMonkey:
     def __call__(self) -> None:
         self.stall()
         now = time.time()
+        for action, arg in self.pending.due(now):
+            self._end(action, arg)
+        if self.armed is not None:
+            self._phase_kill(now)
         if now < self.next_kill:
             return
         running = self._running()
         if not running or min(int(st.get("step", 0)) for st in running.values()) >= self.stop_at_step:
             self.next_kill = float("inf")
             return
-        roles = self.roles[:]
-        self.rng.shuffle(roles)
-        continuous = self._continuous_now()
-        for role in roles:
-            targets = self._pick(role, running, continuous)
-            if targets:
-                break
+        # One fault of the non-kill kinds at a time (their evidence is per fault); with
+        # kills only, no draw is made, so a seed gives the schedule it always gave.
+        kinds = [k for k in self.kinds if not (k in FAULT_KINDS and self.pending.busy) and not (k == "phase_kill" and self.armed)]
+        if self.cfg.chaos.draw == "cycle":  # in order; one still in progress waits its turn
+            kind = self.kinds[len(self.kinds_done) % len(self.kinds)]
+            kind = kind if kind in kinds else None
         else:
+            kind = kinds[0] if len(self.kinds) == 1 else (self.rng.choice(kinds) if kinds else None)
+        done = False
+        if kind == "kill":
+            done = self._kill_role(running, now)
+        elif kind == "phase_kill":
+            role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
+            self.armed = {"role": role, "phase": phase, "since": now}
+            done = True
+        elif kind == "multi_kill":
+            done = self._multi_kill(running, now)
+        elif kind is not None:
+            done = self._fault(kind, running, now)
+        if not done:
             self.next_kill = now + 1.0  # nothing eligible right now (restarting); try again soon
             return
-        record = {"t": now - self.t0, "t_abs": now, "role": role, "targets": [name(k) for k in targets], "pids": {}, "phase": {}, "step": {}}
+        self.kinds_done.append(kind)
+        self.next_kill = now + self.interval()
+
+    def interval(self) -> float:
+        """Time to the next fault: exponential with mean chaos.kill_every_s, or exactly that
+        with chaos.draw=cycle (a fixed, reproducible schedule)."""
+        return self.mean if self.cfg.chaos.draw == "cycle" else self.rng.expovariate(1.0 / self.mean)
+
+    def _kill(self, targets: List[Key], running: Dict[Key, dict], now: float, role: str, kind: str = "kill", **extra: Any) -> None:
+        record = {"t": now - self.t0, "t_abs": now, "kind": kind, "role": role, "targets": [name(k) for k in targets],
+                  "pids": {}, "phase": {}, "step": {}, **extra}
         for key in targets:
             st = running[key]
             record["phase"][name(key)] = st.get("phase")
@@ -231,7 +271,81 @@ class ChaosMonkey:
             self.work_at_kill.append({"key": key, "pid": st.get("pid"), **{k: st.get(k, 0) for k in WORK_KEYS}})
             self.job.kill(key, signal.SIGKILL)
         self.kills.append(record)
-        self.next_kill = now + self.rng.expovariate(1.0 / self.mean)
+
+    def _kill_role(self, running: Dict[Key, dict], now: float) -> bool:
+        roles = self.roles[:]
+        self.rng.shuffle(roles)
+        continuous = self._continuous_now()
+        for role in roles:
+            targets = self._pick(role, running, continuous)
+            if targets:
+                self._kill(targets, running, now, role)
+                return True
+        return False
+
+    def _phase_kill(self, now: float) -> None:
+        """Fires an armed phase_kill once a process of its role shows its phase (or, after
+        ``chaos.phase_arm_s``, in whatever phase the role's first process is)."""
+        arm = self.armed
+        assert arm is not None
+        running = self._running()
+        continuous = self._continuous_now()
+        cands = sorted(k for k, st in running.items() if bool(st.get("leader")) == (arm["role"] == "leader")
+                       and any(i.key != k for i in continuous))
+        hits = [k for k in cands if running[k].get("phase") == arm["phase"]]
+        if hits or (cands and now - arm["since"] > self.cfg.chaos.phase_arm_s):
+            target = (hits or cands)[0]
+            self._kill([target], running, now, arm["role"], kind="phase_kill", armed_phase=arm["phase"], phase_hit=bool(hits))
+            self.armed = None
+
+    def _multi_kill(self, running: Dict[Key, dict], now: float) -> bool:
+        """Two replica groups of different clusters at once (a leader and a non-leader where there are)."""
+        continuous = self._continuous_now()
+        by_cluster: Dict[int, List[Key]] = {}
+        for k in running:
+            by_cluster.setdefault(k[0], []).append(k)
+        if len(by_cluster) < 2:
+            return False
+        c1, c2 = self.rng.sample(sorted(by_cluster), 2)
+        first = [k for k in by_cluster[c1] if running[k].get("leader")] or by_cluster[c1]
+        second = [k for k in by_cluster[c2] if not running[k].get("leader")] or by_cluster[c2]
+        targets = [self.rng.choice(first), self.rng.choice(second)]
+        if not any(i.key not in targets for i in continuous):
+            return False
+        self._kill(targets, running, now, "multi", kind="multi_kill")
+        return True
+
+    def _fault(self, kind: str, running: Dict[Key, dict], now: float) -> bool:
+        ch = self.cfg.chaos
+        rec: Dict[str, Any] = {"t": now - self.t0, "t_abs": now, "kind": kind}
+        if kind == "hang":
+            key = self.rng.choice(sorted(running))
+            st = running[key]
+            rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=ch.hang_s)
+            signal_group(self.job.replicas[key].popen.pid, signal.SIGSTOP)
+            self.pending.add(now + ch.hang_s, "cont", self.job.replicas[key].popen.pid)
+        elif kind == "lighthouse":
+            role = self.rng.choice(sorted(self.job.lighthouses))
+            rec.update(target=role, duration_s=self.cfg.lighthouse.restart_delay_s)
+            self.job.kill_lighthouse(role)  # the launcher's supervisor brings it back
+        else:  # partition
+            c = self.rng.randrange(self.cfg.topology.clusters)
+            rec.update(target=f"cluster{c}", duration_s=ch.partition_s)
+            self.job.partition(c)  # type: ignore[attr-defined]
+            self.pending.add(now + ch.partition_s, "heal", c)
+        self.faults.append(rec)
+        return True
+
+    def _end(self, action: str, arg: Any) -> None:
+        if action == "cont":
+            signal_group(arg, signal.SIGCONT)
+        elif action == "heal":
+            self.job.heal(arg)  # type: ignore[attr-defined]
+
+    def finish(self) -> None:
+        """Ends every fault still in progress (a stopped process, a cut cluster)."""
+        for action, arg in self.pending.due(time.time(), force=True):
+            self._end(action, arg)
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -613,6 +727,7 @@ def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float, base
     )
     monkey.stall.finish()
     hd = dict(ev.pop("hangs_detail"), stalls=list(monkey.stall.stalls))
+    ev["faults"] = fault_evidence(monkey.faults, events, job.history, cfg.topology.clusters)
     finished = summary["steps"] >= tr.steps
     retained = None
     if baseline and finished and baseline.get("steps", 0) >= tr.steps and wall_s > 0:
@@ -622,7 +737,9 @@ def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float, base
         "model": summary["model"],
         "steps_target": tr.steps,
         "steps_reached": summary["steps"],
-        "chaos": {"seed": cfg.chaos.seed, "kill_every_s": cfg.chaos.kill_every_s, "roles": list(cfg.chaos.roles), "restart_delay_s": cfg.chaos.restart_delay_s},
+        "chaos": {"seed": cfg.chaos.seed, "kill_every_s": cfg.chaos.kill_every_s, "roles": list(cfg.chaos.roles), "restart_delay_s": cfg.chaos.restart_delay_s,
+                  "kinds": list(monkey.kinds), "hang_s": cfg.chaos.hang_s, "lighthouse_down_s": cfg.chaos.lighthouse_down_s, "partition_s": cfg.chaos.partition_s},
+        "mode": cfg.sync.mode,
         **ev,
         "hangs": sum(len(v) for v in hd.values()),
         "hangs_detail": hd,
@@ -644,9 +761,11 @@ def _run(cfg: Config, overrides: List[str], subdir: str, chaos: bool) -> Tuple[L
         job.start_all()
         if monkey is not None:
             monkey.t0 = monkey.stall.t0 = monkey.stall.last_progress = time.time()
-            monkey.next_kill = monkey.t0 + monkey.rng.expovariate(1.0 / monkey.mean)
+            monkey.next_kill = monkey.t0 + monkey.interval()
         job.wait(cfg.chaos.timeout_s, tick=monkey, tick_every_s=0.2, restart=chaos, restart_delay_s=cfg.chaos.restart_delay_s)
     finally:
+        if monkey is not None:
+            monkey.finish()
         job.stop()
     return job, monkey, time.time() - t0
 
@@ -673,28 +792,83 @@ def human(report: Dict[str, Any]) -> str:
         + (f" vs failure-free {f(report['baseline']['final_eval_loss'], 4)}" if report.get("baseline") else ""),
         f"  wall {report['wall_s']:.1f} s" + (f" vs failure-free {report['baseline']['wall_s']:.1f} s" if report.get("baseline") else ""),
     ]
+    for k in report["kills"]:
+        if k.get("kind", "kill") != "kill":
+            lines.append(f"  {k['kind']} {'+'.join(k['targets'])} in {k['phase']}" + (f" (armed for {k['armed_phase']}, hit: {k['phase_hit']})" if k.get("armed_phase") else "")
+                         + f": recovered {k['recovered']}")
+    for fl in report.get("faults", []):
+        ev = {x: fl.get(x) for x in ("abandoned_after_s", "rejoined_after_s", "exited", "back_after_s", "commits_resumed_s", "replica_restarts") if x in fl}
+        lines.append(f"  {fl['kind']} {fl['target']} at {fl['t']:.0f}s for {fl['duration_s']:g}s: recovered {fl['recovered']} "
+                     + ", ".join(f"{x} {f(v) if isinstance(v, float) else v}" for x, v in ev.items()))
     return "\n".join(lines)
 
 
-def run_chaos(cfg: Config, overrides: List[str]) -> int:
+def _chaos_report(cfg: Config, overrides: List[str], label: str) -> Dict[str, Any]:
+    """A failure-free run (with chaos.baseline) and a chaos run of one configuration."""
     baseline = None
+    sub = "" if label == "hier" or cfg.sync.mode == "hier" else f"{label}_"
     if cfg.chaos.baseline:
-        print("chaos: failure-free run with the same seed first", flush=True)
-        bjob, _, bwall = _run(cfg, overrides, "baseline", chaos=False)
+        print(f"chaos [{label}]: failure-free run with the same seed first", flush=True)
+        bjob, _, bwall = _run(cfg, overrides, f"{sub}baseline", chaos=False)
         bs = summarize(cfg, bjob, bwall)
         baseline = {"final_eval_loss": bs["final_eval_loss"], "consistent": bs["consistent"], "wall_s": bwall, "steps": bs["steps"]}
-        print(f"chaos: failure-free final eval loss {baseline['final_eval_loss']}", flush=True)
-    print("chaos: run with kills", flush=True)
-    job, monkey, wall = _run(cfg, overrides, "chaos", chaos=True)
+        print(f"chaos [{label}]: failure-free final eval loss {baseline['final_eval_loss']}", flush=True)
+    print(f"chaos [{label}]: run with faults", flush=True)
+    job, monkey, wall = _run(cfg, overrides, f"{sub}chaos", chaos=True)
     assert monkey is not None
     report = analyse(cfg, job, monkey, wall, baseline)
     report["baseline"] = baseline
     if baseline and report["final_eval_loss"] is not None and baseline["final_eval_loss"]:
         report["final_loss_vs_baseline"] = report["final_eval_loss"] / baseline["final_eval_loss"] - 1.0
+    return report
+
+
+def _prepare(cfg: Config) -> Config:
+    """The chaos run's own settings: a killed lighthouse stays down chaos.lighthouse_down_s;
+    partitions need network namespaces (said once, then left out)."""
+    cfg.lighthouse.supervise = True
+    cfg.lighthouse.restart_delay_s = cfg.chaos.lighthouse_down_s
+    if "partition" in cfg.chaos.kinds and not getattr(cfg.run, "netns", False):
+        why = "they need run.netns=true (each cluster in its own network namespace)"
+        try:
+            from hier_localsgd import netns  # type: ignore[attr-defined]
+
+            reason = netns.available()
+            if reason is None:
+                cfg.run.netns = True  # type: ignore[attr-defined]
+                return cfg
+            why = reason
+        except ImportError:
+            why = "network namespaces are not supported by this version"
+        print(f"chaos: partition faults skipped: {why}", flush=True)
+        cfg.chaos.kinds = [k for k in cfg.chaos.kinds if k != "partition"]
+    return cfg
+
+
+def run_chaos(cfg: Config, overrides: List[str]) -> int:
+    cfg = _prepare(cfg)
+    report = _chaos_report(cfg, overrides, cfg.sync.mode)
+    if cfg.chaos.compare_flat and cfg.sync.mode == "hier":
+        from dataclasses import replace
+
+        from hier_localsgd.config import load_config
+
+        fcfg = _prepare(load_config([*overrides, "sync.mode=flat"], validate_for="chaos"))
+        fcfg.chaos = replace(fcfg.chaos, kinds=[k for k in cfg.chaos.kinds])
+        flat = _chaos_report(fcfg, [*overrides, "sync.mode=flat"], "flat")
+        report["flat"] = flat
+        report["vs_flat"] = {"goodput": (report["goodput"], flat["goodput"]),
+                             "throughput_retained": (report["throughput_retained"], flat["throughput_retained"])}
     path = Path(cfg.chaos.report or Path(cfg.run.dir) / "chaos_report.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))
     print(human(report))
+    if "flat" in report:
+        print("same schedule, flat torchft DiLoCo:")
+        print(human(report["flat"]))
+        print(f"goodput hier {report['vs_flat']['goodput'][0]} vs flat {report['vs_flat']['goodput'][1]}; "
+              f"throughput retained hier {report['vs_flat']['throughput_retained'][0]} vs flat {report['vs_flat']['throughput_retained'][1]}")
     print(f"report written to {path}")
-    ok = report["consistent"] and all(c == 0 for c in report["exit_codes"].values())
+    reports = [report] + ([report["flat"]] if "flat" in report else [])
+    ok = all(r["consistent"] and all(c == 0 for c in r["exit_codes"].values()) for r in reports)
     return 0 if ok else 1

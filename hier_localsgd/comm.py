@@ -117,11 +117,8 @@ class LevelComm:
                 self._lapsed_quorum = quorum
                 self.link.retire()
                 if self._events is not None:
-                    self._events("peer_lapsed", level=self.level, op=op, member=who, quorum_id=quorum, phase=self._tracker.phase.value)
-                raise PeerLapsed(
-                    f"{self.level} quorum member {who} has not heartbeated for over {self.watch.heartbeat_timeout}: "
-                    f"abandoning the {op} (quorum {quorum})"
-                )
+                    self._events("peer_lapsed", level=self.level, op=op, reason=who, quorum_id=quorum, phase=self._tracker.phase.value)
+                raise PeerLapsed(f"{self.level} quorum {quorum}: {who} (heartbeat timeout {self.watch.heartbeat_timeout}): abandoning the {op}")
         return fut.value()  # type: ignore[attr-defined]
 
     def allreduce_sum(self, tensor: torch.Tensor, kind: str) -> bool:

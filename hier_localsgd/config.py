@@ -26,6 +26,7 @@ from hier_localsgd.simulate import SimulateConfig
 from hier_localsgd.level import ALGORITHMS
 from hier_localsgd.lossy import LinkSpec, spec_from_config
 from hier_localsgd.managers import parse_address
+from hier_localsgd.phases import Phase
 from hier_localsgd.timeouts import Timeouts
 
 MODES = ("hier", "flat", "ddp")
@@ -176,6 +177,15 @@ class ChaosConfig:
     baseline: bool = True  # run a failure-free job with the same seed first
     report: str = ""  # JSON report path; "" = <run.dir>/chaos_report.json
     timeout_s: float = 1200.0
+    # Fault kinds drawn by the schedule (chaos_faults.py); partition needs network namespaces.
+    kinds: List[str] = field(default_factory=lambda: ["kill", "phase_kill", "multi_kill", "hang", "lighthouse", "partition"])
+    phase_targets: List[str] = field(default_factory=lambda: ["leader:OUTER_REDUCE", "non_leader:BROADCAST", "leader:INNER_COMMIT"])
+    phase_arm_s: float = 30.0  # a phase_kill fires in any phase after this long
+    hang_s: float = 10.0  # SIGSTOP duration of a hang
+    lighthouse_down_s: float = 10.0  # a killed lighthouse is restarted after this long
+    partition_s: float = 10.0  # how long a partitioned cluster stays cut off
+    compare_flat: bool = False  # run the same schedule against sync.mode=flat and compare
+    draw: str = "random"  # random: each fault's kind drawn with the seed; cycle: kinds in order
 
 
 @dataclass
@@ -467,6 +477,22 @@ def validate(cfg: Config, command: str = "train") -> None:
         err("chaos.stop_kills_at", f"{ch.stop_kills_at} — must be in (0, 1]")
     if ch.restart_delay_s < 0:
         err("chaos.restart_delay_s", f"{ch.restart_delay_s} — must be at least 0")
+    from hier_localsgd.chaos_faults import KINDS as CHAOS_KINDS
+
+    for i, k in enumerate(ch.kinds):
+        if k not in CHAOS_KINDS:
+            err(f"chaos.kinds[{i}]", f"{k!r} — expected one of {CHAOS_KINDS}")
+    if not ch.kinds:
+        err("chaos.kinds", "empty — name at least one fault kind")
+    if ch.draw not in ("random", "cycle"):
+        err("chaos.draw", f"{ch.draw!r} — expected random or cycle")
+    for i, pt in enumerate(ch.phase_targets):
+        role, _, phase = str(pt).partition(":")
+        if role not in ("leader", "non_leader") or phase not in Phase.__members__:
+            err(f"chaos.phase_targets[{i}]", f"{pt!r} — expected ROLE:PHASE with ROLE leader|non_leader and PHASE one of {sorted(Phase.__members__)}")
+    for fname in ("phase_arm_s", "hang_s", "lighthouse_down_s", "partition_s"):
+        if getattr(ch, fname) <= 0:
+            err(f"chaos.{fname}", f"{getattr(ch, fname)} — must be positive (seconds)")
     sw = cfg.sweep
     for i, r in enumerate(sw.rates):
         if not 0 <= r < 1:

@@ -6,7 +6,9 @@ wait for the collective's whole phase deadline (seen: 19.8 s stuck in a Gloo rec
 with a 20 s phase). Its heartbeat lapses, though, and the level's lighthouse sees that.
 While a collective waits, :class:`QuorumWatch` reads the lighthouse's status page (at
 most every ``poll``) and reports a member of *our* quorum (same quorum id) whose last
-heartbeat is older than the lighthouse's heartbeat timeout; the caller
+heartbeat is older than the lighthouse's heartbeat timeout, or a quorum newer than ours
+(a process that was itself stopped returns into a collective its peers abandoned long
+ago, and would otherwise wait to its deadline); the caller
 (:class:`hier_localsgd.comm.LevelComm`) then abandons the collective, reports the
 error so the round's commit vote fails, and the round rolls back. Survivors lose at
 most the heartbeat timeout plus one poll (torchft#164 asks for the same upstream).
@@ -93,8 +95,11 @@ class QuorumWatch:
         self._last = float("-inf")
 
     def lapsed(self, quorum_id: int, own_id: str) -> Optional[str]:
-        """The full replica id of a member of quorum ``quorum_id`` (not ``own_id``) whose
-        heartbeat is older than the heartbeat timeout, or None (also when not due yet)."""
+        """Why waiting in quorum ``quorum_id`` is pointless, or None (also when not due yet):
+        a member (not ``own_id``) whose heartbeat is older than the heartbeat timeout, or a
+        newer quorum at the lighthouse (the others moved on without us: we were stopped,
+        or are a join timeout behind; a restarted lighthouse counts from 1 again, so only a
+        greater id counts)."""
         now = self._clock()
         if now - self._last < self.poll.total_seconds():
             return None
@@ -103,6 +108,8 @@ class QuorumWatch:
         if html is None:
             return None
         view = parse_status(html)
+        if view.quorum_id is not None and view.quorum_id > quorum_id:
+            return f"the lighthouse formed quorum {view.quorum_id} since"
         if view.quorum_id != quorum_id:
             return None
         limit = self.heartbeat_timeout.total_seconds()
@@ -111,5 +118,5 @@ class QuorumWatch:
                 continue
             age = view.heartbeat_age_s.get(member)
             if age is not None and age > limit:
-                return member
+                return f"member {member} stopped heartbeating"
         return None

@@ -269,7 +269,7 @@ HB_S, PHASE_S = 2.0, 30.0  # the run below: lighthouse.heartbeat_timeout_ms, eve
 CHAOS_RUN = [
     "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=300",
     "sync.inner.every=5", "sync.outer.every=2", "sync.min_clusters=1",
-    "chaos.kill_every_s=8", "chaos.seed=219", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.65",
+    "chaos.kill_every_s=8", "chaos.seed=219", "chaos.kinds=[kill]", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.65",
     "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50", "lighthouse.join_timeout_ms=10000",
     "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30", "timeouts.outer_reduce=30",
     "timeouts.broadcast=30", "timeouts.inner_commit=30", "timeouts.outer_commit=30",
@@ -308,3 +308,70 @@ def test_short_chaos_run_recovers_every_kill_and_reports(tmp_path):
     assert r["throughput_retained"] == pytest.approx(r["baseline"]["wall_s"] / r["wall_s"])
     assert abs(r["final_eval_loss"] / r["baseline"]["final_eval_loss"] - 1) < 0.15
     assert "chaos:" in p.stdout and "goodput" in p.stdout and "throughput retained" in p.stdout
+
+
+def test_mixed_faults_hang_phase_and_multi_kill_each_recover(tmp_path):
+    """Faults of several kinds, in order: a process stopped for 5 s, a leader killed as it
+    enters a phase, two groups of different clusters killed at once, twice over. Each comes
+    with its evidence of recovery. (Lighthouse kills are left out here: with kills after a
+    lighthouse restart a run was once seen to end inconsistent — docs/runbook.md, known
+    defect; lighthouse outages alone: tests/test_outages.py.)"""
+    report_path = tmp_path / "report.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}",
+         "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=500", "sync.inner.every=5",
+         "sync.outer.every=2", "sync.min_clusters=1", "chaos.kinds=[hang,phase_kill,multi_kill]", "chaos.draw=cycle",
+         "chaos.kill_every_s=8", "chaos.seed=5", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.7", "chaos.hang_s=5",
+         "chaos.phase_targets=[leader:INNER_REDUCE]", "chaos.phase_arm_s=10", "chaos.baseline=false",
+         "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50", "lighthouse.join_timeout_ms=10000",
+         "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30", "timeouts.outer_reduce=30",
+         "timeouts.broadcast=30"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(report_path.read_text())
+    print(p.stdout[-2500:])
+    assert len(r["faults"]) >= 2 and {f["kind"] for f in r["faults"]} == {"hang"}, r["faults"]
+    kinds = [k["kind"] for k in r["kills"]]
+    assert set(kinds) == {"phase_kill", "multi_kill"}, kinds  # an armed phase_kill fires later
+    for hang in r["faults"]:
+        # it rejoined, or it exited on its own and its restart healed (counted with the kills' restarts)
+        assert hang["recovered"] is True or hang["exited"] is not None, hang
+    for k in r["kills"]:
+        if k["kind"] == "multi_kill":
+            assert len(k["targets"]) == 2 and len({t[:2] for t in k["targets"]}) == 2, k
+        else:
+            assert k["armed_phase"] == "INNER_REDUCE" and isinstance(k["phase_hit"], bool), k
+    assert r["recovered"] == len(r["kills"]), r["kills"]
+    assert r["consistent"] is True
+
+
+def test_lighthouse_and_hang_evidence_from_hand_built_records():
+    """The evidence rules of chaos_faults.py on a hand-built history: a lighthouse outage
+    recovers only if commits resume and no replica restarted; a hang is matched by a commit
+    equal to a peer's at the same step, and a monkey's later kill is not its own exit."""
+    from hier_localsgd.chaos_faults import fault_evidence
+
+    t = 1000.0
+    history = [{"t": t + 1, "event": "kill", "key": "cluster0", "pid": 7}, {"t": t + 12, "event": "up", "key": "cluster0", "pid": 8}]
+    events = {(0, 0): [{"t": t + 13.5, "kind": "commit", "level": "inner", "step": 40, "checksum": "a"}], (0, 1): [], (1, 0): [], (1, 1): []}
+    lh = {"t": 1.0, "t_abs": t + 1, "kind": "lighthouse", "target": "cluster0", "duration_s": 5.0}
+    (ev,) = fault_evidence([lh], events, history, clusters=2)
+    assert ev["back_after_s"] == 11 and ev["commits_resumed_s"] == 1.5 and ev["replica_restarts"] == 0 and ev["recovered"] is True
+    restarted = history + [{"t": t + 6, "event": "restart", "key": (0, 1), "pid": 9}]
+    (ev,) = fault_evidence([lh], events, restarted, clusters=2)
+    assert ev["replica_restarts"] == 1 and ev["recovered"] is False
+    (ev,) = fault_evidence([lh], {k: [] for k in events}, history, clusters=2)
+    assert ev["commits_resumed_s"] is None and ev["recovered"] is False
+
+    hang = {"t": 0.0, "t_abs": t, "kind": "hang", "target": "c1r0", "duration_s": 5.0}
+    ev_h = {(1, 0): [{"t": t + 7, "kind": "commit", "level": "inner", "step": 50, "checksum": "x"}],
+            (1, 1): [{"t": t + 3, "kind": "peer_lapsed", "level": "inner"},
+                     {"t": t + 7.1, "kind": "commit", "level": "inner", "step": 50, "checksum": "x"}],
+            (0, 0): [], (0, 1): []}
+    later_kill = [{"t": t + 20, "event": "kill", "key": (1, 0), "pid": 5}, {"t": t + 20.2, "event": "exit", "key": (1, 0), "pid": 5, "code": -9}]
+    (ev,) = fault_evidence([hang], ev_h, later_kill, clusters=2)
+    assert ev["abandoned_after_s"] == 3 and ev["rejoined_after_s"] == 2 and ev["exited"] is None and ev["recovered"] is True
+    ev_h[(1, 1)][1]["checksum"] = "y"  # no peer committed the same model: no evidence
+    (ev,) = fault_evidence([hang], ev_h, [], clusters=2)
+    assert ev["rejoined_after_s"] is None and ev["recovered"] is False

@@ -1,0 +1,151 @@
+"""Faults other than a plain SIGKILL for ``hier-localsgd chaos``, and their evidence.
+
+Kinds (``chaos.kinds``; the schedule draws one per fault, seeded by ``chaos.seed``):
+
+* ``kill`` — SIGKILL a ``non_leader``, a ``leader`` or a whole ``cluster`` (chaos.py);
+* ``phase_kill`` — SIGKILL a role as it enters a phase (``chaos.phase_targets``, e.g. a
+  leader in OUTER_REDUCE): armed at the scheduled time, fired when the role's status
+  shows the phase (the driver polls every 0.2 s, so a phase shorter than that can be
+  missed); after ``chaos.phase_arm_s`` it fires in whatever phase the role is in, and
+  the record says which phase it hit;
+* ``multi_kill`` — SIGKILL two replica groups of different clusters at the same instant
+  (a leader of one and a non-leader of another where there are);
+* ``hang`` — SIGSTOP one replica group (every thread, heartbeats included) for
+  ``chaos.hang_s``, then SIGCONT. Its peers abandon any collective with it within the
+  heartbeat timeout (peers.py); it rejoins and heals, or its watchdog ends it and it
+  restarts;
+* ``lighthouse`` — SIGKILL a cluster lighthouse or the global one; the launcher's
+  supervisor restarts it at its address after ``lighthouse.restart_delay_s`` (the chaos
+  command sets it to ``chaos.lighthouse_down_s``); no replica process should restart;
+* ``partition`` — cut a whole cluster (its processes and lighthouse, in their own network
+  namespace) off the network for ``chaos.partition_s``; needs ``run.netns`` (netns.py).
+
+Kills of every kind are kill records (chaos.py's accounting applies to them). The other
+kinds are *fault* records with their own evidence of recovery, computed here from the
+launcher's history and the processes' events only:
+
+* ``hang``: ``abandoned_after_s`` — from the stop to the first ``peer_lapsed`` event of a
+  peer (None if no peer was waiting for it); ``recovered`` — after the SIGCONT the stopped
+  incarnation committed an inner round at a step > 0 after a heal or resync, or matched
+  a peer's checksum at the same step; or it exited and its restart healed (chaos.py);
+* ``lighthouse``: ``back_after_s`` (kill to the supervisor's ``up`` record),
+  ``commits_resumed_s`` (from ``up`` to the first commit at that level: an outer commit
+  for the global lighthouse, an inner commit in the cluster otherwise),
+  ``replica_restarts`` (replica processes started during the outage; 0 expected),
+  ``recovered`` = commits resumed and no replica restarted;
+* ``partition``: ``rejoined_after_s`` — from the heal to the first outer commit whose
+  participants include every cluster; ``recovered`` = that happened.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+Key = Tuple[int, int]
+KILL_KINDS = ("kill", "phase_kill", "multi_kill")
+FAULT_KINDS = ("hang", "lighthouse", "partition")
+KINDS = KILL_KINDS + FAULT_KINDS
+
+
+def name(key: Key) -> str:
+    return f"c{key[0]}r{key[1]}"
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signals a replica group's whole process group (torchrun and its ranks too)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class PendingFaults:
+    """Faults in progress (a stopped process, a cut cluster) and when each one ends."""
+
+    def __init__(self) -> None:
+        self.items: List[Tuple[float, str, Any]] = []  # (due, action, arg)
+
+    def add(self, due: float, action: str, arg: Any) -> None:
+        self.items.append((due, action, arg))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.items)
+
+    def due(self, now: float, force: bool = False) -> List[Tuple[str, Any]]:
+        ready = [(a, x) for d, a, x in self.items if force or d <= now]
+        self.items = [(d, a, x) for d, a, x in self.items if not (force or d <= now)]
+        return ready
+
+
+def _after(evs: Sequence[Dict[str, Any]], t: float, kind: str, **match: Any) -> List[Dict[str, Any]]:
+    return [e for e in evs if e["kind"] == kind and e["t"] > t and all(e.get(k) == v for k, v in match.items())]
+
+
+def hang_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], history: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    key = tuple(int(x) for x in f["target"][1:].split("r"))
+    t_stop, t_cont = f["t_abs"], f["t_abs"] + f["duration_s"]
+    lapses = [e["t"] for k, evs in events.items() if k != key for e in _after(evs, t_stop, "peer_lapsed") if e["t"] <= t_cont + 1]
+    mine = events.get(key, [])  # type: ignore[arg-type]
+    killed = {h.get("pid") for h in history if h["event"] == "kill" and h["key"] == key}
+    # exits of its own (a watchdog, an error): the monkey's later kills are judged as kills
+    exits = [h for h in history if h["event"] == "exit" and h["key"] == key and h["t"] > t_stop and h.get("code") != 0 and h.get("pid") not in killed]
+    first_exit = min((h["t"] for h in exits), default=None)
+    rejoined = None
+    healed = [e["t"] for e in mine if e["kind"] in ("heal", "resync") and e["t"] > t_cont]
+    for e in mine:
+        if e["kind"] != "commit" or e.get("level") != "inner" or e["t"] <= t_cont or e.get("step", 0) <= 0:
+            continue
+        if first_exit is not None and e["t"] > first_exit:
+            break  # a later incarnation: chaos.py's restart evidence covers it
+        peers = {p["checksum"] for k, evs in events.items() if k != key for p in evs
+                 if p["kind"] == "commit" and p.get("level") == "inner" and p.get("step") == e.get("step")}
+        if e.get("checksum") in peers or any(t < e["t"] for t in healed):
+            rejoined = e["t"] - t_cont
+            break
+    return {
+        "abandoned_after_s": (min(lapses) - t_stop) if lapses else None,
+        "rejoined_after_s": rejoined,
+        "exited": None if first_exit is None else {"after_cont_s": first_exit - t_cont, "code": next(h.get("code") for h in exits)},
+        "recovered": rejoined is not None,  # an exit is judged by its restart (kills/restarts)
+    }
+
+
+def lighthouse_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], history: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    role, t_kill = f["target"], f["t_abs"]
+    up = min((h["t"] for h in history if h["event"] == "up" and h["key"] == role and h["t"] > t_kill), default=None)
+    if role == "global":
+        commits = [e["t"] for evs in events.values() for e in _after(evs, up or t_kill, "commit", level="outer")]
+    else:
+        c = int(role[len("cluster"):])
+        commits = [e["t"] for k, evs in events.items() if k[0] == c for e in _after(evs, up or t_kill, "commit", level="inner")]
+    resumed = (min(commits) - up) if up is not None and commits else None
+    restarts = [h for h in history if h["event"] == "restart" and not isinstance(h["key"], str) and t_kill < h["t"] <= (up or t_kill) + 5]
+    return {
+        "back_after_s": None if up is None else up - t_kill,
+        "commits_resumed_s": resumed,
+        "replica_restarts": len(restarts),
+        "recovered": resumed is not None and not restarts,
+    }
+
+
+def partition_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], clusters: int) -> Dict[str, Any]:
+    t_heal = f["t_abs"] + f["duration_s"]
+    full = [e["t"] for evs in events.values() for e in _after(evs, t_heal, "commit", level="outer") if int(e.get("participants", 0)) >= clusters]
+    rejoined = (min(full) - t_heal) if full else None
+    return {"rejoined_after_s": rejoined, "recovered": rejoined is not None}
+
+
+def fault_evidence(faults: Sequence[Dict[str, Any]], events: Dict[Key, List[Dict[str, Any]]], history: Sequence[Dict[str, Any]], clusters: int) -> List[Dict[str, Any]]:
+    """Each non-kill fault with its evidence of recovery (module docstring)."""
+    out = []
+    for f in faults:
+        if f["kind"] == "hang":
+            ev = hang_evidence(f, events, history)
+        elif f["kind"] == "lighthouse":
+            ev = lighthouse_evidence(f, events, history)
+        else:
+            ev = partition_evidence(f, events, clusters)
+        out.append({**{k: v for k, v in f.items() if k != "t_abs"}, **ev})
+    return out

@@ -1,0 +1,80 @@
+"""The stopped-peer watch (peers.py) against a real torchft lighthouse and real Managers:
+the status page is parsed as torchft 0.2.0 serves it, a member whose heartbeat stops is
+reported once it is older than the heartbeat timeout, and a newer quorum is reported too."""
+
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+from torchft import Manager
+from torchft.coordination import LighthouseServer
+from torchft.process_group import ProcessGroupGloo
+
+from hier_localsgd.peers import QuorumWatch, fetch_status, parse_status
+
+HB_MS = 1000
+
+
+def manager(lh: LighthouseServer, rid: str) -> Manager:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    m = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state_dict=None, state_dict=None, min_replica_size=1,
+                use_async_quorum=False, timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=10),
+                connect_timeout=timedelta(seconds=5), rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+                lighthouse_addr=lh.address(), replica_id=rid, hostname="127.0.0.1", heartbeat_interval=timedelta(milliseconds=100),
+                init_sync=False)
+    m._test_store = store  # keep the store alive with the Manager
+    return m
+
+
+def full_id(m: Manager) -> str:
+    return m._store.get("replica_id").decode()
+
+
+@pytest.fixture
+def lighthouse():
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20, heartbeat_timeout_ms=HB_MS)
+    yield lh
+    lh.shutdown()
+
+
+def test_status_page_and_a_member_whose_heartbeat_stops(lighthouse):
+    import threading
+
+    a, b = manager(lighthouse, "a0"), manager(lighthouse, "b1")
+    try:
+        ths = [threading.Thread(target=m.start_quorum, kwargs={"timeout": timedelta(seconds=10)}) for m in (a, b)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        assert a.num_participants() == 2
+        view = parse_status(fetch_status(lighthouse.address(), timedelta(seconds=2)))
+        assert view.quorum_id == a._quorum_id
+        assert sorted(view.members) == sorted([full_id(a), full_id(b)])
+        assert all(view.heartbeat_age_s[m] < HB_MS / 1000 for m in view.members)
+        watch = QuorumWatch(lighthouse.address(), timedelta(milliseconds=HB_MS), poll=timedelta(milliseconds=50))
+        assert watch.lapsed(a._quorum_id, full_id(a)) is None  # both heartbeating
+        b.shutdown(wait=False)  # b's heartbeat stops, as a stopped process's would
+        t0 = time.time()
+        why = None
+        while why is None and time.time() - t0 < 10:
+            time.sleep(0.1)
+            why = watch.lapsed(a._quorum_id, full_id(a))
+        assert why == f"member {full_id(b)} stopped heartbeating"
+        assert HB_MS / 1000 <= time.time() - t0 <= HB_MS / 1000 + 1.0
+        # a quorum id other than ours: a newer one is reported, an older (a restarted
+        # lighthouse counts from 1 again) is not
+        time.sleep(0.06)
+        assert watch.lapsed(a._quorum_id - 1, full_id(a)) == f"the lighthouse formed quorum {a._quorum_id} since"
+        time.sleep(0.06)
+        assert watch.lapsed(a._quorum_id + 5, full_id(a)) is None
+    finally:
+        a.shutdown(wait=False)
+        b.shutdown(wait=False)
+
+
+def test_an_unreadable_page_reports_nothing():
+    watch = QuorumWatch("http://127.0.0.1:1", timedelta(seconds=1), poll=timedelta(milliseconds=1), fetch=lambda addr, t: None)
+    assert watch.lapsed(3, "x") is None
+    assert parse_status("<html>not a lighthouse</html>").quorum_id is None
