@@ -22,6 +22,7 @@ quorum change. The wrapper:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -156,6 +157,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         # the next quorum's configure would block until that collective ends.
         self._retired: List[object] = []
         self._retire_pending = False
+        self._quorum_tag = ""  # see note_quorum
 
     def set_emulation(self, spec: Optional[LinkSpec]) -> None:
         """Emulates ``spec`` on this level's links (None or inactive: a plain link)."""
@@ -168,6 +170,19 @@ class LinkProcessGroup(ProcessGroupWrapper):
             stats.emulation = self.emu
         self.stats = stats
         self.emu = stats.emulation
+
+    def note_quorum(self, quorum: object) -> None:
+        """Remembers the quorum torchft is about to configure this group for.
+
+        torchft's rendezvous prefix is ``<store>/torchft/<quorum id>/<group rank>``, and a
+        restarted lighthouse numbers quorums from 1 again: a reissued id would read keys
+        an earlier quorum of that id left in the same store (a dead peer's address:
+        "connection refused", seen in a chaos run). The prefix therefore also carries a
+        tag of the quorum's id, max step and full member ids (uuids included), the same on
+        every member; a collision needs the same members at the same id and step."""
+        ids = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
+        text = f"{getattr(quorum, 'quorum_id', '')}|{getattr(quorum, 'max_step', '')}|{ids}"
+        self._quorum_tag = hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def retire(self) -> None:
         """A collective on the current group was abandoned: the next configure sets the
@@ -202,6 +217,8 @@ class LinkProcessGroup(ProcessGroupWrapper):
         logger.info(
             "%s link configured: rank %d of %d, quorum %s", self.level, rank, world_size, quorum_id
         )
+        if self._quorum_tag:
+            store_addr = f"{store_addr}/q{self._quorum_tag}"
         if self._retire_pending and self._pg is not None:
             self._retired.append(self._pg)
             self._pg = None  # torchft's configure aborts only a group it still holds

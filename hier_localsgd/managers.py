@@ -100,6 +100,22 @@ def probe_lighthouse(field: str, addr: str, timeout: timedelta) -> None:
             time.sleep(0.25)  # not listening yet: it may be starting beside us
 
 
+class _QuorumTap:
+    """torchft's ManagerClient, passing each quorum result to ``sink`` before the Manager
+    uses it (the link tags its rendezvous with it: link.LinkProcessGroup.note_quorum)."""
+
+    def __init__(self, client: Any, sink: Callable[[Any], None]) -> None:
+        self._client, self._sink = client, sink
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self._sink(quorum)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 @dataclass(frozen=True)
 class QuorumView:
     """What a round needs from a formed quorum."""
@@ -198,6 +214,8 @@ class LevelManager:
             init_sync=False,  # every replica builds identical initial weights from the seed
             max_retries=max_commit_failures,
         )
+        # Every quorum result reaches the link before torchft configures it (link.note_quorum).
+        self.manager._client = _QuorumTap(self.manager._client, pg.note_quorum)
         self.manager.register_state_dict_fn(level, self._load_and_mark, state_dict)
         self._closed = False
         self.lighthouse_addr = lighthouse_addr
