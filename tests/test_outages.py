@@ -242,8 +242,11 @@ def test_survivors_abandon_a_collective_with_a_stopped_peer_within_the_heartbeat
     assert waited <= HB_S + 1.5, waited
     # No wait ran into its deadline in that round: the watch ended it.
     assert not [e for e in run.kinds((0, 0), "timeout") if entered <= e["t"] <= state["cont"]]
-    # c0r0 kept training while c0r1 was stopped.
+    # c0r0 kept training while c0r1 was stopped, and its inner level kept working: it
+    # committed rounds (alone) on a freshly configured group, before and after c0r1 returned.
     assert steps_between(run, (0, 0), lapse["t"], state["cont"]) >= 20
+    assert [e for e in run.kinds((0, 0), "commit", level="inner") if lapse["t"] < e["t"] < state["cont"]], logs_tail(run)
+    assert [e for e in run.kinds((0, 0), "commit", level="inner", participants=2) if e["t"] > state["cont"]], logs_tail(run)
     # c0r1 came back and healed from its cluster (the same process, or its restart).
     assert [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > state["cont"]], logs_tail(run)
     assert run.summary["consistent"] is True
