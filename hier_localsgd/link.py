@@ -221,7 +221,10 @@ class LinkProcessGroup(ProcessGroupWrapper):
             store_addr = f"{store_addr}/q{self._quorum_tag}"
         if self._retire_pending and self._pg is not None:
             self._retired.append(self._pg)
-            self._pg = None  # torchft's configure aborts only a group it still holds
+            # A fresh reconfigurable Gloo wrapper (torchft's configure aborts only a group it
+            # still holds). Not None: with no inner group, torchft's configure would call this
+            # wrapper's own _create_pg, which is not implemented, and every later quorum fails.
+            self._pg = ProcessGroupGloo(timeout=self._timeout)
         self._retire_pending = False
         super().configure(
             store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
