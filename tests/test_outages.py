@@ -66,6 +66,21 @@ def check_common(run, role, seen):
     return up["t"]
 
 
+def saw_outage(run, seen, key, level, field):
+    """``key`` published the outage (status file) and wrote its start and end events."""
+    states = [e["state"] for e in run.kinds(key, "outage", level=level)]
+    assert states[:1] == ["start"] and "end" in states, states
+    assert (key, level, field) in seen.get("status", set()), seen
+
+
+def resumed_after(run, key, level, t_kill, t_up):
+    """Seconds from the lighthouse's return to ``key``'s next commit at ``level``, and the
+    level's commit period measured before the kill."""
+    times = sorted(e["t"] for e in run.kinds(key, "commit", level=level))
+    period = statistics.median([b - a for a, b in zip(times, times[1:]) if b < t_kill])
+    return min(t for t in times if t > t_up) - t_up, period
+
+
 def test_global_lighthouse_killed_and_restarted_costs_no_process_and_no_sync_inside_clusters(tmp_path):
     run, seen = outage_run(tmp_path, "global")
     t_kill = seen["kill"]
@@ -79,14 +94,10 @@ def test_global_lighthouse_killed_and_restarted_costs_no_process_and_no_sync_ins
         assert [e for e in run.kinds(k, "commit", level="inner") if t_kill + HB_S < e["t"] < t_up], k
     # The leaders saw the outage, published it, and it ended.
     for leader in [(0, 0), (1, 0)]:
-        states = [e["state"] for e in run.kinds(leader, "outage", level="outer")]
-        assert states[:1] == ["start"] and "end" in states, states
-        assert (leader, "outer", "lighthouse.global_addr") in seen.get("status", set()), seen
+        saw_outage(run, seen, leader, "outer", "lighthouse.global_addr")
     # Outer commits resume soon after the lighthouse answers again: within a probe backoff
     # (<= the heartbeat timeout) plus one outer period (measured before the kill).
-    outer = sorted(e["t"] for e in run.kinds((0, 0), "commit", level="outer"))
-    period = statistics.median([b - a for a, b in zip(outer, outer[1:]) if b < t_kill])
-    resumed = min(t for t in outer if t > t_up) - t_up
+    resumed, period = resumed_after(run, (0, 0), "outer", t_kill, t_up)
     print(f"global lighthouse outage: resumed {resumed:.2f}s after it answered (outer period {period:.2f}s, heartbeat {HB_S}s)")
     assert resumed <= HB_S + 2 * period + 1.0, (resumed, period)
 
@@ -99,13 +110,9 @@ def test_cluster_lighthouse_killed_and_restarted_costs_no_process(tmp_path):
     for k in [(0, 0), (0, 1)]:
         n = steps_between(run, k, t_kill + HB_S, t_up)
         assert n >= 20, (k, n, logs_tail(run))
-        states = [e["state"] for e in run.kinds(k, "outage", level="inner")]
-        assert states[:1] == ["start"] and "end" in states, states
-        assert (k, "inner", "lighthouse.cluster_addrs[0]") in seen.get("status", set()), seen
+        saw_outage(run, seen, k, "inner", "lighthouse.cluster_addrs[0]")
     # Inner commits in cluster 0 resume within a probe backoff plus one inner period.
-    inner = sorted(e["t"] for e in run.kinds((0, 1), "commit", level="inner"))
-    period = statistics.median([b - a for a, b in zip(inner, inner[1:]) if b < t_kill])
-    resumed = min(t for t in inner if t > t_up) - t_up
+    resumed, period = resumed_after(run, (0, 1), "inner", t_kill, t_up)
     # Cluster 1 needs cluster 0's leader for its outer rounds (min_clusters=2): the leader
     # keeps syncing across clusters with its own model while its cluster lighthouse is out,
     # so cluster 1 never waits for the outage.
