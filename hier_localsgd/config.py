@@ -31,6 +31,7 @@ from hier_localsgd.timeouts import Timeouts
 
 MODES = ("hier", "flat", "ddp")
 TRAINING_COMMANDS = ("train", "demo", "chaos", "sweep", "bench")  # validate() checks their data input
+LAUNCHING_COMMANDS = ("demo", "chaos", "sweep", "bench")  # start a LocalJob (launcher.py)
 DATA_KINDS = ("markov", "text", "parquet")
 LIGHTHOUSE_ROLES = ("all", "global", "cluster")
 
@@ -156,6 +157,9 @@ class RunConfig:
     log_level: str = "INFO"
     start_gate: str = ""  # local jobs: wait (up to timeouts.startup) for this file before training
     tensorboard: bool = True  # scalars under <run.dir>/tensorboard/c<C>r<R>
+    # Local jobs: each cluster (and its lighthouse) in its own Linux network namespace on a
+    # bridge, the global lighthouse in the hub's (netns.py); needs root. Enables partitions.
+    netns: bool = False
 
 
 @dataclass
@@ -538,6 +542,13 @@ def validate(cfg: Config, command: str = "train") -> None:
 
     if command == "chaos" and s.mode != "hier":
         err("sync.mode", f"{s.mode!r} — chaos runs measure the hierarchical mode (hier)")
+
+    if cfg.run.netns and command in LAUNCHING_COMMANDS:
+        from hier_localsgd.netns import available
+
+        reason = available()
+        if reason is not None:
+            err("run.netns", f"network namespaces are unavailable here: {reason}")
 
     if command == "train":
         if not 0 <= cfg.run.cluster < t.clusters:

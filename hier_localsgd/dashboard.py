@@ -592,6 +592,8 @@ def _timeline(files: RunFiles, limit: int) -> Tuple[List[Dict[str, Any]], Dict[s
     for j in files.job_events:
         kind = j.get("kind")
         who = f"lighthouse {j['lighthouse']}" if j.get("lighthouse") else f"c{j.get('cluster')}r{j.get('replica')}"
+        if j.get("replica") is None and isinstance(j.get("cluster"), int):  # partition / heal (run.netns)
+            who = f"cluster {j['cluster']}'s network"
         if kind == "up":
             text = f"{who} answering"
         elif kind == "start":

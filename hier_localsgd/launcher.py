@@ -6,6 +6,13 @@ scripts in ``launch/`` do on real hosts: start the lighthouses, then start
 same overrides for everyone. Each process logs to ``<run.dir>/logs/c<C>r<R>.log``
 (appending across restarts) and publishes its status files (status.py).
 
+With ``run.netns`` each cluster's lighthouse and replica processes run in the
+cluster's own network namespace and the global lighthouse in the hub's
+(:mod:`hier_localsgd.netns`); the launcher stays in the root namespace, probes the
+lighthouses from inside their namespaces, can cut a cluster off
+(:meth:`LocalJob.partition`, :meth:`LocalJob.heal`) and removes the network in
+:meth:`LocalJob.stop`.
+
 Every wait here is bounded: lighthouse start-up by ``timeouts.connect``-scaled
 probing, the job by the caller's timeout; :meth:`LocalJob.stop` sends SIGTERM
 and, after a grace period, SIGKILL.
@@ -23,11 +30,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hier_localsgd.config import Config
-from hier_localsgd.managers import LighthouseUnreachable, probe_lighthouse
+from hier_localsgd.managers import LighthouseUnreachable, parse_address, probe_lighthouse
 from hier_localsgd.status import read_json, replica_dir
+
+if TYPE_CHECKING:
+    from hier_localsgd.netns import ClusterNetwork
 
 Key = Tuple[int, int]
 
@@ -89,7 +99,9 @@ class LocalJob:
         cfg: the validated config (topology, run.dir, timeouts).
         overrides: the user's hydra overrides, passed to every child unchanged.
         free_ports: pick free loopback ports for the lighthouses (else use
-            ``lighthouse.*`` as configured).
+            ``lighthouse.*`` as configured). With ``run.netns`` the lighthouses listen
+            on their namespaces' addresses at the configured ports (every port is
+            free in a fresh namespace).
     """
 
     cfg: Config
@@ -102,6 +114,7 @@ class LocalJob:
     replicas: Dict[Key, Proc] = field(default_factory=dict)
     addr_overrides: List[str] = field(default_factory=list)
     history: List[dict] = field(default_factory=list)  # starts, exits (with the last status), restarts, kills, with times
+    net: Optional["ClusterNetwork"] = None  # run.netns: the clusters' namespaces (made in __post_init__)
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
@@ -110,7 +123,9 @@ class LocalJob:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.events_path = self.run_dir / "job_events.jsonl"
         self.gate_path.unlink(missing_ok=True)
-        if self.free_ports:
+        if self.cfg.run.netns:
+            self._make_network()
+        elif self.free_ports:
             g = f"http://127.0.0.1:{free_port()}"
             cs = [f"http://127.0.0.1:{free_port()}" for _ in range(self.cfg.topology.clusters)]
             self.addr_overrides = [f"lighthouse.global_addr='{g}'", "lighthouse.cluster_addrs=[" + ",".join(f"'{a}'" for a in cs) + "]"]
@@ -118,11 +133,31 @@ class LocalJob:
         else:
             self.global_addr, self.cluster_addrs = self.cfg.lighthouse.global_addr, list(self.cfg.lighthouse.cluster_addrs)
 
+    def _make_network(self) -> None:
+        """run.netns: one namespace per cluster and a hub; lighthouses at their addresses."""
+        from hier_localsgd.netns import ClusterNetwork
+
+        lh = self.cfg.lighthouse
+        _, gport = parse_address("lighthouse.global_addr", lh.global_addr)
+        ports = [parse_address(f"lighthouse.cluster_addrs[{i}]", a)[1] for i, a in enumerate(lh.cluster_addrs)]
+        self.net = ClusterNetwork(self.cfg.topology.clusters)
+        g = f"http://{self.net.address('hub')}:{gport}"
+        cs = [f"http://{self.net.address(i)}:{ports[i] if i < len(ports) else 29511}" for i in range(self.cfg.topology.clusters)]
+        self.addr_overrides = [f"lighthouse.global_addr='{g}'", "lighthouse.cluster_addrs=[" + ",".join(f"'{a}'" for a in cs) + "]"]
+        self.global_addr, self.cluster_addrs = g, cs
+
+    @staticmethod
+    def _where(role: str) -> Union[int, str]:
+        """The namespace of a lighthouse role: the hub's, or its cluster's."""
+        return "hub" if role == "global" else int(role[len("cluster"):])
+
     # -- processes -------------------------------------------------------------
     def _args(self) -> List[str]:
         return list(self.overrides) + self.addr_overrides + [f"run.dir={self.run_dir}"]
 
-    def _spawn(self, name: str, argv: List[str]) -> Proc:
+    def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None) -> Proc:
+        if self.net is not None and where is not None:
+            argv = self.net.wrap(argv, where)  # same pid: `ip netns exec` and the wrapper exec
         log = self.run_dir / "logs" / f"{name}.log"
         f = open(log, "ab")
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
@@ -143,7 +178,7 @@ class LocalJob:
         fieldname, addr = next((f, a) for r, f, a in self.lighthouse_roles() if r == role)
         serve = ["lighthouse.serve=global"] if role == "global" else ["lighthouse.serve=cluster", f"lighthouse.cluster={role[len('cluster'):]}"]
         prev = self.lighthouses.get(role)
-        proc = self._spawn(f"lighthouse_{role}", [self.python, "-m", "hier_localsgd", "lighthouse", *self._args(), *serve])
+        proc = self._spawn(f"lighthouse_{role}", [self.python, "-m", "hier_localsgd", "lighthouse", *self._args(), *serve], self._where(role))
         if prev is not None:
             proc.restarts = prev.restarts + 1
         self.lighthouses[role] = proc
@@ -155,7 +190,10 @@ class LocalJob:
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{fieldname}: lighthouse process exited with {proc.popen.returncode}; see {proc.log}")
             try:
-                probe_lighthouse(fieldname, addr, timedelta(seconds=1))
+                if self.net is not None:  # from inside its namespace (the launcher is outside)
+                    self.net.run_in(self._where(role), lambda: probe_lighthouse(fieldname, addr, timedelta(seconds=1)))
+                else:
+                    probe_lighthouse(fieldname, addr, timedelta(seconds=1))
                 self._record({"t": time.time(), "event": "up", "key": role, "pid": proc.popen.pid})
                 return proc
             except LighthouseUnreachable:
@@ -179,7 +217,8 @@ class LocalJob:
         prev = self.replicas.get((cluster, replica))
         if prev is not None and not extra:
             extra = prev.extra  # a restart keeps the original arguments
-        train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *extra]
+        host = [f"run.hostname={self.net.address(cluster)}"] if self.net is not None else []  # its namespace's address
+        train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *host, *extra]
         g = self.cfg.topology.ranks_per_replica
         if g > 1:
             # One replica group = one torchrun: a dying rank takes the group down and
@@ -190,7 +229,7 @@ class LocalJob:
                 f"--max-restarts={self.torchrun_restarts}", "--tee=3", "--local-ranks-filter=0",
                 f"--log-dir={self.run_dir / 'logs' / f'c{cluster}r{replica}.ranks'}", *train,
             ]
-        proc = self._spawn(f"c{cluster}r{replica}", [self.python, *train])
+        proc = self._spawn(f"c{cluster}r{replica}", [self.python, *train], cluster)
         proc.extra = tuple(extra)
         if prev is not None:
             proc.restarts = prev.restarts + 1
@@ -201,11 +240,14 @@ class LocalJob:
     def _record(self, entry: dict) -> None:
         """Keeps the entry and appends it to ``<run_dir>/job_events.jsonl`` (the dashboard reads it).
 
-        ``key`` is a replica group's (cluster, replica) or a lighthouse's role."""
+        ``key`` is a replica group's (cluster, replica), a lighthouse's role, or a
+        cluster (an int: its network, run.netns)."""
         self.history.append(entry)
         line = {k: v for k, v in entry.items() if k not in ("key", "last_status")}
         if isinstance(entry["key"], str):
             line.update(kind=entry["event"], lighthouse=entry["key"])
+        elif isinstance(entry["key"], int):
+            line.update(kind=entry["event"], cluster=entry["key"])
         else:
             c, r = entry["key"]
             line.update(kind=entry["event"], cluster=c, replica=r)
@@ -332,6 +374,22 @@ class LocalJob:
             tick()
         return self.exit_codes()
 
+    # -- network faults (run.netns) ----------------------------------------------
+    def partition(self, cluster: int) -> None:
+        """Cuts cluster ``cluster`` (its lighthouse and replica groups) off the global
+        lighthouse and the other clusters; inside the cluster nothing changes. Records it."""
+        if self.net is None:
+            raise RuntimeError("partition: needs run.netns=true (each cluster in its own network namespace)")
+        self.net.partition(cluster)
+        self._record({"t": time.time(), "event": "partition", "key": cluster})
+
+    def heal(self, cluster: int) -> None:
+        """Reconnects a partitioned cluster. Records it."""
+        if self.net is None:
+            raise RuntimeError("heal: needs run.netns=true (each cluster in its own network namespace)")
+        self.net.heal(cluster)
+        self._record({"t": time.time(), "event": "heal", "key": cluster})
+
     # -- teardown --------------------------------------------------------------
     def kill(self, key: Key, sig: int = signal.SIGKILL) -> None:
         p = self.replicas[key].popen
@@ -354,6 +412,8 @@ class LocalJob:
                 except ProcessLookupError:
                     pass
                 p.popen.wait(timeout=10)
+        if self.net is not None:
+            self.net.close()  # never raises; kills whatever is still inside first
 
     def __enter__(self) -> "LocalJob":
         return self
