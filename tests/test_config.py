@@ -123,3 +123,15 @@ def test_a_new_local_job_archives_the_previous_runs_outputs_and_keeps_checkpoint
     (tmp_path / "replicas").mkdir()
     LocalJob(load_config(["model=tiny", f"run.dir={tmp_path}", "checkpoint.resume=true"]), [], free_ports=True)
     assert (tmp_path / "replicas").exists() and len(list((tmp_path / "previous").iterdir())) == 1
+
+
+def test_run_netns_where_namespaces_are_unavailable_fails_in_one_line_naming_the_field(monkeypatch):
+    from hier_localsgd import netns
+
+    monkeypatch.setattr(netns, "available", lambda: "network namespaces need root (running as uid 1000)")
+    for command in ("demo", "chaos"):
+        with pytest.raises(ConfigError) as e:
+            load_config(["model=tiny", "run.netns=true"], validate_for=command)
+        assert str(e.value) == "run.netns: network namespaces are unavailable here: network namespaces need root (running as uid 1000)"
+    # The processes a job starts inside the namespaces do not check (they create nothing).
+    assert load_config(["model=tiny", "run.netns=true"], validate_for="train").run.netns is True
