@@ -257,7 +257,19 @@ def test_a_job_in_namespaces_trains_to_the_end_consistently(tmp_path):
 def test_a_partitioned_cluster_trains_on_alone_and_rejoins(tmp_path):
     """Cluster 1 is cut off (its lighthouse and both its groups) for 10 s mid-run. Cluster 0
     commits outer rounds alone (sync.min_clusters=1); cluster 1 keeps stepping and
-    committing inner rounds; after the heal its leader heals its outer level from cluster 0."""
+    committing inner rounds; after the heal its leader heals its outer level from cluster 0.
+
+    Known failure (fails this test in some runs; reported, not hidden): the quorum request
+    cluster 1's leader made when the cut came reaches the global lighthouse only after the
+    heal (it sat in its Manager server's TCP connection). If cluster 0's leader reaches an
+    outer round then, the lighthouse forms a quorum with both, but cluster 1's leader gave
+    that request up long ago and never joins the process group: cluster 0 waits
+    timeouts.outer_quorum in the rendezvous. Meanwhile cluster 1's fresh request waits for
+    cluster 0 and times out just before cluster 0 is free, whose next request then meets
+    cluster 1's last abandoned slice request at the lighthouse again (torchft 0.2.0 keeps
+    abandoned requests as participants; managers.py). The two 30 s waits can lock in
+    phase for several rounds; after sync.max_quorum_failures the leader exits 1 and is
+    restarted (the job still ends consistent)."""
     seen = {}
 
     def during(job):
@@ -291,10 +303,14 @@ def test_a_partitioned_cluster_trains_on_alone_and_rejoins(tmp_path):
     healed = sorted(e["t"] for k in [(1, 0), (1, 1)] for e in run.kinds(k, "heal", level="outer") if e["t"] > t_heal)
     rejoined = sorted(e["t"] for k in [(1, 0), (1, 1)] for e in run.kinds(k, "commit", level="outer") if e["t"] > t_heal)
     outage = [e["state"] for k in [(1, 0), (1, 1)] for e in run.kinds(k, "outage", level="outer") if e["t"] > t_part]
+    # Cluster 0 after the heal: its longest pause between two steps (see the docstring of
+    # this test for the stale quorum request that can cost it timeouts.outer_quorum).
+    times0 = sorted(e["t"] for e in run.kinds((0, 0), "loss") if e["t"] > t_heal - 1)
+    pause0 = max((b - a for a, b in zip(times0, times0[1:])), default=0.0)
     print(f"partition {t_heal - t_part:.1f}s: steps during it {steps}; inner commits in cluster 1 {len(inner1)}, "
           f"outer commits in cluster 0 {len(outer0)} (cluster 1: {len(outer1)}); cluster 1 outer outage events {outage}; "
           f"outer heal {healed[0] - t_heal if healed else None}s and first outer commit "
-          f"{rejoined[0] - t_heal if rejoined else None}s after the heal")
+          f"{rejoined[0] - t_heal if rejoined else None}s after the heal; cluster 0's longest pause after it {pause0:.1f}s")
     for k, n in steps.items():
         assert n >= 20, (k, n, steps, logs_tail(run))
     assert inner1, logs_tail(run)
@@ -302,6 +318,7 @@ def test_a_partitioned_cluster_trains_on_alone_and_rejoins(tmp_path):
     assert "start" in outage and "end" in outage, outage
     assert healed, logs_tail(run)
     assert rejoined, logs_tail(run)
+    assert pause0 <= 30 + 10, pause0  # timeouts.outer_quorum in harness.FAST_JOB, plus slack
     assert run.summary["consistent"] is True, logs_tail(run)
 
 
