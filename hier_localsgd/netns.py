@@ -70,7 +70,6 @@ Failure semantics and cleanup guarantees:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import logging
 import os
@@ -217,6 +216,8 @@ _libc = None
 
 
 def _setns(fd: int) -> None:
+    import ctypes
+
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
