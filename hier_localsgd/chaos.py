@@ -402,8 +402,8 @@ class Timeline:
         self.events = {tuple(k): list(v) for k, v in events.items()}
         self.incs: Dict[Key, List[Incarnation]] = {}
         for h in history:
-            if isinstance(h["key"], str) or len(h["key"]) != 2:
-                continue  # a lighthouse's record (key: its role), not a replica group's
+            if not isinstance(h["key"], (tuple, list)) or len(h["key"]) != 2:
+                continue  # a lighthouse's record (key: its role) or a network's (key: its cluster), not a replica group's
             key = tuple(h["key"])
             if h["event"] in ("start", "restart"):
                 self.incs.setdefault(key, []).append(Incarnation(key, h.get("pid"), h["t"], h["event"] == "restart"))

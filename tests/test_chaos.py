@@ -104,6 +104,14 @@ def cluster_kill(restarted_heal: bool) -> Fake:
     return f
 
 
+def test_network_records_partition_and_heal_keyed_by_cluster_are_not_replica_groups():
+    """run.netns: LocalJob.partition/heal record {"key": <cluster>} in the history."""
+    plain = cluster_kill(restarted_heal=True).evidence()
+    f = cluster_kill(restarted_heal=True)
+    f.history += [{"t": T0 + 5.0, "event": "partition", "key": 1}, {"t": T0 + 6.0, "event": "heal", "key": 1}]
+    assert f.evidence() == plain
+
+
 def test_a_cluster_kill_whose_restart_only_reached_its_join_round_is_not_recovered():
     r = cluster_kill(restarted_heal=False).evidence()
     (kill,) = r["kills"]
