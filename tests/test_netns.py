@@ -323,17 +323,19 @@ def test_a_partitioned_cluster_trains_on_alone_and_rejoins(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_partition_inside_an_outer_all_reduce_stalls_both_clusters_until_the_heal(tmp_path):
-    """The cut lands while the leaders are inside an outer all-reduce (the outer link has
-    300 ms of emulated latency so the poll catches it). Their Gloo connections stall
-    without an error (dropped packets, no reset), so cluster 0 cannot go on alone: it
-    waits until the link returns (TCP retransmits, the collective completes) or
-    timeouts.outer_reduce (30 s here, longer than the 10 s partition) passes. Measured
-    and bounded here; no process dies and the run ends consistent."""
+def test_a_partition_inside_an_outer_all_reduce(tmp_path):
+    """The cut lands while the leaders are inside an outer all-reduce (cluster 1's uplink is
+    shaped to 1 Mbit/s with tbf so that the all-reduce lasts long enough for the poll to
+    catch it). The leaders' Gloo connections stall without an error (dropped packets, no
+    reset). Measured and printed: how long each group paused. Asserted: no process dies,
+    the run ends consistent, and no pause outlasts the partition plus timeouts.outer_reduce."""
     seen = {}
 
     def during(job):
         now = time.time()
+        if "shaped" not in seen:
+            job.net.shape(1, 1_000_000)
+            seen["shaped"] = now
         st = job.status((0, 0)) or {}
         if "partition" not in seen and int(st.get("step", 0)) >= 30 and st.get("phase") == "OUTER_REDUCE":
             job.partition(1)
@@ -344,24 +346,22 @@ def test_a_partition_inside_an_outer_all_reduce_stalls_both_clusters_until_the_h
             seen["heal"] = time.time()
 
     run = run_job(tmp_path, ["run.netns=true", "sync.min_clusters=1", "train.min_step_time_s=0.1", "sync.inner.every=5",
-                             "sync.outer.every=2", "train.steps=200", "train.log_every=1", "links.outer.latency_ms=300"],
-                  during=during, restart=True, timeout_s=300)
+                             "sync.outer.every=2", "train.steps=200", "train.log_every=1"], during=during, restart=True, timeout_s=300)
     assert "heal" in seen, logs_tail(run)
     t_part, t_heal = seen["partition"], seen["heal"]
 
     def longest_pause(key):
         times = sorted(e["t"] for e in run.kinds(key, "loss") if e["t"] > t_part - 5)
-        gaps = [(b - a, a) for a, b in zip(times, times[1:])]
-        return max(gaps)
+        return max((b - a, a) for a, b in zip(times, times[1:]))
 
     pauses = {k: longest_pause(k) for k in ALL}
-    resumed = {k: g + a - t_heal for k, (g, a) in pauses.items()}
+    lapsed = {k: [round(e["t"] - t_part, 1) for e in run.kinds(k, "peer_lapsed")] for k in ALL}
     print(f"partition inside an outer all-reduce (phases at the cut {seen['phases']}), {t_heal - t_part:.1f}s: "
           f"longest pause per group {({k: round(g, 1) for k, (g, _) in pauses.items()})}, "
-          f"steps resumed {({k: round(r, 1) for k, r in resumed.items()})}s after the heal")
+          f"starting {({k: round(a - t_part, 1) for k, (_, a) in pauses.items()})}s after the cut; "
+          f"peer_lapsed events at {lapsed}s")
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     assert not [h for h in run.job.history if h["event"] == "restart"], run.job.history
-    # Bounded by the heal (the partition is shorter than timeouts.outer_reduce=30 s).
     for k, (gap, _) in pauses.items():
-        assert gap <= (t_heal - t_part) + 10, (k, gap)
+        assert gap <= (t_heal - t_part) + 30 + 5, (k, gap)  # timeouts.outer_reduce in harness.FAST_JOB
     assert run.summary["consistent"] is True, logs_tail(run)
