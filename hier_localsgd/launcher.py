@@ -114,7 +114,7 @@ class LocalJob:
     replicas: Dict[Key, Proc] = field(default_factory=dict)
     addr_overrides: List[str] = field(default_factory=list)
     history: List[dict] = field(default_factory=list)  # starts, exits (with the last status), restarts, kills, with times
-    net: Optional["ClusterNetwork"] = None  # run.netns: the clusters' namespaces (made in __post_init__)
+    netns: Optional["ClusterNetwork"] = None  # run.netns: the clusters' namespaces (made in __post_init__)
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
@@ -140,9 +140,9 @@ class LocalJob:
         lh = self.cfg.lighthouse
         _, gport = parse_address("lighthouse.global_addr", lh.global_addr)
         ports = [parse_address(f"lighthouse.cluster_addrs[{i}]", a)[1] for i, a in enumerate(lh.cluster_addrs)]
-        self.net = ClusterNetwork(self.cfg.topology.clusters)
-        g = f"http://{self.net.address('hub')}:{gport}"
-        cs = [f"http://{self.net.address(i)}:{ports[i] if i < len(ports) else 29511}" for i in range(self.cfg.topology.clusters)]
+        self.netns = ClusterNetwork(self.cfg.topology.clusters)
+        g = f"http://{self.netns.address('hub')}:{gport}"
+        cs = [f"http://{self.netns.address(i)}:{ports[i] if i < len(ports) else 29511}" for i in range(self.cfg.topology.clusters)]
         self.addr_overrides = [f"lighthouse.global_addr='{g}'", "lighthouse.cluster_addrs=[" + ",".join(f"'{a}'" for a in cs) + "]"]
         self.global_addr, self.cluster_addrs = g, cs
 
@@ -156,8 +156,8 @@ class LocalJob:
         return list(self.overrides) + self.addr_overrides + [f"run.dir={self.run_dir}"]
 
     def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None) -> Proc:
-        if self.net is not None and where is not None:
-            argv = self.net.wrap(argv, where)  # same pid: `ip netns exec` and the wrapper exec
+        if self.netns is not None and where is not None:
+            argv = self.netns.wrap(argv, where)  # same pid: `ip netns exec` and the wrapper exec
         log = self.run_dir / "logs" / f"{name}.log"
         f = open(log, "ab")
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
@@ -190,8 +190,8 @@ class LocalJob:
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{fieldname}: lighthouse process exited with {proc.popen.returncode}; see {proc.log}")
             try:
-                if self.net is not None:  # from inside its namespace (the launcher is outside)
-                    self.net.run_in(self._where(role), lambda: probe_lighthouse(fieldname, addr, timedelta(seconds=1)))
+                if self.netns is not None:  # from inside its namespace (the launcher is outside)
+                    self.netns.run_in(self._where(role), lambda: probe_lighthouse(fieldname, addr, timedelta(seconds=1)))
                 else:
                     probe_lighthouse(fieldname, addr, timedelta(seconds=1))
                 self._record({"t": time.time(), "event": "up", "key": role, "pid": proc.popen.pid})
@@ -217,7 +217,7 @@ class LocalJob:
         prev = self.replicas.get((cluster, replica))
         if prev is not None and not extra:
             extra = prev.extra  # a restart keeps the original arguments
-        host = [f"run.hostname={self.net.address(cluster)}"] if self.net is not None else []  # its namespace's address
+        host = [f"run.hostname={self.netns.address(cluster)}"] if self.netns is not None else []  # its namespace's address
         train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *host, *extra]
         g = self.cfg.topology.ranks_per_replica
         if g > 1:
@@ -378,16 +378,16 @@ class LocalJob:
     def partition(self, cluster: int) -> None:
         """Cuts cluster ``cluster`` (its lighthouse and replica groups) off the global
         lighthouse and the other clusters; inside the cluster nothing changes. Records it."""
-        if self.net is None:
+        if self.netns is None:
             raise RuntimeError("partition: needs run.netns=true (each cluster in its own network namespace)")
-        self.net.partition(cluster)
+        self.netns.partition(cluster)
         self._record({"t": time.time(), "event": "partition", "key": cluster})
 
     def heal(self, cluster: int) -> None:
         """Reconnects a partitioned cluster. Records it."""
-        if self.net is None:
+        if self.netns is None:
             raise RuntimeError("heal: needs run.netns=true (each cluster in its own network namespace)")
-        self.net.heal(cluster)
+        self.netns.heal(cluster)
         self._record({"t": time.time(), "event": "heal", "key": cluster})
 
     # -- teardown --------------------------------------------------------------
@@ -412,8 +412,8 @@ class LocalJob:
                 except ProcessLookupError:
                     pass
                 p.popen.wait(timeout=10)
-        if self.net is not None:
-            self.net.close()  # never raises; kills whatever is still inside first
+        if self.netns is not None:
+            self.netns.close()  # never raises; kills whatever is still inside first
 
     def __enter__(self) -> "LocalJob":
         return self

@@ -239,8 +239,8 @@ def test_a_job_in_namespaces_trains_to_the_end_consistently(tmp_path):
     seen = {}
 
     def during(job):
-        seen["net"] = job.net.prefix
-        seen["hub"] = job.net.counters("hub")
+        seen["net"] = job.netns.prefix
+        seen["hub"] = job.netns.counters("hub")
 
     run = run_job(tmp_path, ["run.netns=true", "sync.inner.every=5", "sync.outer.every=2", "train.steps=40"], during=during)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
@@ -339,7 +339,7 @@ def test_a_partition_inside_an_outer_all_reduce(tmp_path):
     def during(job):
         now = time.time()
         if "shaped" not in seen:
-            job.net.shape(1, 1_000_000)
+            job.netns.shape(1, 1_000_000)
             seen["shaped"] = now
         st = job.status((0, 0)) or {}
         if "partition" not in seen and int(st.get("step", 0)) >= 30 and st.get("phase") == "OUTER_REDUCE":
