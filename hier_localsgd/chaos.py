@@ -237,7 +237,7 @@ class ChaosMonkey:
             kind = self.kinds[len(self.kinds_done) % len(self.kinds)]
             kind = kind if kind in kinds else None
         else:
-            kind = kinds[0] if len(self.kinds) == 1 else (self.rng.choice(kinds) if kinds else None)
+            kind = None if not kinds else kinds[0] if len(self.kinds) == 1 else self.rng.choice(kinds)
         done = False
         if kind == "kill":
             done = self._kill_role(running, now)
@@ -341,6 +341,9 @@ class ChaosMonkey:
             signal_group(arg, signal.SIGCONT)
         elif action == "heal":
             self.job.heal(arg)  # type: ignore[attr-defined]
+        # The next fault waits a whole interval after this one ended: back-to-back
+        # partitions left a cluster no time to rejoin before the run finished.
+        self.next_kill = max(self.next_kill, time.time() + self.interval())
 
     def finish(self) -> None:
         """Ends every fault still in progress (a stopped process, a cut cluster)."""
