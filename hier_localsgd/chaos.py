@@ -88,7 +88,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from hier_localsgd.chaos_faults import FAULT_KINDS, PendingFaults, fault_evidence, signal_group
-from hier_localsgd.config import Config
+from hier_localsgd.config import Config, load_config
 from hier_localsgd.demo import summarize
 from hier_localsgd.launcher import Key, LocalJob
 from hier_localsgd.phases import Phase
@@ -849,21 +849,23 @@ def _prepare(cfg: Config) -> Config:
 
 
 def run_chaos(cfg: Config, overrides: List[str]) -> int:
+    compare = cfg.chaos.compare_flat and cfg.sync.mode == "hier"
+    # The flat side's configuration is checked before anything runs (one line, exit 2).
+    fcfg = load_config([*overrides, "sync.mode=flat"], validate_for="chaos") if compare else None
     cfg = _prepare(cfg)
     report = _chaos_report(cfg, overrides, cfg.sync.mode)
-    if cfg.chaos.compare_flat and cfg.sync.mode == "hier":
+    path = Path(cfg.chaos.report or Path(cfg.run.dir) / "chaos_report.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))  # kept even if the flat part fails
+    if fcfg is not None:
         from dataclasses import replace
 
-        from hier_localsgd.config import load_config
-
-        fcfg = _prepare(load_config([*overrides, "sync.mode=flat"], validate_for="chaos"))
+        fcfg = _prepare(fcfg)
         fcfg.chaos = replace(fcfg.chaos, kinds=[k for k in cfg.chaos.kinds])
         flat = _chaos_report(fcfg, [*overrides, "sync.mode=flat"], "flat")
         report["flat"] = flat
         report["vs_flat"] = {"goodput": (report["goodput"], flat["goodput"]),
                              "throughput_retained": (report["throughput_retained"], flat["throughput_retained"])}
-    path = Path(cfg.chaos.report or Path(cfg.run.dir) / "chaos_report.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))
     print(human(report))
     if "flat" in report:

@@ -540,8 +540,8 @@ def validate(cfg: Config, command: str = "train") -> None:
         if getattr(b, name) < 0:
             err(f"bench.{name}", f"{getattr(b, name)} — must be at least 0")
 
-    if command == "chaos" and s.mode != "hier":
-        err("sync.mode", f"{s.mode!r} — chaos runs measure the hierarchical mode (hier)")
+    if command == "chaos" and s.mode not in ("hier", "flat"):
+        err("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")
 
     if cfg.run.netns and command in LAUNCHING_COMMANDS:
         from hier_localsgd.netns import available
