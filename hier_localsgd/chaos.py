@@ -175,21 +175,21 @@ class ChaosMonkey:
         self.stall = StallWatch(job, stall_limit_s(cfg), cfg.train.steps, self.t0)
         # Kinds other than plain kills (chaos_faults.py); partitions only where the job
         # runs in network namespaces.
-        self.kinds = [k for k in ch.kinds if k != "partition" or hasattr(job, "partition") and getattr(job, "netns", None) is not None]
+        self.kinds = [k for k in ch.kinds if k != "partition" or job.netns is not None]
         self.faults: List[Dict[str, Any]] = []
         self.pending = PendingFaults()
         self.armed: Optional[Dict[str, Any]] = None  # a phase_kill waiting for its phase
         self.kinds_done: List[str] = []
 
-    def _running(self) -> Dict[Key, dict]:
+    def _running(self, continuous: Sequence["Incarnation"]) -> Dict[Key, dict]:
         """Processes a fault may hit: running, and continuous (not still recovering from an
         earlier fault: a restart counts once it has healed), so each fault's recovery is
         its own."""
-        continuous = {i.key for i in self._continuous_now()}
+        keys = {i.key for i in continuous}
         out = {}
         for key, proc in self.job.replicas.items():
             st = self.job.status(key) or {}
-            if proc.popen.poll() is None and st.get("state") == "running" and st.get("pid") == proc.popen.pid and key in continuous:
+            if proc.popen.poll() is None and st.get("state") == "running" and st.get("pid") == proc.popen.pid and key in keys:
                 out[key] = st
         return out
 
@@ -226,7 +226,8 @@ class ChaosMonkey:
             self._phase_kill(now)
         if now < self.next_kill:
             return
-        running = self._running()
+        continuous = self._continuous_now()  # read once per fault: every events file
+        running = self._running(continuous)
         if not running or min(int(st.get("step", 0)) for st in running.values()) >= self.stop_at_step:
             self.next_kill = float("inf")
             return
@@ -240,13 +241,13 @@ class ChaosMonkey:
             kind = None if not kinds else kinds[0] if len(self.kinds) == 1 else self.rng.choice(kinds)
         done = False
         if kind == "kill":
-            done = self._kill_role(running, now)
+            done = self._kill_role(running, continuous, now)
         elif kind == "phase_kill":
             role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
             self.armed = {"role": role, "phase": phase, "since": now}
             done = True
         elif kind == "multi_kill":
-            done = self._multi_kill(running, now)
+            done = self._multi_kill(running, continuous, now)
         elif kind is not None:
             done = self._fault(kind, running, now)
         if not done:
@@ -272,10 +273,9 @@ class ChaosMonkey:
             self.job.kill(key, signal.SIGKILL)
         self.kills.append(record)
 
-    def _kill_role(self, running: Dict[Key, dict], now: float) -> bool:
+    def _kill_role(self, running: Dict[Key, dict], continuous: Sequence["Incarnation"], now: float) -> bool:
         roles = self.roles[:]
         self.rng.shuffle(roles)
-        continuous = self._continuous_now()
         for role in roles:
             targets = self._pick(role, running, continuous)
             if targets:
@@ -288,8 +288,8 @@ class ChaosMonkey:
         ``chaos.phase_arm_s``, in whatever phase the role's first process is)."""
         arm = self.armed
         assert arm is not None
-        running = self._running()
         continuous = self._continuous_now()
+        running = self._running(continuous)
         cands = sorted(k for k, st in running.items() if bool(st.get("leader")) == (arm["role"] == "leader")
                        and any(i.key != k for i in continuous))
         hits = [k for k in cands if running[k].get("phase") == arm["phase"]]
@@ -298,9 +298,8 @@ class ChaosMonkey:
             self._kill([target], running, now, arm["role"], kind="phase_kill", armed_phase=arm["phase"], phase_hit=bool(hits))
             self.armed = None
 
-    def _multi_kill(self, running: Dict[Key, dict], now: float) -> bool:
+    def _multi_kill(self, running: Dict[Key, dict], continuous: Sequence["Incarnation"], now: float) -> bool:
         """Two replica groups of different clusters at once (a leader and a non-leader where there are)."""
-        continuous = self._continuous_now()
         by_cluster: Dict[int, List[Key]] = {}
         for k in running:
             by_cluster.setdefault(k[0], []).append(k)

@@ -176,7 +176,7 @@ class LocalJob:
         """Starts one lighthouse (its own process, so it can fail and return alone) at its
         configured address and waits until it accepts connections."""
         fieldname, addr = next((f, a) for r, f, a in self.lighthouse_roles() if r == role)
-        serve = ["lighthouse.serve=global"] if role == "global" else ["lighthouse.serve=cluster", f"lighthouse.cluster={role[len('cluster'):]}"]
+        serve = ["lighthouse.serve=global"] if role == "global" else ["lighthouse.serve=cluster", f"lighthouse.cluster={self._where(role)}"]
         prev = self.lighthouses.get(role)
         proc = self._spawn(f"lighthouse_{role}", [self.python, "-m", "hier_localsgd", "lighthouse", *self._args(), *serve], self._where(role))
         if prev is not None:

@@ -520,7 +520,7 @@ class HierarchicalSync:
         # The leader's steps since its last inner commit reached the global model.
         self.work["steps_since_commit"] = 0
         self._since_outer = 0
-        self.tracker.set_extra(**self.work)
+        self.tracker.set_extra(**self.work_counters())
         self._publish_committed()  # the model becomes the new global model
         self._opt_backup = copy.deepcopy(self.opt.state_dict())
         self.tracker.set_counters(step=c.step, outer_round=c.outer_round)

@@ -49,12 +49,15 @@ class Echo:
             except OSError:
                 continue
             with c:
-                c.settimeout(5)
-                try:
-                    while data := c.recv(65536):
-                        c.sendall(data)
-                except OSError:
-                    pass
+                self.handle(c)
+
+    def handle(self, c):
+        c.settimeout(5)
+        try:
+            while data := c.recv(65536):
+                c.sendall(data)
+        except OSError:
+            pass
 
     def close(self):
         self.stop = True
@@ -180,18 +183,12 @@ def send_from(net, where, addr, port, n):
 class Sink(Echo):
     """Counts what it receives and answers the count (one direction only)."""
 
-    def serve(self):
-        while not self.stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            with c:
-                c.settimeout(30)
-                n = 0
-                while data := c.recv(65536):
-                    n += len(data)
-                c.sendall(str(n).encode())
+    def handle(self, c):
+        c.settimeout(30)
+        n = 0
+        while data := c.recv(65536):
+            n += len(data)
+        c.sendall(str(n).encode())
 
 
 def test_shape_limits_both_directions_with_tbf():
