@@ -74,7 +74,7 @@ def main() -> int:
     a = ap.parse_args()
     from torch.distributed import TCPStore
 
-    from hier_localsgd.lossy import LinkSpec
+    from hier_localsgd.emulation.lossy import LinkSpec
 
     sizes = [int(float(s) * 1e6 / 4) for s in a.sizes_mb.split(",")]
     spec = LinkSpec(latency_s=a.latency_ms / 1e3, bandwidth_Bps=a.gbps * 1e9 / 8)

@@ -87,7 +87,7 @@ def setup_logging(level: str, tag: str, log_file: Optional[str] = None) -> None:
     (tracebacks only with ``HIER_LOCALSGD_DEBUG=1``). When stderr already is a file (the
     local launcher and torchrun redirect it to the process's log), it gets everything.
     """
-    from hier_localsgd.runtime import LOG_TAG
+    from hier_localsgd.core.runtime import LOG_TAG
 
     LOG_TAG.tag = tag
     handler = logging.StreamHandler(sys.stderr)
@@ -138,12 +138,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.command == "lighthouse":
         setup_logging(cfg.run.log_level, "lighthouse")
-        from hier_localsgd import lighthouse
-
+        from hier_localsgd.launch import lighthouse
         return lighthouse.serve(cfg)
     if args.command == "demo":
         setup_logging(cfg.run.log_level, "demo")
-        from hier_localsgd.demo import run_demo
+        from hier_localsgd.experiments.demo import run_demo
 
         return run_demo(cfg, args.overrides)
     if args.command in ("plan", "simulate"):
@@ -151,10 +150,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         out = os.path.join(cfg.run.dir, args.command)
         try:
             if args.command == "plan":
-                from hier_localsgd.plan import run_plan
+                from hier_localsgd.tools.plan.planner import run_plan
 
                 return run_plan(cfg.plan, out)
-            from hier_localsgd.simulate import run_simulate
+            from hier_localsgd.tools.simulate.engine import run_simulate
 
             return run_simulate(cfg.simulate, out)
         except ValueError as e:  # the message starts with the field, e.g. plan.model.dim
@@ -162,32 +161,31 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     if args.command == "dashboard":
         setup_logging(cfg.run.log_level, "dashboard")
-        from hier_localsgd import dashboard
-
+        from hier_localsgd.tools.dashboard import server as dashboard
         if not cfg.dashboard.run_dir:
             cfg.dashboard.run_dir = cfg.run.dir
         return dashboard.serve(cfg.dashboard)
     if args.command == "chaos":
         setup_logging(cfg.run.log_level, "chaos")
-        from hier_localsgd.chaos import run_chaos
+        from hier_localsgd.experiments.chaos import run_chaos
 
         return run_chaos(cfg, args.overrides)
     if args.command == "sweep":
         setup_logging(cfg.run.log_level, "sweep")
-        from hier_localsgd.sweep import run_sweep
+        from hier_localsgd.experiments.sweep import run_sweep
 
         return run_sweep(cfg, args.overrides)
     if args.command == "bench":
         setup_logging(cfg.run.log_level, "bench")
-        from hier_localsgd.bench import run_bench
+        from hier_localsgd.experiments.bench import run_bench
 
         return run_bench(cfg, args.overrides)
     return _train(cfg)
 
 
 def _train(cfg: "Config") -> int:  # type: ignore[name-defined]  # noqa: F821
-    from hier_localsgd.runtime import Runtime
-    from hier_localsgd.trainer import train
+    from hier_localsgd.core.runtime import Runtime
+    from hier_localsgd.train.trainer import train
 
     t = cfg.timeouts_obj()
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ

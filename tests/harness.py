@@ -5,7 +5,7 @@ test process (torchft's own integration tests do the same): lighthouses are real
 ``LighthouseServer`` objects, each replica group has its own Managers, stores,
 checkpoint servers and Gloo process groups. It is for algorithm-level checks that
 need control over the local updates; whole-process behaviour (signals, exits,
-restarts) is tested with real processes through ``hier_localsgd.launcher``.
+restarts) is tested with real processes through ``hier_localsgd.launch.local``.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 from torch import nn
 from torchft.coordination import LighthouseServer
 
-from hier_localsgd.faults import Fault, FaultPlan
-from hier_localsgd.flat import FlatParams
-from hier_localsgd.level import LevelAlgorithm
-from hier_localsgd.lossy import LinkSpec
-from hier_localsgd.phases import PhaseTracker
-from hier_localsgd.sync import HierarchicalSync, HierSettings, Identity
-from hier_localsgd.timeouts import Timeouts
+from hier_localsgd.core.faults import Fault, FaultPlan
+from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.level import LevelAlgorithm
+from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.phases import PhaseTracker
+from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
+from hier_localsgd.core.timeouts import Timeouts
 
 FAST_TIMEOUTS = Timeouts.from_seconds(
     dict(connect=5, inner_quorum=30, inner_reduce=30, inner_commit=15, outer_quorum=30, outer_reduce=30, outer_commit=15, broadcast=30)
@@ -172,9 +172,9 @@ import time as _time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from hier_localsgd.config import load_config  # noqa: E402
-from hier_localsgd.demo import summarize  # noqa: E402
-from hier_localsgd.launcher import LocalJob  # noqa: E402
-from hier_localsgd.status import read_events, replica_dir  # noqa: E402
+from hier_localsgd.experiments.summary import summarize  # noqa: E402
+from hier_localsgd.launch.local import LocalJob  # noqa: E402
+from hier_localsgd.core.status import read_events, replica_dir  # noqa: E402
 
 # Small topologies on 2 cores: short but bounded timeouts, fast lighthouses.
 FAST_JOB = [

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hier_localsgd.config import load_config
-from hier_localsgd.data import CHECK_PREFIX_BYTES, ByteTextData, check_input, min_tokens
+from hier_localsgd.train.data import CHECK_PREFIX_BYTES, ByteTextData, check_input, min_tokens
 
 TEXT = "".join(f"line {i}: the quick brown fox — jumps over the lazy dog\n" for i in range(200))
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hier_localsgd.bench import flat_budget_every
+from hier_localsgd.experiments.bench import flat_budget_every
 
 pytestmark = pytest.mark.slow
 

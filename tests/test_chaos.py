@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from hier_localsgd.chaos import Timeline, account_work, evidence
+from hier_localsgd.experiments.chaos import Timeline, account_work, evidence
 
 T0 = 1000.0
 ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -250,7 +250,7 @@ def test_a_stall_is_recorded_when_no_group_steps_for_longer_than_the_limit():
         def status(self, key):
             return {"pid": 1, "state": "running", "step": self.steps[key]}
 
-    from hier_localsgd.chaos import StallWatch
+    from hier_localsgd.experiments.chaos import StallWatch
 
     job = Job()
     w = StallWatch(job, limit_s=0.3, steps_total=100)
@@ -358,7 +358,7 @@ def test_lighthouse_and_hang_evidence_from_hand_built_records():
     """The evidence rules of chaos_faults.py on a hand-built history: a lighthouse outage
     recovers only if commits resume and no replica restarted; a hang is matched by a commit
     equal to a peer's at the same step, and a monkey's later kill is not its own exit."""
-    from hier_localsgd.chaos_faults import fault_evidence
+    from hier_localsgd.experiments.chaos_faults import fault_evidence
 
     t = 1000.0
     history = [{"t": t + 1, "event": "kill", "key": "cluster0", "pid": 7}, {"t": t + 12, "event": "up", "key": "cluster0", "pid": 8}]

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from hier_localsgd.config import ConfigError, load_config
-from hier_localsgd.managers import LighthouseUnreachable, probe_lighthouse
+from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_cli_train_with_unreachable_lighthouse_exits_nonzero_naming_address(tmp_
 
 
 def test_a_new_local_job_archives_the_previous_runs_outputs_and_keeps_checkpoints(tmp_path):
-    from hier_localsgd.launcher import LocalJob
+    from hier_localsgd.launch.local import LocalJob
 
     (tmp_path / "replicas" / "c0r0").mkdir(parents=True)
     (tmp_path / "replicas" / "c0r0" / "events.jsonl").write_text('{"kind": "old"}\n')
@@ -126,8 +126,7 @@ def test_a_new_local_job_archives_the_previous_runs_outputs_and_keeps_checkpoint
 
 
 def test_run_netns_where_namespaces_are_unavailable_fails_in_one_line_naming_the_field(monkeypatch):
-    from hier_localsgd import netns
-
+    from hier_localsgd.launch import netns
     monkeypatch.setattr(netns, "available", lambda: "network namespaces need root (running as uid 1000)")
     for command in ("demo", "chaos"):
         with pytest.raises(ConfigError) as e:

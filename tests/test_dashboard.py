@@ -24,10 +24,10 @@ from typing import Any, Dict, List
 
 import pytest
 
-from hier_localsgd import dashboard as dash
+from hier_localsgd.tools.dashboard import server as dash
 from hier_localsgd.config import ConfigError
-from hier_localsgd.dashboard import DashboardConfig, read_state, start_in_thread
-from hier_localsgd.status import read_json
+from hier_localsgd.tools.dashboard.server import DashboardConfig, read_state, start_in_thread
+from hier_localsgd.core.status import read_json
 
 NOW = 1_800_000_000.0
 CHROMIUM = os.environ.get("HIER_DASHBOARD_CHROMIUM", "/usr/bin/chromium")
@@ -387,7 +387,7 @@ class LiveJob:
         from harness import FAST_JOB
 
         from hier_localsgd.config import load_config
-        from hier_localsgd.launcher import LocalJob
+        from hier_localsgd.launch.local import LocalJob
 
         overrides = [*FAST_JOB, "train.steps=1000", "sync.inner.every=5", "sync.outer.every=2", "train.min_step_time_s=0.1", f"run.dir={run_dir}"]
         self.run_dir = run_dir
@@ -519,7 +519,7 @@ def wait_for_step(run_dir: Path, step: int, timeout_s: float) -> None:
 
 
 def dash_phases() -> set:
-    from hier_localsgd.phases import Phase
+    from hier_localsgd.core.phases import Phase
 
     return {p.value for p in Phase}
 

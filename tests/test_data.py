@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hier_localsgd.data import ByteTextData, MarkovChain, MarkovData, _rng
+from hier_localsgd.train.data import ByteTextData, MarkovChain, MarkovData, _rng
 
 
 def test_entropy_rate_matches_the_true_models_empirical_loss():

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from harness import ThreadedHier, local_steps
-from hier_localsgd.faults import Fault
-from hier_localsgd.invariants import InvariantViolation
-from hier_localsgd.level import LevelAlgorithm
+from hier_localsgd.core.faults import Fault
+from hier_localsgd.core.invariants import InvariantViolation
+from hier_localsgd.core.level import LevelAlgorithm
 
 C, R, H_IN, H_OUT = 2, 2, 1, 2
 

@@ -5,7 +5,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 
-from hier_localsgd.link import LinkProcessGroup
+from hier_localsgd.core.link import LinkProcessGroup
 
 
 def test_a_retired_group_is_set_aside_and_the_next_configure_builds_a_working_one():

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from harness import logs_tail, run_job, when_step
-from hier_localsgd.link import ring_allreduce_bytes
-from hier_localsgd.status import read_json, replica_dir
+from hier_localsgd.costs import ring_allreduce_bytes
+from hier_localsgd.core.status import read_json, replica_dir
 
 pytestmark = pytest.mark.slow
 
@@ -98,8 +98,8 @@ def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from hier_localsgd.flat import FlatParams
-    from hier_localsgd.model import build_model, lm_loss
+    from hier_localsgd.core.flat import FlatParams
+    from hier_localsgd.train.model import build_model, lm_loss
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -122,7 +122,7 @@ def test_ddp_inside_a_group_averages_gradients():
     import torch
     import torch.multiprocessing as mp
 
-    from hier_localsgd.launcher import free_port
+    from hier_localsgd.launch.local import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import pytest
 
-from hier_localsgd import netns
-from hier_localsgd.netns import ClusterNetwork
+from hier_localsgd.launch import netns
+from hier_localsgd.launch.netns import ClusterNetwork
 
 REASON = netns.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")

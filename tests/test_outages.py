@@ -13,7 +13,7 @@ import time
 import pytest
 
 from harness import logs_tail, run_job
-from hier_localsgd.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
+from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 
 pytestmark = pytest.mark.slow
 

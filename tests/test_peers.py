@@ -11,7 +11,7 @@ from torchft import Manager
 from torchft.coordination import LighthouseServer
 from torchft.process_group import ProcessGroupGloo
 
-from hier_localsgd.peers import QuorumWatch, fetch_status, parse_status
+from hier_localsgd.core.peers import QuorumWatch, fetch_status, parse_status
 
 HB_MS = 1000
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hier_localsgd import plan as P
-from hier_localsgd.plan import (
-    LinkConfig,
+from hier_localsgd import costs
+from hier_localsgd.tools.plan import planner as P
+from hier_localsgd.tools.plan.planner import (
+    NetworkLink,
     NetworkConfig,
     PlanConfig,
     PlanModelConfig,
@@ -156,21 +157,19 @@ def test_fsdp_divides_model_sized_memory_by_g():
 
 
 # ----------------------------------------------------------------------------- network
-def test_ring_factor_matches_link_accounting():
-    from hier_localsgd.link import ring_allreduce_bytes
-
+def test_ring_factor_is_the_link_accounting():
     for n in (1, 2, 3, 4, 16, 64):
-        assert P.ring_factor(n) * 1000 == pytest.approx(ring_allreduce_bytes(1000, n))
+        assert costs.ring_factor(n) * 1000 == pytest.approx(costs.ring_allreduce_bytes(1000, n))
 
 
 def test_ring_and_broadcast_bounds():
-    lan = LinkConfig(10.0, 0.1)
+    lan = NetworkLink(10.0, 0.1).alpha_beta()
     # 2(n-1)/n S/B + 2(n-1) a = 1.5 x 8e9 / 1e10 + 6 x 1e-4 = 1.2006 s
-    assert P.ring_allreduce_time(1e9, 4, lan) == pytest.approx(1.2006)
+    assert costs.allreduce_time(1e9, 4, *lan) == pytest.approx(1.2006)
     # (n-1) S/B + a = 3 x 0.8 + 1e-4
-    assert P.broadcast_time(1e9, 4, lan) == pytest.approx(2.4001)
-    assert P.ring_allreduce_time(1e9, 1, lan) == 0.0 and P.broadcast_time(1e9, 1, lan) == 0.0
-    assert P.transfer_time(1e9, lan) == pytest.approx(0.8001)
+    assert costs.broadcast_time(1e9, 4, *lan) == pytest.approx(2.4001)
+    assert costs.allreduce_time(1e9, 1, *lan) == 0.0 and costs.broadcast_time(1e9, 1, *lan) == 0.0
+    assert costs.transfer_time(1e9, *lan) == pytest.approx(0.8001)
 
 
 def test_sync_times_and_comm_fraction_on_the_demo_topology():
@@ -210,7 +209,7 @@ def test_recommendation_by_hand():
 
 
 def test_wider_wan_shrinks_outer_time():
-    cfg = PlanConfig(network=NetworkConfig(wan=LinkConfig(10.0, 20.0)))
+    cfg = PlanConfig(network=NetworkConfig(wan=NetworkLink(10.0, 20.0)))
     cfg.hardware.step_time_s = 0.34
     assert P.make_plan(cfg)["sync"]["outer_allreduce_s"] == pytest.approx(S_DEBUG * 8 / 1e10 + 0.04)
 
@@ -270,7 +269,7 @@ def test_configs_are_omegaconf_structured():
     merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["model.flavor=llama_7b", "network.wan.bandwidth_gbps=10", "sync.h_inner=20"]))
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, PlanConfig) and cfg.model.flavor == "llama_7b" and cfg.sync.h_inner == 20
-    assert isinstance(cfg.network.wan, LinkConfig) and cfg.network.wan.bandwidth_gbps == 10.0
+    assert isinstance(cfg.network.wan, NetworkLink) and cfg.network.wan.bandwidth_gbps == 10.0
 
 
 def test_run_plan_prints_tables_and_writes_json(tmp_path, capsys):

@@ -7,10 +7,10 @@ from dataclasses import asdict
 
 import pytest
 
-from hier_localsgd import plan as P
-from hier_localsgd import simulate as S
-from hier_localsgd.plan import HardwareConfig, LinkConfig, NetworkConfig, PlanTopologyConfig
-from hier_localsgd.simulate import FailureConfig, SimSyncConfig, SimTimeoutsConfig, SimulateConfig
+from hier_localsgd.tools.plan import planner as P
+from hier_localsgd.tools.simulate import engine as S
+from hier_localsgd.tools.plan.planner import HardwareConfig, NetworkLink, NetworkConfig, PlanTopologyConfig
+from hier_localsgd.tools.simulate.engine import FailureConfig, SimSyncConfig, SimTimeoutsConfig, SimulateConfig
 
 DEBUG_PARAMS = 6_163_712
 
@@ -33,7 +33,7 @@ def small(mode: str = "hier", **kw) -> SimulateConfig:
 
 def free_network(**failures) -> SimulateConfig:
     """Syncs that cost nothing (so every figure is a whole number of seconds), 1 s steps."""
-    fast = LinkConfig(bandwidth_gbps=1e12, latency_ms=0.0)
+    fast = NetworkLink(bandwidth_gbps=1e12, latency_ms=0.0)
     cfg = small(
         params=1000,
         hardware=HardwareConfig(step_time_s=1.0),

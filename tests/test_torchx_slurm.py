@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from hier_localsgd.torchx_component import hier, job_roles
+from hier_localsgd.launch.torchx_component import hier, job_roles
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPONENT = ROOT / "hier_localsgd" / "torchx_component.py"
+COMPONENT = ROOT / "hier_localsgd" / "launch" / "torchx_component.py"
 SBATCH = ROOT / "launch" / "slurm" / "hier_localsgd.sbatch"
 
 

@@ -1,0 +1,145 @@
+"""Collectives of one level, with torchft failure semantics and phase deadlines.
+
+Every collective the hierarchy issues goes through :class:`LevelComm`:
+
+1. it must run inside the level's open quorum (invariant I3, checked by the
+   phase tracker);
+2. no other level's collective may be in flight in this process (I1, the gate);
+3. it runs even if the level's Manager already recorded an error this round:
+   peers in the same quorum are waiting for it, and skipping it (as torchft's
+   own all-reduce does) would make them wait for their timeout. The error has
+   already doomed this member's commit vote;
+4. it carries its own Gloo timeout, the time left in the current phase, so the
+   process group's default timeout only bounds rendezvous (see timeouts.py); the
+   wait for its result is bounded the same way. An error or timeout is reported
+   to the Manager, which makes the round's commit vote fail, and the call returns
+   False. It never raises for a network failure;
+5. with a :class:`hier_localsgd.core.peers.QuorumWatch`, a wait whose peer stopped
+   heartbeating (a stopped process) is abandoned within the heartbeat timeout plus a
+   poll instead of running to the deadline (peers.py says why that is safe), and the
+   round's remaining collectives in the same quorum fail at once.
+
+A wait that ran into its deadline writes a ``timeout`` event (what ``hier-localsgd chaos``
+counts as a hang). The clock decides, not the error's text: the collective failed at or
+after the phase deadline it was given. A peer that died fails the collective at once (a
+closed connection), which is no timeout; a peer that is alive but stuck makes us wait to
+the deadline, which is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions, Work
+
+from hier_localsgd.core.invariants import CollectiveGate
+from hier_localsgd.core.link import LinkProcessGroup
+from hier_localsgd.core.managers import LevelManager
+from hier_localsgd.core.peers import QuorumWatch
+from hier_localsgd.core.phases import PhaseTracker
+from hier_localsgd.core.timeouts import ran_into_deadline
+
+logger = logging.getLogger(__name__)
+
+_FAILED = object()
+
+
+class PeerLapsed(RuntimeError):
+    """A member of the open quorum stopped heartbeating while we waited for it."""
+
+
+def is_timeout(err: object) -> bool:
+    """Whether a failed wait ran into its deadline, as the clock decided where it failed
+    (:class:`hier_localsgd.core.managers.QuorumFailed` carries ``timed_out``). The error's text
+    is not consulted."""
+    return bool(getattr(err, "timed_out", False))
+
+
+class LevelComm:
+    def __init__(
+        self,
+        mgr: LevelManager,
+        link: LinkProcessGroup,
+        tracker: PhaseTracker,
+        gate: CollectiveGate,
+        events: Optional[Callable[..., None]] = None,
+        watch: Optional[QuorumWatch] = None,
+    ) -> None:
+        self.mgr = mgr
+        self.watch = watch
+        self._lapsed_quorum: Optional[int] = None  # a quorum with a lapsed member: fail at once
+        self._events = events
+        self.link = link
+        self.level = mgr.level
+        self._tracker = tracker
+        self._gate = gate
+
+    def _run(self, op: str, kind: str, issue: Callable[[timedelta], Work]) -> bool:
+        self._tracker.require(self.level)
+        already_failed = self.mgr.errored() is not None
+        deadline = self._tracker.deadline()
+        with self._gate.collective(self.level, op), self.link.kind(kind):
+            try:
+                remaining = self._tracker.remaining()
+                if self._lapsed_quorum is not None and self._lapsed_quorum == self.mgr.quorum_id:
+                    raise PeerLapsed(f"{self.level} {op} skipped: a member of quorum {self._lapsed_quorum} stopped heartbeating")
+                work = issue(remaining)
+                fut = self.mgr.manager.wrap_future(work.get_future(), default=_FAILED, timeout=remaining)
+                result = self._wait(fut, op)
+            except Exception as e:  # a broken group can raise at issue time
+                logger.warning("%s %s failed: %s", self.level, op, e)
+                self.mgr.report_error(e)
+                return False
+        if result is _FAILED or self.mgr.errored() is not None:
+            err = self.mgr.errored()
+            if not already_failed:
+                logger.warning("%s %s failed: %s", self.level, op, err)
+                if self._events is not None and ran_into_deadline(deadline):
+                    self._events("timeout", level=self.level, op=op, phase=self._tracker.phase.value, deadline=deadline, detail=str(err)[:200])
+            return False
+        return True
+
+    def _wait(self, fut: object, op: str) -> object:
+        """Waits for ``fut``; with a watch, gives up once a quorum member's heartbeat lapsed."""
+        if self.watch is None:
+            return fut.wait()  # type: ignore[attr-defined]
+        done = threading.Event()
+        fut.add_done_callback(lambda _f: done.set())  # type: ignore[attr-defined]
+        while not done.wait(self.watch.poll.total_seconds()):
+            quorum = self.mgr.quorum_id
+            who = self.watch.lapsed(quorum, self.mgr.full_replica_id)
+            if who is not None:
+                self._lapsed_quorum = quorum
+                self.link.retire()
+                if self._events is not None:
+                    self._events("peer_lapsed", level=self.level, op=op, reason=who, quorum_id=quorum, phase=self._tracker.phase.value)
+                raise PeerLapsed(f"{self.level} quorum {quorum}: {who} (heartbeat timeout {self.watch.heartbeat_timeout}): abandoning the {op}")
+        return fut.value()  # type: ignore[attr-defined]
+
+    def allreduce_sum(self, tensor: torch.Tensor, kind: str) -> bool:
+        """Sums ``tensor`` in place across the level's quorum."""
+
+        def issue(timeout: timedelta) -> Work:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            opts.timeout = timeout
+            return self.link.allreduce([tensor], opts)
+
+        return self._run("allreduce", kind, issue)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, kind: str) -> bool:
+        """Broadcasts ``tensor`` from quorum rank ``root`` (in place on the receivers)."""
+
+        def issue(timeout: timedelta) -> Work:
+            opts = BroadcastOptions()
+            opts.rootRank = root
+            opts.rootTensor = 0
+            opts.timeout = timeout
+            return self.link.broadcast([tensor], opts)
+
+        return self._run("broadcast", kind, issue)

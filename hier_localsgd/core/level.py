@@ -1,0 +1,146 @@
+"""One level of the hierarchy: its committed backup, its outer optimizer, its algorithm.
+
+Both algorithms are "outer SGD on a pseudo-gradient" over the level's backup:
+
+* the pseudo-gradient of a member is ``backup - live`` (how far its local work
+  moved it since the level last committed);
+* members all-reduce the weighted average of their pseudo-gradients;
+* ``diloco`` steps an SGD with Nesterov momentum (default lr 0.7, momentum 0.9,
+  as in the DiLoCo paper); ``localsgd`` steps plain SGD with lr 1, which is
+  exactly the parameter average: ``backup - mean(backup - live) = mean(live)``.
+
+Every level owns its backup tensor and its momentum buffer (invariant I2: they are
+never the model's parameters and never another level's tensors).
+
+Updates are *staged*: :meth:`Level.stage` computes the new backup and momentum
+into fresh tensors without touching the committed ones, and :meth:`Level.commit`
+adopts them only after the level's commit vote succeeds. A failed round therefore
+leaves the committed state untouched; rolling back is just ``model <- backup``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from hier_localsgd.core.flat import checksum_int
+
+ALGORITHMS = ("localsgd", "diloco")
+
+
+@dataclass(frozen=True)
+class LevelAlgorithm:
+    """Configuration of one level's outer update."""
+
+    name: str = "diloco"
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    @classmethod
+    def build(cls, name: str, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> "LevelAlgorithm":
+        if name not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {name!r} (expected one of {ALGORITHMS})")
+        if name == "localsgd":
+            # Parameter averaging is outer SGD with lr 1 and no momentum.
+            return cls(name=name, lr=1.0, momentum=0.0, nesterov=False)
+        return cls(name=name, lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+class OuterSGD:
+    """SGD with optional (Nesterov) momentum over one flat tensor, with staged steps.
+
+    Matches ``torch.optim.SGD(lr, momentum, nesterov, dampening=0)`` step for step
+    (tests/test_level.py checks it); the momentum buffer starts at zero, which gives
+    the same first step as torch's lazily created buffer when dampening is 0.
+    """
+
+    def __init__(self, numel: int, lr: float, momentum: float, nesterov: bool, dtype: torch.dtype) -> None:
+        if lr <= 0:
+            raise ValueError(f"lr={lr}: must be positive")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum={momentum}: must be in [0, 1)")
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self.buf: Optional[torch.Tensor] = torch.zeros(numel, dtype=dtype) if momentum > 0 else None
+
+    @torch.no_grad()
+    def stage(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns (new_param, new_buf) without modifying ``param`` or the buffer."""
+        if self.buf is None:
+            return param - self.lr * grad, None
+        buf = self.buf * self.momentum + grad
+        update = grad + self.momentum * buf if self.nesterov else buf
+        return param - self.lr * update, buf
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        return [] if self.buf is None else [self.buf]
+
+
+@dataclass
+class Staged:
+    """A level's tentative new state (not yet committed)."""
+
+    backup: torch.Tensor
+    buf: Optional[torch.Tensor]
+
+
+class Level:
+    """The committed state of one level for one replica group.
+
+    Args:
+        name: "inner" or "outer".
+        algorithm: the level's outer update.
+        init: the initial model vector (copied; the level owns its backup).
+    """
+
+    def __init__(self, name: str, algorithm: LevelAlgorithm, init: torch.Tensor) -> None:
+        self.name = name
+        self.algorithm = algorithm
+        self.backup = init.detach().clone()
+        self.opt = OuterSGD(init.numel(), algorithm.lr, algorithm.momentum, algorithm.nesterov, init.dtype)
+
+    @torch.no_grad()
+    def pseudo_grad(self, live: torch.Tensor) -> torch.Tensor:
+        """``backup - live``: a fresh tensor (safe to all-reduce in place)."""
+        return self.backup - live
+
+    def stage(self, avg_grad: torch.Tensor) -> Staged:
+        backup, buf = self.opt.stage(self.backup, avg_grad)
+        return Staged(backup=backup, buf=buf)
+
+    def unchanged(self) -> Staged:
+        """A staged state equal to the committed one (a round with nothing to apply)."""
+        return Staged(backup=self.backup.clone(), buf=None if self.opt.buf is None else self.opt.buf.clone())
+
+    @torch.no_grad()
+    def commit(self, staged: Staged) -> None:
+        self.backup.copy_(staged.backup)
+        if self.opt.buf is not None and staged.buf is not None:
+            self.opt.buf.copy_(staged.buf)
+
+    @torch.no_grad()
+    def set_backup(self, value: torch.Tensor) -> None:
+        self.backup.copy_(value)
+
+    # -- replication ---------------------------------------------------------
+    def state_tensors(self) -> List[torch.Tensor]:
+        """The committed tensors, in a fixed order (resync broadcasts pack these)."""
+        return [self.backup] + self.opt.state_tensors()
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """Clones of the committed state: a donor serves only committed state."""
+        out = {"backup": self.backup.clone()}
+        if self.opt.buf is not None:
+            out["momentum"] = self.opt.buf.clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        self.backup.copy_(sd["backup"])
+        if self.opt.buf is not None:
+            self.opt.buf.copy_(sd["momentum"])
+
+    def fingerprint(self) -> int:
+        return checksum_int(*self.state_tensors())

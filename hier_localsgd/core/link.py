@@ -1,0 +1,372 @@
+"""The process group of one level's links: a torchft ProcessGroup wrapper.
+
+Each level (inner: a cluster's replica groups; outer: the clusters' leaders) gets
+its own :class:`LinkProcessGroup` around a reconfigurable torchft
+``ProcessGroupGloo``. The torchft Manager of that level reconfigures it on every
+quorum change. The wrapper:
+
+* counts the bytes every collective puts on the wire, per level and per kind
+  (``payload``: model-sized reductions and broadcasts; ``control``: consistency
+  checks, headers, resyncs), using the standard algorithm models: ring
+  all-reduce sends 2(n-1)/n·S per rank, a broadcast root sends (n-1)·S;
+* checks invariant I1 when the group is formed: an outer group may not contain two
+  members of one cluster (their replica ids' trailing digits are the cluster id);
+* injects failures on request (:meth:`arm_failure`): the next payload collective
+  runs for real but its result is reported as failed, exactly as a broken link
+  would be seen by the Manager. Tests and fault plans use it.
+
+* emulates a lossy, slow link when the level has a ``links.<level>`` spec
+  (:mod:`hier_localsgd.emulation.lossy`): payload collectives lose packets and fill them,
+  every collective takes at least its latency/bandwidth bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Dict, Iterator, List, Optional
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions, Work
+from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
+
+from hier_localsgd.costs import ring_allreduce_bytes
+from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
+from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
+
+logger = logging.getLogger(__name__)
+
+PAYLOAD = "payload"
+CONTROL = "control"
+
+
+@dataclass
+class LinkStats:
+    """What one level's links carried in this process."""
+
+    sent_bytes: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    tensor_bytes: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    injected_failures: int = 0
+    # emulated links run collectives synchronously: measured time and analytical bound
+    seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bound_seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def record(self, op: str, kind: str, tensor_bytes: int, sent: float) -> None:
+        key = f"{op}/{kind}"
+        self.calls[key] += 1
+        self.tensor_bytes[key] += tensor_bytes
+        self.sent_bytes[kind] += sent
+
+    def timed(self, op: str, kind: str, seconds: float, bound: float) -> None:
+        key = f"{op}/{kind}"
+        self.seconds[key] += seconds
+        self.bound_seconds[key] += bound
+
+    emulation: Optional[LinkEmulation] = None
+
+    def as_dict(self) -> Dict[str, object]:
+        out: Dict[str, object] = {
+            "sent_bytes": dict(self.sent_bytes),
+            "sent_bytes_total": sum(self.sent_bytes.values()),
+            "tensor_bytes": dict(self.tensor_bytes),
+            "calls": dict(self.calls),
+            "injected_failures": self.injected_failures,
+        }
+        if self.seconds:
+            out["seconds"] = dict(self.seconds)
+            out["bound_seconds"] = dict(self.bound_seconds)
+        if self.emulation is not None:
+            out["loss"] = self.emulation.stats()
+        return out
+
+
+class _DoneWork(Work):
+    """A collective that already completed (emulated links run synchronously)."""
+
+    def __init__(self, result: List[torch.Tensor]) -> None:
+        super().__init__()
+        self._fut: torch.futures.Future = torch.futures.Future()
+        self._fut.set_result(result)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class _FailedWork(Work):
+    """The real collective's work, reported as failed (an injected link failure)."""
+
+    def __init__(self, work: Work, exc: Exception) -> None:
+        super().__init__()
+        self._work = work
+        self._exc = exc
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self._work.wait()
+        raise self._exc
+
+    def get_future(self) -> torch.futures.Future:
+        exc = self._exc
+
+        def fail(_: torch.futures.Future) -> None:
+            raise exc
+
+        return self._work.get_future().then(fail)
+
+
+class LinkProcessGroup(ProcessGroupWrapper):
+    """A level's process group (see module docstring).
+
+    Args:
+        level: "inner", "outer", or a baseline's name; used in stats and errors.
+        timeout: Gloo timeout for rendezvous and every collective.
+        distinct_clusters: enforce invariant I1 at configure time (outer level).
+    """
+
+    def __init__(self, level: str, timeout: timedelta, distinct_clusters: bool = False, emulation: Optional[LinkSpec] = None) -> None:
+        super().__init__(pg=ProcessGroupGloo(timeout=timeout))
+        self.level = level
+        self.stats = LinkStats()
+        self.set_emulation(emulation)
+        self._distinct_clusters = distinct_clusters
+        self._kind = PAYLOAD
+        self._armed: Optional[Exception] = None
+        self._world = 1
+        self._rank = 0
+        self._lock = threading.Lock()
+        # torchft catches exceptions raised by configure() and only logs them; the
+        # Manager wrapper re-raises a violation recorded here (managers.py).
+        self.violation: Optional[InvariantViolation] = None
+        self._ids: List[int] = []
+        # Process groups with an abandoned collective (peers.py), set aside unaborted and
+        # kept alive: aborting or destroying a Gloo group waits for its pending work, so
+        # the next quorum's configure would block until that collective ends.
+        self._retired: List[object] = []
+        self._retire_pending = False
+        self._quorum_tag = ""  # see note_quorum
+
+    def set_emulation(self, spec: Optional[LinkSpec]) -> None:
+        """Emulates ``spec`` on this level's links (None or inactive: a plain link)."""
+        self.emu = LinkEmulation(spec, self.level) if spec is not None and spec.active else None
+        self.stats.emulation = self.emu
+
+    def share_stats(self, stats: LinkStats) -> None:
+        """Accounts into ``stats`` (one account for a level across re-created groups)."""
+        if stats.emulation is None:
+            stats.emulation = self.emu
+        self.stats = stats
+        self.emu = stats.emulation
+
+    def note_quorum(self, quorum: object) -> None:
+        """Remembers the quorum torchft is about to configure this group for.
+
+        torchft's rendezvous prefix is ``<store>/torchft/<quorum id>/<group rank>``, and a
+        restarted lighthouse numbers quorums from 1 again: a reissued id would read keys
+        an earlier quorum of that id left in the same store (a dead peer's address:
+        "connection refused", seen in a chaos run). The prefix therefore also carries a
+        tag of the quorum's id, max step and full member ids (uuids included), the same on
+        every member; a collision needs the same members at the same id and step."""
+        ids = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
+        text = f"{getattr(quorum, 'quorum_id', '')}|{getattr(quorum, 'max_step', '')}|{ids}"
+        self._quorum_tag = hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    def retire(self) -> None:
+        """A collective on the current group was abandoned: the next configure sets the
+        group aside (neither aborted nor destroyed: both wait for the pending work) instead
+        of aborting it. One group per abandoned round, released at process exit."""
+        self._retire_pending = True
+
+    # -- configuration ---------------------------------------------------------
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: Optional[int] = None,
+        group_rank: Optional[int] = None,
+        group_world_size: Optional[int] = None,
+        global_ranks: Optional[List[int]] = None,
+    ) -> None:
+        if self._distinct_clusters:
+            gws = group_world_size or 1
+            try:
+                check_distinct_clusters(self.level, [g // gws for g in global_ranks or []])
+            except InvariantViolation as e:
+                self.violation = e
+                raise
+        self._world, self._rank = world_size, rank
+        gws = group_world_size or 1
+        # Stable identities of the members (replica index / cluster id): loss streams are
+        # keyed by them, so they survive membership changes.
+        self._ids = [g // gws for g in global_ranks] if global_ranks and len(global_ranks) == world_size else list(range(world_size))
+        logger.info(
+            "%s link configured: rank %d of %d, quorum %s", self.level, rank, world_size, quorum_id
+        )
+        if self._quorum_tag:
+            store_addr = f"{store_addr}/q{self._quorum_tag}"
+        if self._retire_pending and self._pg is not None:
+            self._retired.append(self._pg)
+            # A fresh reconfigurable Gloo wrapper (torchft's configure aborts only a group it
+            # still holds). Not None: with no inner group, torchft's configure would call this
+            # wrapper's own _create_pg, which is not implemented, and every later quorum fails.
+            self._pg = ProcessGroupGloo(timeout=self._timeout)
+        self._retire_pending = False
+        super().configure(
+            store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+        )
+
+    @property
+    def world(self) -> int:
+        return self._world
+
+    # -- accounting and fault injection --------------------------------------------
+    @contextmanager
+    def kind(self, kind: str) -> Iterator[None]:
+        """Counts the collectives issued inside the block as ``kind``."""
+        prev, self._kind = self._kind, kind
+        try:
+            yield
+        finally:
+            self._kind = prev
+
+    def arm_failure(self, exc: Exception) -> None:
+        """The next payload collective on this group completes on the wire but reports ``exc``."""
+        with self._lock:
+            self._armed = exc
+
+    def _finish(self, work: Work) -> Work:
+        if self._kind != PAYLOAD:
+            return work
+        with self._lock:
+            exc, self._armed = self._armed, None
+        if exc is None:
+            return work
+        self.stats.injected_failures += 1
+        logger.warning("%s link: injecting failure %r", self.level, exc)
+        return _FailedWork(work, exc)
+
+    @staticmethod
+    def _nbytes(tensors: List[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- collectives -----------------------------------------------------------
+    def allreduce(self, tensors: List[torch.Tensor], opts: object) -> Work:
+        n = self._nbytes(tensors)
+        self.stats.record("allreduce", self._kind, n, ring_allreduce_bytes(n, self._world))
+        emu = self.emu
+        if emu is None:
+            return self._finish(super().allreduce(tensors, opts))
+        started = time.time()
+        is_sum = getattr(opts, "reduceOp", ReduceOp.SUM) == ReduceOp.SUM
+        if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and is_sum and len(tensors) == 1:
+            self._lossy_allreduce(tensors[0], opts)
+        else:
+            self.parent.allreduce(tensors, opts).wait()
+        bound = emu.spec.allreduce_time(n, self._world)
+        emu.pad(started, bound)
+        self.stats.timed("allreduce", self._kind, time.time() - started, bound)
+        return self._finish(_DoneWork(tensors))
+
+    def _lossy_allreduce(self, t: torch.Tensor, opts: object) -> None:
+        emu = self.emu
+        assert emu is not None
+        timeout = getattr(opts, "timeout", None)
+        per, npk = emu.packets(t.numel(), t.element_size())
+        if emu.spec.where == "per_sender":
+            lost = torch.from_numpy(emu.stream(self._ids[self._rank]).sample(npk))
+            # Arrival counts first (tiny; emulation machinery, not counted): then only
+            # the packets that will miss a contribution need this rank's own values kept.
+            arrived = (~lost).to(torch.int32)
+            count_opts = AllreduceOptions()
+            count_opts.reduceOp = ReduceOp.SUM
+            if timeout is not None:
+                count_opts.timeout = timeout
+            self.parent.allreduce([arrived], count_opts).wait()
+            saved = emu.save_rows(t, arrived, self._world, per)
+            emu.zero_packets(t, lost, per)
+            self.parent.allreduce([t], opts).wait()
+            emu.fill_per_sender(t, arrived, self._world, per, saved)
+        else:
+            parts = [torch.empty_like(t) for _ in range(self._world)]
+            ag = AllgatherOptions()
+            if timeout is not None:
+                ag.timeout = timeout
+            self.parent.allgather([parts], [t], ag).wait()
+            emu.reduce_per_receiver(parts, self._rank, self._ids, t)
+        emu.payload_bytes_sent += t.numel() * t.element_size()
+        emu.collectives += 1
+
+    def broadcast(self, tensor_list: List[torch.Tensor], opts: object) -> Work:
+        n = self._nbytes(tensor_list)
+        root = getattr(opts, "rootRank", 0)
+        sent = float((self._world - 1) * n) if self._rank == root else 0.0
+        self.stats.record("broadcast", self._kind, n, sent)
+        emu = self.emu
+        if emu is None:
+            return self._finish(super().broadcast(tensor_list, opts))
+        started = time.time()
+        if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and len(tensor_list) == 1:
+            self._lossy_broadcast(tensor_list[0], root, opts)
+        else:
+            self.parent.broadcast(tensor_list, opts).wait()
+        bound = emu.spec.broadcast_time(n, self._world)
+        emu.pad(started, bound)
+        self.stats.timed("broadcast", self._kind, time.time() - started, bound)
+        return self._finish(_DoneWork(tensor_list))
+
+    def _lossy_broadcast(self, t: torch.Tensor, root: int, opts: object) -> None:
+        """Receivers replace lost packets: ``zero`` by 0, ``stale``/``rescale`` by their own
+        value from before the broadcast (one sender: nothing to rescale)."""
+        emu = self.emu
+        assert emu is not None
+        per, npk = emu.packets(t.numel(), t.element_size())
+        own = t.detach().clone()
+        if emu.spec.where == "per_sender":
+            lost = torch.zeros(npk, dtype=torch.uint8)
+            if self._rank == root:
+                lost = torch.from_numpy(emu.stream(self._ids[root]).sample(npk)).to(torch.uint8)
+            self.parent.broadcast([t], opts).wait()
+            mask_opts = BroadcastOptions()
+            mask_opts.rootRank = root
+            if getattr(opts, "timeout", None) is not None:
+                mask_opts.timeout = opts.timeout  # type: ignore[attr-defined]
+            self.parent.broadcast([lost], mask_opts).wait()  # emulation machinery, not counted
+            lost_b = lost.bool()
+        else:
+            self.parent.broadcast([t], opts).wait()
+            lost_b = torch.zeros(npk, dtype=torch.bool)
+            if self._rank != root:
+                lost_b = torch.from_numpy(emu.stream(self._ids[root], self._ids[self._rank]).sample(npk))
+        if self._rank != root and bool(lost_b.any()):
+            if emu.spec.fill == "zero":
+                emu.zero_packets(t, lost_b, per)
+            else:
+                for (rows, sl), (own_rows, _) in zip(emu._rows(t, per), emu._rows(own, per)):
+                    rows[lost_b[sl]] = own_rows[lost_b[sl]]
+        emu.payload_bytes_sent += t.numel() * t.element_size()
+        emu.collectives += 1
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: object) -> Work:
+        n = self._nbytes(input_tensor)
+        self.stats.record("allgather", self._kind, n, float((self._world - 1) * n))
+        emu = self.emu
+        if emu is None:
+            return self._finish(super().allgather(output_tensors, input_tensor, opts))
+        started = time.time()
+        self.parent.allgather(output_tensors, input_tensor, opts).wait()  # delay only, no loss
+        emu.pad(started, emu.spec.allgather_time(n, self._world))
+        return self._finish(_DoneWork(input_tensor))
+
+    def getBackendName(self) -> str:
+        return f"hier-link-{self.level}"

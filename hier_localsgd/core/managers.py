@@ -1,0 +1,281 @@
+"""One torchft Manager per level, each with its own store, process group and checkpoint server.
+
+A replica group holds an inner (replica-group) Manager talking to its cluster's
+lighthouse and, only while it is its cluster's leader, an outer (cluster)
+Manager talking to the global lighthouse.
+
+Store discovery: each Manager gets a TCPStore of its own, hosted by group rank 0 on a
+free port. Nothing is shared across replica groups or pre-arranged: torchft's quorum
+names one up-to-date member's store as the rendezvous for the level's process group,
+so launching needs only the lighthouse addresses. (Two Managers in one process need
+separate stores: rank 0 writes unprefixed ``manager_addr``/``replica_id`` keys.) In a
+replica group of several ranks, rank 0 publishes its store's address under
+``store_key`` in the group's own store (torchrun's), where the other ranks find it.
+
+Failure semantics:
+
+* :func:`~hier_localsgd.core.addresses.probe_lighthouse` retries a refused connection (a lighthouse that launchers
+  like TorchX start alongside the replica groups) and fails, naming the config field
+  and address, when the lighthouse does not accept a connection within
+  ``timeouts.connect``.
+* :meth:`LevelManager.start_quorum` raises :class:`QuorumFailed` when no quorum
+  forms in time although the lighthouse answers, and
+  :class:`hier_localsgd.core.outage.LighthouseOutage` within one slice (the lighthouse's
+  heartbeat timeout) when the lighthouse does not answer. A quorum that forms in the
+  few milliseconds between two slices is missed by this replica (torchft's
+  lighthouse answers the requests waiting at that instant only); its peers then
+  fail that round at their process-group timeout, and the next round re-forms. torchft 0.2.0 keeps a failed quorum future and re-raises it from
+  every later ``start_quorum``; we drop it so the next round can try a fresh
+  quorum. A heal that fails after the quorum formed does not raise: the Manager is
+  left errored and the round's commit vote fails.
+* :meth:`LevelManager.shutdown` stops the heartbeat at once (``wait=False``:
+  never block behind an in-flight quorum) and aborts the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+from torch.distributed import TCPStore
+from torchft import Manager
+from torchft.checkpointing import HTTPTransport
+
+from hier_localsgd.core.addresses import probe_lighthouse
+from hier_localsgd.core.invariants import check_group_rank
+from hier_localsgd.core.link import LinkProcessGroup
+from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage
+from hier_localsgd.core.timeouts import ran_into_deadline
+
+logger = logging.getLogger(__name__)
+
+
+STORE_TIMEOUT_FLOOR = timedelta(seconds=15)
+
+
+class QuorumFailed(RuntimeError):
+    """No quorum formed. ``timed_out``: the wait ran into its deadline (the clock's verdict)."""
+
+    def __init__(self, msg: str, timed_out: bool = False) -> None:
+        super().__init__(msg)
+        self.timed_out = timed_out
+
+
+class _QuorumTap:
+    """torchft's ManagerClient, passing each quorum result to ``sink`` before the Manager
+    uses it (the link tags its rendezvous with it: link.LinkProcessGroup.note_quorum)."""
+
+    def __init__(self, client: Any, sink: Callable[[Any], None]) -> None:
+        self._client, self._sink = client, sink
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self._sink(quorum)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@dataclass(frozen=True)
+class QuorumView:
+    """What a round needs from a formed quorum."""
+
+    rank: int  # this replica's rank among the participants (sorted by replica id)
+    size: int  # number of participants
+    healed: bool  # whether this replica loaded state from a peer in this quorum
+
+
+class LevelManager:
+    """A torchft Manager for one level of one replica group.
+
+    Args:
+        level: "inner", "outer" or a baseline's name (logs, errors).
+        replica_id: torchft replica id; must end in digits (torchft parses them).
+        lighthouse_addr: the level's lighthouse.
+        lighthouse_field: the config field that holds ``lighthouse_addr`` (errors).
+        pg: the level's process group.
+        state_dict / load_state_dict: the committed state a donor serves and a
+            healing replica loads (through torchft's HTTP checkpoint transport).
+        min_replicas: fewest participants for this Manager to commit.
+        quorum_timeout, op_timeout, heal_timeout, connect_timeout: see timeouts.py.
+        hostname: address peers use to reach this process's servers.
+        group_rank / group_world_size: this rank inside its replica group.
+        max_commit_failures: consecutive failed commits before the Manager raises.
+        use_async_quorum: False for hier/flat (sync quorum, heal before the round).
+    """
+
+    def __init__(
+        self,
+        level: str,
+        replica_id: str,
+        lighthouse_addr: str,
+        lighthouse_field: str,
+        pg: LinkProcessGroup,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+        min_replicas: int,
+        quorum_timeout: timedelta,
+        op_timeout: timedelta,
+        heal_timeout: timedelta,
+        connect_timeout: timedelta,
+        hostname: str,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        max_commit_failures: Optional[int] = None,
+        use_async_quorum: bool = False,
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        group_store: Optional[Any] = None,
+        store_key: str = "",
+    ) -> None:
+        if not replica_id[-1:].isdigit():
+            raise ValueError(f"replica id {replica_id!r} must end in digits (torchft parses them)")
+        check_group_rank(level, group_rank, group_world_size)
+        probe_lighthouse(lighthouse_field, lighthouse_addr, connect_timeout)
+        self.level = level
+        self.replica_id = replica_id
+        self.pg = pg
+        self._healed = False
+        self._load = load_state_dict
+        # Our own store (group rank 0 hosts it): peers find it through the quorum.
+        # Its timeout has a floor: on the development VM about one c10d store
+        # connection in 25 stalls 5 s before c10d's own retry succeeds, so a
+        # shorter timeout turns that stall into a failure (docs/runbook.md).
+        store_timeout = max(connect_timeout, STORE_TIMEOUT_FLOOR)
+        self._store: Optional[TCPStore] = None
+        if group_rank == 0:
+            self._store = TCPStore(host_name=hostname, port=0, is_master=True, wait_for_workers=False, timeout=store_timeout)
+            store_host, store_port = hostname, self._store.port
+            if group_store is not None:
+                group_store.set(store_key, f"{hostname}:{store_port}")
+        else:
+            if group_store is None:
+                raise ValueError(f"{level} manager of group rank {group_rank} needs the group's store to find rank 0's")
+            group_store.wait([store_key], store_timeout)
+            store_host, _, port = group_store.get(store_key).decode().rpartition(":")
+            store_port = int(port)
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=min_replicas,
+            use_async_quorum=use_async_quorum,
+            timeout=max(op_timeout, heal_timeout),
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=store_host,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_addr,
+            replica_id=replica_id,
+            hostname=hostname,
+            heartbeat_interval=heartbeat_interval,
+            checkpoint_transport=HTTPTransport(timeout=heal_timeout, num_chunks=0),
+            init_sync=False,  # every replica builds identical initial weights from the seed
+            max_retries=max_commit_failures,
+        )
+        # Every quorum result reaches the link before torchft configures it (link.note_quorum).
+        self.manager._client = _QuorumTap(self.manager._client, pg.note_quorum)
+        self.manager.register_state_dict_fn(level, self._load_and_mark, state_dict)
+        self._closed = False
+        self.lighthouse_addr = lighthouse_addr
+        # torchft appends a uuid to the replica id; the lighthouse knows members by it
+        # (its kill endpoint, its status page). Rank 0 wrote it to the store.
+        self.full_replica_id = self.manager._store.get("replica_id").decode()
+        logger.info("%s manager %s up (lighthouse %s)", level, replica_id, lighthouse_addr)
+
+    def _load_and_mark(self, sd: Any) -> None:
+        self._healed = True
+        self._load(sd)
+
+    def start_quorum(self, timeout: timedelta, health: Optional[LighthouseHealth] = None, slice_: Optional[timedelta] = None) -> QuorumView:
+        """Forms a quorum (and heals from a peer if behind) within ``timeout``.
+
+        With ``health`` and ``slice_`` (the lighthouse's heartbeat timeout), the request
+        is made in slices of at most ``slice_`` and the lighthouse is probed between
+        slices (outage.py says why): an answering lighthouse is asked again until
+        ``timeout`` is spent; one that does not answer ends the call at once.
+
+        Raises:
+            LighthouseOutage: the lighthouse does not answer (before or during the call).
+            QuorumFailed: no quorum formed within ``timeout`` although the lighthouse answered.
+        """
+        if health is not None:
+            health.before_quorum()
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            left = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+            this = min(left, slice_) if slice_ is not None and health is not None else left
+            try:
+                return self._quorum_once(this)
+            except QuorumFailed as e:
+                if health is not None and not health.probe():
+                    raise LighthouseOutage(health.message(f"quorum request failed: {e}")) from e
+                if this >= left or time.monotonic() >= deadline - 0.05:
+                    # the last slice: a timeout only if the whole budget ran out
+                    e.timed_out = e.timed_out and time.monotonic() >= deadline - 0.05
+                    raise
+                if not e.timed_out:
+                    time.sleep(0.1)  # failed early with the lighthouse answering: don't spin
+
+    def _quorum_once(self, timeout: timedelta) -> QuorumView:
+        self._healed = False
+        deadline = time.time() + timeout.total_seconds()
+        try:
+            self.manager.start_quorum(timeout=timeout)
+            rank = self.manager.participating_rank()
+            size = self.manager.num_participants()
+        except Exception as e:
+            # torchft 0.2.0 would re-raise this failed future from every later
+            # start_quorum; drop it so the next round starts from a fresh quorum.
+            self.manager._quorum_future = None
+            raise QuorumFailed(f"{self.level} quorum failed: {e}", timed_out=ran_into_deadline(deadline)) from e
+        if self.pg.violation is not None:
+            raise self.pg.violation  # e.g. I1: never continue in a group that breaks it
+        if rank is None:
+            raise QuorumFailed(f"{self.level} quorum formed without this replica participating")
+        # A heal or process-group reconfiguration that failed after the quorum formed
+        # leaves the Manager errored: the caller still runs the round's collectives
+        # (its peers expect them) and its commit vote fails.
+        return QuorumView(rank=rank, size=size, healed=self._healed)
+
+    def should_commit(self, timeout: timedelta) -> bool:
+        return self.manager.should_commit(timeout=timeout)
+
+    def report_error(self, e: Exception) -> None:
+        self.manager.report_error(e)
+
+    def errored(self) -> Optional[Exception]:
+        return self.manager.errored()
+
+    @property
+    def step(self) -> int:
+        return self.manager.current_step()
+
+    @property
+    def quorum_id(self) -> int:
+        return self.manager._quorum_id
+
+    def describe(self, size: int) -> dict:
+        """What the status file publishes about this level's membership."""
+        return {"replica_id": self.full_replica_id, "lighthouse": self.lighthouse_addr, "quorum_id": self.quorum_id, "quorum_size": size, "manager_step": self.step}
+
+    def shutdown(self) -> None:
+        """Stops the heartbeat now and aborts the process group. Idempotent, never blocks long."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # shutting down on a failure path must not raise
+            logger.exception("%s manager shutdown failed", self.level)
+        try:
+            self.pg.abort(errored=False)
+        except Exception:
+            logger.exception("%s process group abort failed", self.level)
+        logger.info("%s manager %s shut down (heartbeat stopped)", self.level, self.replica_id)
+

@@ -1,0 +1,319 @@
+"""``hier-localsgd bench``: hierarchical vs flat DiLoCo vs DDP on emulated LAN/WAN links.
+
+Runs the arms one after another in the same invocation, on the same workload, seed, token
+budget (same steps x batch per replica group) and emulated network (``links.inner`` = LAN,
+``links.outer`` = WAN; the flat and ddp rings span the clusters, so they run on the WAN
+spec):
+
+* ``ddp`` — gradient all-reduce every step across every replica group;
+* ``flat_budget`` — torchft's DiLoCo across every replica group, syncing as often as the
+  hierarchy's slow-link byte budget allows (a flat ring over n = C·R groups crosses the
+  WAN on C of its n hops, C·2(n−1)/n·S per sync, vs C·2(C−1)/C·S per outer round);
+* ``flat_count`` — the same, syncing exactly as often as the hierarchy's outer rounds;
+* ``hier`` — inner over LAN every H_inner steps, outer over WAN every H_outer inner rounds;
+* a bare training loop (no sync, no machinery) per replica group, run concurrently like
+  the arms, for the per-step overhead of the hierarchy on steps without a sync.
+
+Per arm: training wall time, bytes on slow and fast links, final eval loss and excess over
+the entropy floor, the wall time and slow-link bytes to reach the target loss (default:
+the ddp arm's final loss + ``bench.target_margin``), and per level the measured time of
+the payload all-reduce next to its analytical ring bound. Outputs: a markdown table, JSON,
+and two plots (excess loss vs wall time, vs slow-link bytes).
+
+``bench.mode=quick`` (tiny model, a couple of minutes) for smoke checks; ``full`` (the
+debugmodel workload, under 30 minutes on 2 cores). The workload's periods are the mode's
+preset unless ``bench.h_inner``/``bench.h_outer`` say otherwise (the flat arms follow).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from hier_localsgd import costs
+from hier_localsgd.config import Config, load_config
+from hier_localsgd.launch.local import LocalJob, child_env
+from hier_localsgd.core.status import read_events, replica_dir
+
+
+WORKLOADS = {
+    # H_inner, H_outer; steps chosen so every arm's period divides them
+    "quick": {"h": (5, 2), "steps": 60, "over": ["model=tiny", "train.batch_size=16", "train.eval_batches=4", "train.min_step_time_s=0.02"]},
+    "full": {"h": (10, 3), "steps": 360, "over": ["model=llama3_debugmodel", "train.batch_size=4", "train.seq_len=64", "train.eval_batches=4"]},
+}
+
+
+def flat_budget_every(C: int, R: int, period: int) -> int:
+    """Flat sync period with the hierarchy's slow-link bytes per step."""
+    flat_wan = C * costs.ring_factor(C * R)  # models' worth of WAN bytes per flat sync
+    hier_wan = C * costs.ring_factor(C)  # per outer round
+    if hier_wan == 0:
+        return period
+    return max(1, round(period * flat_wan / hier_wan))
+
+
+def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
+    w = WORKLOADS[cfg.bench.mode]
+    h_in, h_out = cfg.bench.h_inner or w["h"][0], cfg.bench.h_outer or w["h"][1]
+    period = h_in * h_out
+    C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
+    budget = flat_budget_every(C, R, period)
+    steps = w["steps"]
+    lcm = period * budget // math.gcd(period, budget)
+    steps = max(steps, lcm) if steps % lcm == 0 else ((steps + lcm - 1) // lcm) * lcm
+    b = cfg.bench
+    common = [
+        *w["over"], f"train.steps={steps}", f"sync.inner.every={h_in}", f"sync.outer.every={h_out}",
+        f"train.eval_every={period}",
+        f"links.inner.bandwidth_gbps={b.lan_gbps}", f"links.inner.latency_ms={b.lan_latency_ms}",
+        f"links.outer.bandwidth_gbps={b.wan_gbps}", f"links.outer.latency_ms={b.wan_latency_ms}",
+    ]
+    arms = {
+        "ddp": ["sync.mode=ddp"],
+        "flat_budget": ["sync.mode=flat", f"sync.flat.every={budget}"],
+        "flat_count": ["sync.mode=flat", f"sync.flat.every={period}"],
+        "hier": ["sync.mode=hier"],
+    }
+    return common, {a: arms[a] for a in b.arms}, steps
+
+
+def _split_bytes(mode: str, result: dict, C: int, R: int) -> Tuple[float, float]:
+    """(slow, fast) link bytes sent by one replica group."""
+    link = result["link"]
+    if mode == "hier":
+        return link.get("outer", {}).get("sent_bytes_total", 0.0), link.get("inner", {}).get("sent_bytes_total", 0.0)
+    total = sum(st["sent_bytes_total"] for st in link.values())
+    n = C * R
+    slow = total * C / n if n > C else total  # the ring crosses the WAN on C of its n hops
+    return slow, total - slow
+
+
+def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int) -> List[Dict[str, float]]:
+    """Per eval step: mean eval loss, mean seconds since training started, job-wide slow bytes."""
+    start = {}
+    for k, evs in events.items():
+        s = next((e["t"] for e in evs if e["kind"] == "phase" and e["src"] == "START"), None)
+        if s is not None:
+            start[k] = s
+    by_step: Dict[int, List[Tuple[Tuple[int, int], dict]]] = {}
+    for k, evs in events.items():
+        for e in evs:
+            if e["kind"] == "eval" and k in start:
+                by_step.setdefault(e["step"], []).append((k, e))
+    curve = []
+    for step in sorted(by_step):
+        pts = by_step[step]
+        if len(pts) < len(start):
+            continue
+        slow = 0.0
+        for k, e in pts:
+            b = e.get("bytes") or {}
+            fake = {"link": {lv: {"sent_bytes_total": v} for lv, v in b.items()}}
+            slow += _split_bytes(mode, fake, C, R)[0]
+        t = sum(max(0.0, e["t"] - start[k]) for k, e in pts) / len(pts) if step > 0 else 0.0
+        curve.append({"step": step, "loss": sum(e["loss"] for _, e in pts) / len(pts), "t": t, "slow_bytes": slow})
+    return curve
+
+
+def _sync_ratio(results: List[dict], level: str) -> Optional[Dict[str, float]]:
+    secs = bound = 0.0
+    calls = 0
+    for r in results:
+        st = r["link"].get(level, {})
+        secs += st.get("seconds", {}).get("allreduce/payload", 0.0)
+        bound += st.get("bound_seconds", {}).get("allreduce/payload", 0.0)
+        calls += st.get("calls", {}).get("allreduce/payload", 0)
+    if calls == 0 or bound == 0:
+        return None
+    return {"measured_s": secs / calls, "bound_s": bound / calls, "ratio": secs / bound, "calls": calls}
+
+
+def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float) -> Dict[str, Any]:
+    cfg = load_config(overrides, validate_for="demo")
+    C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
+    run_dir = out / "runs" / name
+    job = LocalJob(cfg, overrides, free_ports=True, run_dir_override=run_dir)
+    t0 = time.time()
+    try:
+        job.start_lighthouses()
+        job.start_all()
+        codes = job.wait(timeout_s)
+    finally:
+        job.stop()
+    results = [job.result(k) for k in job.keys()]
+    if any(r is None for r in results):
+        return {"arm": name, "failed": True, "exit_codes": {f"c{c}r{r}": v for (c, r), v in codes.items()}, "run_dir": str(run_dir)}
+    events = {k: read_events(replica_dir(run_dir, *k) / "events.jsonl") for k in job.keys()}
+    mode = cfg.sync.mode
+    slow = fast = 0.0
+    for r in results:
+        s, f = _split_bytes(mode, r, C, R)
+        slow, fast = slow + s, fast + f
+    floor = results[0]["entropy_floor"]
+    final = sum(r["eval_loss"] for r in results) / len(results)
+    levels = ["inner", "outer"] if mode == "hier" else [mode]
+    local = [r["local_step_s"] for r in results if r.get("local_step_s")]
+    return {
+        "arm": name,
+        "mode": mode,
+        "sync_every": {"hier": [cfg.sync.inner.every, cfg.sync.outer.every], "flat": [cfg.sync.flat.every], "ddp": [1]}[mode],
+        "wall_s": max(r["wall_s"] for r in results),
+        "job_wall_s": time.time() - t0,
+        "slow_link_bytes": slow,
+        "fast_link_bytes": fast,
+        "final_eval_loss": final,
+        "entropy_floor": floor,
+        "excess_loss": None if floor is None else final - floor,
+        "consistent": len({r["checksum"] for r in results}) == 1,
+        "curve": _curve(mode, events, C, R),
+        "sync": {lv: _sync_ratio(results, lv) for lv in levels},
+        "local_step_s": sum(local) / len(local) if local else None,
+        "run_dir": str(run_dir),
+    }
+
+
+def run_bare(overrides: List[str], cfg: Config, out: Path) -> Optional[float]:
+    """Mean step time of bare loops, one per replica group, run concurrently."""
+    procs, files = [], []
+    (out / "bare").mkdir(parents=True, exist_ok=True)
+    for c in range(cfg.topology.clusters):
+        for r in range(cfg.topology.replicas_per_cluster):
+            f = out / "bare" / f"c{c}r{r}.json"
+            files.append(f)
+            procs.append(subprocess.Popen([sys.executable, "-m", "hier_localsgd.experiments.bare", *overrides, f"run.cluster={c}", f"run.replica={r}", f"bare.out={f}"],
+                                          env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in procs:
+        p.wait(timeout=cfg.bench.timeout_s)
+    times = [json.loads(f.read_text())["step_s"] for f in files if f.exists()]
+    return sum(times) / len(times) if times else None
+
+
+def to_target(curve: List[Dict[str, float]], target: float) -> Tuple[Optional[float], Optional[float]]:
+    for p in curve:
+        if p["loss"] <= target:
+            return p["t"], p["slow_bytes"]
+    return None, None
+
+
+def table(rows: List[Dict[str, Any]], target: float) -> str:
+    def f(x: Any, spec: str, scale: float = 1.0) -> str:
+        return "-" if x is None else format(x / scale, spec)
+
+    out = [f"| arm | sync every | wall s | slow-link MB | fast-link MB | final eval loss | excess | s to target {target:.3f} | slow MB to target | outer/single-level all-reduce: measured / bound | consistent |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("failed"):
+            out.append(f"| {r['arm']} | FAILED {r['exit_codes']} |")
+            continue
+        lv = "outer" if r["mode"] == "hier" else r["mode"]
+        sy = r["sync"].get(lv)
+        syt = "-" if not sy else f"{sy['measured_s'] * 1e3:.0f} / {sy['bound_s'] * 1e3:.0f} ms = {sy['ratio']:.2f}"
+        out.append(
+            f"| {r['arm']} | {r['sync_every']} | {r['wall_s']:.1f} | {f(r['slow_link_bytes'], '.1f', 1e6)} | {f(r['fast_link_bytes'], '.1f', 1e6)} | "
+            f"{r['final_eval_loss']:.4f} | {f(r['excess_loss'], '.4f')} | {f(r['time_to_target_s'], '.1f')} | {f(r['slow_bytes_to_target'], '.2f', 1e6)} | {syt} | {r['consistent']} |"
+        )
+    return "\n".join(out)
+
+
+def plots(rows: List[Dict[str, Any]], out: Path) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for xkey, xlabel, fname, logx in [("t", "wall time since training started (s)", "bench_loss_vs_time.png", False),
+                                       ("slow_bytes", "bytes on slow (WAN) links, all replica groups", "bench_loss_vs_slow_bytes.png", True)]:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for r in rows:
+            if r.get("failed") or not r["curve"] or r["entropy_floor"] is None:
+                continue
+            pts = [p for p in r["curve"] if not (logx and p[xkey] <= 0)]
+            ax.plot([p[xkey] for p in pts], [p["loss"] - r["entropy_floor"] for p in pts], marker="o", ms=3, label=r["arm"])
+        if logx:
+            ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss − entropy floor (nats)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        paths.append(str(out / fname))
+    return paths
+
+
+def goals(rows: Dict[str, Dict[str, Any]], overhead: Optional[float]) -> List[str]:
+    h = rows.get("hier")
+    lines = []
+    if not h or h.get("failed"):
+        return ["hier arm missing: no goals evaluated"]
+
+    def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return None if a is None or b is None or b == 0 else a / b
+
+    for other, need_b, need_t in [("ddp", 100, 5), ("flat_budget", 2, 1.3), ("flat_count", 2, 1.3)]:
+        o = rows.get(other)
+        if not o or o.get("failed"):
+            continue
+        rb = ratio(o["slow_bytes_to_target"], h["slow_bytes_to_target"])
+        rt = ratio(o["time_to_target_s"], h["time_to_target_s"])
+        fb = "-" if rb is None else f"{rb:.1f}x"
+        ft = "-" if rt is None else f"{rt:.2f}x"
+        lines.append(f"slow-link bytes to target, {other} / hier = {fb} (goal >= {need_b}x); wall time to target {ft} (goal >= {need_t}x)")
+    for lv, sy in h["sync"].items():
+        if sy:
+            lines.append(f"hier {lv} all-reduce: {sy['measured_s'] * 1e3:.1f} ms measured vs {sy['bound_s'] * 1e3:.1f} ms bound = {sy['ratio']:.2f}x (goal <= 1.2x)")
+    if overhead is not None:
+        lines.append(f"hier steps without a sync vs a bare loop: {overhead:+.1%} (goal <= +2%)")
+    return lines
+
+
+def run_bench(cfg: Config, overrides: List[str]) -> int:
+    out = Path(cfg.bench.out or Path(cfg.run.dir) / "bench")
+    out.mkdir(parents=True, exist_ok=True)
+    common, arms, steps = plan_arms(cfg)
+    base = [*overrides, *common]
+    print(f"bench ({cfg.bench.mode}): {list(arms)} + bare loop, {steps} steps per replica group -> {out}", flush=True)
+    t0 = time.time()
+    rows = []
+    for name, extra in arms.items():
+        print(f"[{time.time() - t0:.0f}s] arm {name} ...", flush=True)
+        rows.append(run_arm(name, [*base, *extra], out, cfg.bench.timeout_s))
+    print(f"[{time.time() - t0:.0f}s] bare loop ...", flush=True)
+    bare = run_bare([*base, "sync.mode=hier"], load_config([*base, "sync.mode=hier"], validate_for="demo"), out)
+    by = {r["arm"]: r for r in rows}
+    ddp = by.get("ddp")
+    target = cfg.bench.target_loss or ((ddp["final_eval_loss"] + cfg.bench.target_margin) if ddp and not ddp.get("failed") else None)
+    for r in rows:
+        if not r.get("failed"):
+            r["time_to_target_s"], r["slow_bytes_to_target"] = to_target(r["curve"], target) if target else (None, None)
+    h = by.get("hier")
+    overhead = (h["local_step_s"] / bare - 1.0) if h and not h.get("failed") and h.get("local_step_s") and bare else None
+    report = {
+        "mode": cfg.bench.mode,
+        "steps": steps,
+        "network": {"lan_gbps": cfg.bench.lan_gbps, "lan_latency_ms": cfg.bench.lan_latency_ms, "wan_gbps": cfg.bench.wan_gbps, "wan_latency_ms": cfg.bench.wan_latency_ms},
+        "target_loss": target,
+        "arms": rows,
+        "bare_step_s": bare,
+        "hier_local_step_s": h.get("local_step_s") if h else None,
+        "nonsync_step_overhead": overhead,
+        "goals": goals(by, overhead),
+        "wall_s": time.time() - t0,
+    }
+    report["plots"] = plots(rows, out)
+    md = table(rows, target or float("nan"))
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(md + "\n\n" + "\n".join(f"- {g}" for g in report["goals"]) + "\n")
+    print(md)
+    for g in report["goals"]:
+        print(f"  {g}")
+    print(f"bench: {out / 'bench.md'}, {out / 'bench.json'}, plots {report['plots']}; {report['wall_s']:.0f} s")
+    return 1 if any(r.get("failed") for r in rows) else 0

@@ -1,0 +1,140 @@
+"""The config sections of the experiment drivers (demo, chaos, sweep, bench), with their checks.
+
+Only dataclasses and the names they are checked against, so that the root config
+(hier_localsgd/config.py) can compose them although the drivers themselves sit above
+it (they load configurations of their own: a baseline, a flat comparison, each arm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from hier_localsgd.core.faults import ROLES
+from hier_localsgd.core.phases import Phase
+from hier_localsgd.experiments.chaos_faults import KINDS
+from hier_localsgd.schema import fail
+from hier_localsgd.sync.types import MODES
+
+ARMS = ("ddp", "flat_budget", "flat_count", "hier")  # bench.py
+
+
+@dataclass
+class DemoConfig:
+    summary: str = ""  # default: <run.dir>/summary.json
+    timeout_s: float = 600.0
+    progress: bool = True
+    free_ports: bool = True
+    dashboard: bool = True  # serve the live dashboard alongside and print its URL
+
+
+@dataclass
+class ChaosConfig:
+    seed: int = 0
+    kill_every_s: float = 30.0  # mean time between kills (exponential intervals)
+    roles: List[str] = field(default_factory=lambda: ["non_leader", "leader", "cluster"])
+    restart_delay_s: float = 2.0
+    stop_kills_at: float = 0.8  # no kills once every process has passed this fraction of the steps
+    baseline: bool = True  # run a failure-free job with the same seed first
+    report: str = ""  # JSON report path; "" = <run.dir>/chaos_report.json
+    timeout_s: float = 1200.0
+    # Fault kinds drawn by the schedule (chaos_faults.py); partition needs network namespaces.
+    kinds: List[str] = field(default_factory=lambda: ["kill", "phase_kill", "multi_kill", "hang", "lighthouse", "partition"])
+    phase_targets: List[str] = field(default_factory=lambda: ["leader:OUTER_REDUCE", "non_leader:BROADCAST", "leader:INNER_COMMIT"])
+    phase_arm_s: float = 30.0  # a phase_kill fires in any phase after this long
+    hang_s: float = 10.0  # SIGSTOP duration of a hang
+    lighthouse_down_s: float = 10.0  # a killed lighthouse is restarted after this long
+    partition_s: float = 10.0  # how long a partitioned cluster stays cut off
+    compare_flat: bool = False  # run the same schedule against sync.mode=flat and compare
+    draw: str = "random"  # random: each fault's kind drawn with the seed; cycle: kinds in order
+
+    def check(self) -> None:
+        for i, role in enumerate(self.roles):
+            if role not in ROLES:
+                fail(f"chaos.roles[{i}]", f"unknown role {role!r} (expected one of {ROLES})")
+        if not self.roles:
+            fail("chaos.roles", "needs at least one role")
+        if self.kill_every_s <= 0:
+            fail("chaos.kill_every_s", f"{self.kill_every_s} — must be positive")
+        if not 0 < self.stop_kills_at <= 1:
+            fail("chaos.stop_kills_at", f"{self.stop_kills_at} — must be in (0, 1]")
+        if self.restart_delay_s < 0:
+            fail("chaos.restart_delay_s", f"{self.restart_delay_s} — must be at least 0")
+        for i, k in enumerate(self.kinds):
+            if k not in KINDS:
+                fail(f"chaos.kinds[{i}]", f"{k!r} — expected one of {KINDS}")
+        if not self.kinds:
+            fail("chaos.kinds", "empty — name at least one fault kind")
+        if self.draw not in ("random", "cycle"):
+            fail("chaos.draw", f"{self.draw!r} — expected random or cycle")
+        for i, pt in enumerate(self.phase_targets):
+            role, _, phase = str(pt).partition(":")
+            if role not in ("leader", "non_leader") or phase not in Phase.__members__:
+                fail(f"chaos.phase_targets[{i}]", f"{pt!r} — expected ROLE:PHASE with ROLE leader|non_leader and PHASE one of {sorted(Phase.__members__)}")
+        for fname in ("phase_arm_s", "hang_s", "lighthouse_down_s", "partition_s"):
+            if getattr(self, fname) <= 0:
+                fail(f"chaos.{fname}", f"{getattr(self, fname)} — must be positive (seconds)")
+
+
+@dataclass
+class SweepConfig:
+    rates: List[float] = field(default_factory=lambda: [0.0, 0.05, 0.2])
+    models: List[str] = field(default_factory=lambda: ["bernoulli", "gilbert_elliott"])
+    fills: List[str] = field(default_factory=lambda: ["zero", "stale", "rescale"])
+    modes: List[str] = field(default_factory=lambda: ["hier", "flat", "ddp"])
+    burst: float = 4.0  # gilbert_elliott mean burst length in packets
+    where: str = "per_sender"
+    workload: str = "tiny"  # tiny | config
+    steps: int = 120  # with workload=tiny
+    large: bool = False  # more loss rates
+    out: str = ""  # "" = <run.dir>/sweep
+    timeout_s: float = 600.0  # per run
+
+    def check(self) -> None:
+        for i, r in enumerate(self.rates):
+            if not 0 <= r < 1:
+                fail(f"sweep.rates[{i}]", f"{r} — a loss rate must be in [0, 1)")
+        for i, m in enumerate(self.models):
+            if m not in ("bernoulli", "gilbert_elliott"):
+                fail(f"sweep.models[{i}]", f"unknown loss model {m!r} (expected bernoulli or gilbert_elliott)")
+        for i, f in enumerate(self.fills):
+            if f not in ("zero", "stale", "rescale"):
+                fail(f"sweep.fills[{i}]", f"unknown fill {f!r} (expected zero, stale or rescale)")
+        for i, m in enumerate(self.modes):
+            if m not in MODES:
+                fail(f"sweep.modes[{i}]", f"unknown mode {m!r} (expected one of {MODES})")
+        if self.burst < 1:
+            fail("sweep.burst", f"{self.burst} — a mean burst is at least 1 packet")
+        if self.workload not in ("tiny", "config"):
+            fail("sweep.workload", f"{self.workload!r} — expected tiny or config")
+        if self.workload == "tiny" and (self.steps < 10 or self.steps % 10):
+            fail("sweep.steps", f"{self.steps} — must be a positive multiple of 10 (the tiny workload syncs every 5 and 10 steps)")
+
+
+@dataclass
+class BenchConfig:
+    mode: str = "quick"  # quick (tiny model, minutes) | full (debugmodel, < 30 min on 2 cores)
+    arms: List[str] = field(default_factory=lambda: ["ddp", "flat_budget", "flat_count", "hier"])
+    lan_gbps: float = 10.0
+    lan_latency_ms: float = 0.1
+    wan_gbps: float = 1.0
+    wan_latency_ms: float = 20.0
+    target_margin: float = 0.02  # target loss = the ddp arm's final eval loss + this
+    target_loss: float = 0.0  # > 0: use this target instead
+    h_inner: int = 0  # 0 = the mode's preset (quick 5, full 10); the workload's H overrides sync.*.every
+    h_outer: int = 0  # 0 = the mode's preset (quick 2, full 3)
+    out: str = ""  # "" = <run.dir>/bench
+    timeout_s: float = 1800.0  # per arm
+
+    def check(self) -> None:
+        if self.mode not in ("quick", "full"):
+            fail("bench.mode", f"{self.mode!r} — expected quick or full")
+        for i, a in enumerate(self.arms):
+            if a not in ARMS:
+                fail(f"bench.arms[{i}]", f"unknown arm {a!r} (expected one of {ARMS})")
+        for name in ("lan_gbps", "wan_gbps"):
+            if getattr(self, name) <= 0:
+                fail(f"bench.{name}", f"{getattr(self, name)} — a bandwidth must be positive")
+        for name in ("lan_latency_ms", "wan_latency_ms", "target_margin", "target_loss", "h_inner", "h_outer"):
+            if getattr(self, name) < 0:
+                fail(f"bench.{name}", f"{getattr(self, name)} — must be at least 0")

@@ -1,0 +1,146 @@
+"""The summary of a finished local job, shared by demo, chaos, sweep and the tests.
+
+Computed only from what each process wrote (its result.json and status): in particular
+``consistent`` is true only if every replica group reported the same checksum of its
+final parameters, taken after the last outer sync. :func:`human` renders it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Optional
+
+from hier_localsgd.config import Config
+from hier_localsgd.costs import ring_allreduce_bytes
+from hier_localsgd.core.status import read_json, replica_dir
+from hier_localsgd.launch.local import LocalJob
+
+
+def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
+    keys = job.keys()
+    results = {k: job.result(k) for k in keys}
+    got = {k: r for k, r in results.items() if r is not None}
+    codes = job.exit_codes()
+    floor = next((r["entropy_floor"] for r in got.values()), None)
+    losses = [r["eval_loss"] for r in got.values()]
+    starts = [r["eval_loss_start"] for r in got.values()]
+    final = sum(losses) / len(losses) if losses else None
+    start = sum(starts) / len(starts) if starts else None
+    model_bytes = next((r["model_bytes"] for r in got.values()), None)
+
+    # every rank of a multi-rank group syncs (and reports) its own slice
+    every_rank = list(got.values()) + [
+        res for (c, r_) in keys for g in range(1, cfg.topology.ranks_per_replica)
+        if (res := read_json(replica_dir(job.run_dir, c, r_, g) / "result.json")) is not None
+    ]
+    levels: Dict[str, Dict[str, float]] = {}
+    for r in every_rank:
+        for level, st in r["link"].items():
+            agg = levels.setdefault(level, {"payload": 0.0, "control": 0.0, "total": 0.0})
+            for kind, b in st["sent_bytes"].items():
+                agg[kind] = agg.get(kind, 0.0) + b
+                agg["total"] += b
+
+    links: Dict[str, Dict[str, Any]] = {}
+    for r in every_rank:
+        for level, st in r["link"].items():
+            loss = st.get("loss")
+            if not loss:
+                continue
+            agg = links.setdefault(level, {k: loss[k] for k in ("model", "fill", "where", "expected_loss_rate", "expected_mean_burst")})
+            for k in ("packets_sent", "packets_lost", "emulated_delay_s", "emulated_time_s"):
+                agg[k] = agg.get(k, 0) + loss[k]
+    for agg in links.values():
+        agg["observed_loss_rate"] = agg["packets_lost"] / agg["packets_sent"] if agg["packets_sent"] else None
+
+    inner_rounds: Dict[str, int] = {}
+    for (c, _), r in got.items():
+        inner_rounds[str(c)] = max(inner_rounds.get(str(c), 0), r["inner_rounds"])
+    outer_rounds = max((r["outer_rounds"] for r in got.values()), default=0)
+    checksums = {f"c{c}r{r_}": res["checksum"] for (c, r_), res in got.items()}
+    ranks_missing = []
+    for (c, r_) in keys:  # every rank of a multi-rank group reports its own checksum
+        for g in range(1, cfg.topology.ranks_per_replica):
+            res = read_json(replica_dir(job.run_dir, c, r_, g) / "result.json")
+            if res is None:
+                ranks_missing.append(f"c{c}r{r_}g{g}")
+            else:
+                checksums[f"c{c}r{r_}g{g}"] = res["checksum"]
+    C = cfg.topology.clusters
+    expected_outer = ring_allreduce_bytes(model_bytes, C) * C if model_bytes else None
+    outer_payload = levels.get("outer", {}).get("payload")
+
+    return {
+        "topology": {
+            "clusters": C,
+            "replicas_per_cluster": cfg.topology.replicas_per_cluster,
+            "ranks_per_replica": cfg.topology.ranks_per_replica,
+            "mode": cfg.sync.mode,
+            "inner": {"algorithm": cfg.sync.inner.algorithm, "every": cfg.sync.inner.every},
+            "outer": {"algorithm": cfg.sync.outer.algorithm, "every": cfg.sync.outer.every},
+        },
+        "model": cfg.model.name,
+        "model_params": next((r["model_params"] for r in got.values()), None),
+        "model_bytes": model_bytes,
+        "steps": min((r["steps"] for r in got.values()), default=0),
+        "steps_target": cfg.train.steps,
+        "inner_rounds_committed": {"per_cluster": inner_rounds, "total": sum(inner_rounds.values())},
+        "outer_rounds_committed": outer_rounds,
+        "eval_loss_start": start,
+        "final_eval_loss": final,
+        "entropy_floor": floor,
+        "excess_loss_start": None if floor is None or start is None else start - floor,
+        "excess_loss": None if floor is None or final is None else final - floor,
+        "bytes_sent": levels,
+        "links": links,
+        "slow_link_payload_bytes_per_outer_round": (outer_payload / outer_rounds) if outer_payload and outer_rounds else None,
+        "slow_link_payload_bytes_per_outer_round_expected": expected_outer,
+        "consistent": len(got) == len(keys) and not ranks_missing and len(set(checksums.values())) == 1,
+        "checksums": checksums,
+        "exit_codes": {f"c{c}r{r}": code for (c, r), code in codes.items()},
+        "missing_results": [f"c{c}r{r}" for (c, r) in keys if (c, r) not in got] + ranks_missing,
+        "wall_s": wall_s,
+        "run_dir": str(job.run_dir),
+    }
+
+
+def human(summary: Dict[str, Any]) -> str:
+    t = summary["topology"]
+    b = summary["bytes_sent"]
+
+    def mb(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x / 1e6:.2f} MB"
+
+    def f(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    lines = [
+        f"hier_localsgd {t['mode']}: {t['clusters']} clusters x {t['replicas_per_cluster']} replica groups, "
+        f"{summary['model']} ({summary['model_params']} params), {summary['steps']}/{summary['steps_target']} steps in {summary['wall_s']:.1f} s",
+        (
+            f"  rounds committed: inner {summary['inner_rounds_committed']['per_cluster']} per cluster, outer {summary['outer_rounds_committed']}"
+            if t["mode"] == "hier"
+            else f"  syncs committed per replica group ({t['mode']}): {summary['inner_rounds_committed']['per_cluster']} (max per cluster)"
+        ),
+        f"  eval loss {f(summary['eval_loss_start'])} -> {f(summary['final_eval_loss'])}; entropy floor {f(summary['entropy_floor'])}; "
+        f"excess {f(summary['excess_loss_start'])} -> {f(summary['excess_loss'])}",
+    ]
+    for level, agg in b.items():
+        lines.append(f"  bytes sent, {level}: payload {mb(agg.get('payload'))}, control {mb(agg.get('control'))}")
+    for level, agg in summary.get("links", {}).items():
+        rate = agg["observed_loss_rate"]
+        lines.append(
+            f"  {level} link: {agg['model']} loss expected {agg['expected_loss_rate']:.2%}, observed "
+            f"{'-' if rate is None else f'{rate:.2%}'} of {agg['packets_sent']} packets (fill {agg['fill']}, {agg['where']}); "
+            f"emulated delay {agg['emulated_delay_s']:.1f} s"
+        )
+    if summary.get("slow_link_payload_bytes_per_outer_round"):
+        lines.append(
+            f"  slow-link payload per outer round: {mb(summary['slow_link_payload_bytes_per_outer_round'])} "
+            f"(one model per cluster x ring factor = {mb(summary['slow_link_payload_bytes_per_outer_round_expected'])})"
+        )
+    lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes)")
+    bad = {k: v for k, v in summary["exit_codes"].items() if v != 0}
+    if bad or summary["missing_results"]:
+        lines.append(f"  PROBLEMS: exit codes {bad}, missing results {summary['missing_results']}")
+    return "\n".join(lines)

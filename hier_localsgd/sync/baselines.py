@@ -1,0 +1,226 @@
+"""Baselines in the same trainer, for comparisons: ``ddp`` and ``flat``.
+
+Both put every replica group of every cluster behind the global lighthouse with one
+torchft Manager each (no hierarchy, no leaders):
+
+* ``ddp`` — fault-tolerant data parallelism: every step forms a quorum (healing a
+  restarted group before its forward pass), all-reduces the gradients, and steps
+  the optimizer only if the commit vote succeeds.
+* ``flat`` — torchft's own ``DiLoCo`` (outer Nesterov SGD) or ``LocalSGD``
+  (parameter average) every ``sync.flat.every`` steps, used as torchft ships it, with
+  DiLoCo's bucketization on (the whole model in one all-reduce per sync, like the
+  hierarchy's flat buffer; torchft's LocalSGD has no such option and all-reduces each
+  parameter separately, paying a link's latency once per tensor).
+
+They expose the same interface as :class:`hier_localsgd.sync.hier.HierarchicalSync`
+(``start``, ``before_forward``, ``before_optimizer_step``, ``after_optimizer_step``,
+``counters``, ``link_stats``, ``close``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from hier_localsgd.core.comm import LevelComm
+from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.invariants import CollectiveGate
+from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup
+from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.managers import LevelManager, QuorumFailed
+from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.sync.hier import Counters, EventSink, FatalSyncError, Identity
+from hier_localsgd.core.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+
+def baseline_replica_id(identity: Identity, replicas_per_cluster: int) -> str:
+    # One lighthouse for all groups: the trailing digits must be unique job-wide.
+    g = identity.cluster * replicas_per_cluster + identity.replica
+    return f"c{identity.cluster}_r{identity.replica}_g{g:04d}"
+
+
+class _Baseline:
+    level = "baseline"
+
+    def __init__(
+        self,
+        identity: Identity,
+        replicas_per_cluster: int,
+        timeouts: Timeouts,
+        flat: FlatParams,
+        optimizer: Optimizer,
+        tracker: PhaseTracker,
+        events: EventSink,
+        global_lighthouse: str,
+        hostname: str,
+        max_quorum_failures: int,
+        max_commit_failures: Optional[int],
+        link_spec: Optional[LinkSpec] = None,
+    ) -> None:
+        self.id, self.t, self.flat, self.opt = identity, timeouts, flat, optimizer
+        self.tracker, self.events = tracker, events
+        self.counters = Counters()
+        self.leader = False
+        self._max_quorum_failures = max_quorum_failures
+        self._quorum_failures = 0
+        # Every baseline ring spans the clusters, so it runs at the slow links' speed.
+        self.link = LinkProcessGroup(self.level, timeouts.inner_pg, emulation=link_spec)
+        self.mgr = LevelManager(
+            level=self.level,
+            replica_id=baseline_replica_id(identity, replicas_per_cluster),
+            lighthouse_addr=global_lighthouse,
+            lighthouse_field="lighthouse.global_addr",
+            pg=self.link,
+            state_dict=self._state_dict,
+            load_state_dict=self._load_state,
+            min_replicas=1,
+            quorum_timeout=timeouts.inner_quorum,
+            op_timeout=max(timeouts.inner_reduce, timeouts.inner_commit),
+            heal_timeout=timeouts.inner_quorum,
+            connect_timeout=timeouts.connect,
+            hostname=hostname,
+            max_commit_failures=max_commit_failures,
+        )
+
+    def _state_dict(self) -> Dict[str, object]:
+        c = self.counters
+        return {
+            "model": self.flat.data.clone(),
+            "optimizer": copy.deepcopy(self.opt.state_dict()),
+            "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
+        }
+
+    def _load_state(self, sd: Dict[str, object]) -> None:
+        self.flat.load_(sd["model"])  # type: ignore[arg-type]
+        self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
+        counters = sd["counters"]
+        assert isinstance(counters, dict)
+        self.counters.step = int(counters["step"])
+        self.counters.inner_round = int(counters["inner_round"])
+        self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
+        self.events("heal", level=self.level, step=self.counters.step)
+
+    def _quorum_failed(self, e: Exception) -> None:
+        self._quorum_failures += 1
+        logger.warning("%s %s quorum failed (%d in a row): %s", self.id, self.level, self._quorum_failures, e)
+        if self._quorum_failures >= self._max_quorum_failures:
+            raise FatalSyncError(f"{self.level} quorum failed {self._quorum_failures} times in a row (last: {e})") from e
+
+    def start(self) -> None:
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+
+    def before_forward(self) -> None:
+        pass
+
+    def before_optimizer_step(self) -> bool:
+        return True
+
+    def after_optimizer_step(self) -> bool:
+        self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
+        return True  # ddp: every step synced
+
+    def link_stats(self) -> Dict[str, Dict[str, object]]:
+        return {self.level: self.link.stats.as_dict()}
+
+    def close(self) -> None:
+        self.mgr.shutdown()
+
+
+class DDPSync(_Baseline):
+    """Gradient all-reduce every step across all replica groups (see module docstring)."""
+
+    level = "ddp"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if self.flat.grad is None:
+            raise ValueError("ddp needs FlatParams(flat_grads=True)")
+        self.comm = LevelComm(self.mgr, self.link, self.tracker, CollectiveGate())
+        self._size = 1
+        self._in_quorum = False
+
+    def before_forward(self) -> None:
+        t = self.t
+        self.tracker.enter(Phase.INNER_QUORUM, t.inner_quorum)
+        try:
+            q = self.mgr.start_quorum(self.tracker.remaining())
+        except QuorumFailed as e:
+            self._quorum_failed(e)
+            self._in_quorum = False
+            self.tracker.enter(Phase.ROLLBACK, None, reason=str(e))
+            self.tracker.enter(Phase.LOCAL, t.local_step)
+            return
+        self._quorum_failures = 0
+        self._size, self._in_quorum = q.size, True
+        # forward and backward run inside this phase's budget too
+        self.tracker.enter(Phase.INNER_REDUCE, t.local_step + t.inner_reduce)
+
+    def before_optimizer_step(self) -> bool:
+        if not self._in_quorum:
+            return False
+        self.comm.allreduce_sum(self.flat.grad, PAYLOAD)  # type: ignore[arg-type]
+        self.flat.grad.div_(self._size)  # type: ignore[union-attr]
+        self.tracker.enter(Phase.INNER_COMMIT, self.t.inner_commit)
+        ok = self.mgr.should_commit(self.tracker.remaining())
+        if ok:
+            self.counters.inner_round += 1
+        else:
+            self.events("rollback", level=self.level, reason="commit vote failed", step=self.counters.step)
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        return ok
+
+
+class FlatSync(_Baseline):
+    """torchft's own DiLoCo/LocalSGD across all replica groups (see module docstring)."""
+
+    level = "flat"
+
+    def __init__(
+        self,
+        *args: object,
+        model: nn.Module,
+        algorithm: str,
+        every: int,
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        manager = self.mgr.manager
+        if algorithm == "diloco":
+            outer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=nesterov)
+            # One bucket (torchft's default cap, 1 GiB) per sync, as the hierarchy sends one flat
+            # buffer: per-parameter all-reduces would pay the WAN latency once per tensor.
+            self.algo = DiLoCo(
+                manager, [model], self.opt, outer, sync_every=every, backup_device=torch.device("cpu"),
+                pin_memory=False, use_bucketization=True,
+            )
+        else:
+            self.algo = LocalSGD(manager, model, self.opt, sync_every=every)
+        self.algo.__enter__()  # registers the optimizer hooks that run the syncs
+        # torchft's syncs run inside optimizer.step(): the LOCAL budget covers one.
+        self._budget = self.t.local_step + self.t.inner_quorum + self.t.inner_reduce + self.t.inner_commit
+
+    def start(self) -> None:
+        self.tracker.enter(Phase.LOCAL, self._budget)
+
+    def after_optimizer_step(self) -> bool:
+        synced = self.mgr.step != self.counters.inner_round  # torchft synced inside optimizer.step()
+        self.counters.inner_round = self.mgr.step
+        super().after_optimizer_step()
+        self.tracker.enter(Phase.LOCAL, self._budget)
+        return synced
+
+    def close(self) -> None:
+        self.algo.__exit__(None, None, None)
+        super().close()

@@ -1,0 +1,806 @@
+"""Hierarchical LocalSGD/DiLoCo: one sync round of one replica group, top to bottom.
+
+Every ``h_inner`` local steps the replica groups of a cluster run an inner round
+through the cluster's lighthouse; every ``h_outer`` inner rounds (``step`` a
+multiple of ``h_inner * h_outer``) the round also carries the outer level: the
+cluster's leader (rank 0 of the inner quorum) syncs across clusters through the
+global lighthouse and broadcasts the result to its cluster, inside the same inner
+quorum. Only leaders touch the slow links; slow-link traffic per outer round is
+one model per cluster whatever the number of replica groups.
+
+One round (the phases are in :mod:`hier_localsgd.core.phases`)::
+
+    INNER_QUORUM   join the cluster quorum; heal from a live peer if behind
+                   (torchft checkpoint transport); rank 0 is the leader
+    INNER_REDUCE   consistency guard (guard.py), then all-reduce the weighted
+                   pseudo-gradient ``backup - live``; stage the level's update
+    [outer round, leader only]
+      OUTER_QUORUM   join the global quorum with the cluster Manager; heal from
+                     another cluster if behind
+      OUTER_REDUCE   guard, then all-reduce ``global_backup - cluster_model``
+      OUTER_COMMIT   cluster Managers vote; on success the outer update is final
+    [outer round, every member]
+      BROADCAST      the leader sends a header (status, outer round, step) and the
+                     resulting model over the inner process group
+    INNER_COMMIT   inner Managers vote; on success adopt the staged state,
+                   otherwise roll back to the last commit
+
+Why the broadcast comes before the inner commit: the non-leaders wait for the
+leader inside an already formed quorum, on a process group with a bounded
+timeout, instead of at the lighthouse where a slow outer sync would let a quorum
+form without the leader. The inner commit then makes the cluster adopt the outer
+result atomically with its own round.
+
+Several ranks per replica group (``group_world_size`` G > 1, launched by torchrun):
+every rank holds the whole model (data parallel inside the group), but each rank
+synchronises only its slice k of the flat parameter vector, over its own Managers'
+process groups (rank k of every replica group forms ring k, as torchft arranges), so the
+slow links still carry one model per cluster per outer round. Both levels' state is
+per slice; after every commit or rollback the group all-gathers the committed slices
+into the full committed model (the rollback target). With G = 1 the slice is the whole
+vector and the gather is a copy.
+
+Failure semantics. Once a quorum has formed every member runs every collective of
+the round, in order, even after an error (errors only decide the commit vote), so
+a failure costs one round, not a timeout. A quorum that does not form rolls back at
+once. A replica whose commit failed restores its last commit: model, inner
+optimizer, the levels' backups and momenta (staged updates are simply dropped).
+An outer commit is final: a leader whose outer commit succeeded adopts the new
+global model even if its cluster's inner commit then fails; the guard or torchft's
+healing brings the cluster along next round. ``max_quorum_failures`` consecutive
+quorum failures of one level end the process (:class:`FatalSyncError`), as does any
+invariant violation.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from hier_localsgd.core import guard
+from hier_localsgd.core.comm import LevelComm, is_timeout
+from hier_localsgd.core.faults import FaultPlan, InjectedFault
+from hier_localsgd.core.flat import FlatParams, checksum, checksum_int
+from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
+from hier_localsgd.core.level import Level, LevelAlgorithm, Staged
+from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
+from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.addresses import LighthouseUnreachable
+from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
+from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
+from hier_localsgd.core.peers import QuorumWatch
+from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.core.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[..., None]
+
+
+class FatalSyncError(RuntimeError):
+    """The sync cannot continue (repeated quorum failures); the process must exit."""
+
+
+class JobFinished(RuntimeError):
+    """The job ended without this replica group (another group finished every step while
+    this one was away): nobody is left to sync with. The process exits 0 with the message."""
+
+
+class Status(enum.IntEnum):
+    """What the leader's broadcast carries."""
+
+    ABORT = 0  # the leader's round failed: nothing to adopt
+    INNER_ONLY = 1  # the cluster model (outer level failed or skipped)
+    OUTER_COMMITTED = 2  # the new global model
+
+
+@dataclass
+class Counters:
+    """Replicated counters. ``step`` is advanced by the training loop of every replica (I5)."""
+
+    step: int = 0  # local steps taken: the training position
+    inner_round: int = 0  # inner rounds committed
+    outer_round: int = 0  # outer rounds committed
+
+
+@dataclass(frozen=True)
+class Identity:
+    cluster: int
+    replica: int
+
+    @property
+    def inner_replica_id(self) -> str:
+        # Sorted by the lighthouse: zero padding makes lexical order numeric order,
+        # so the leader is the live replica group with the lowest index.
+        return f"c{self.cluster}_r{self.replica:04d}"
+
+    @property
+    def outer_replica_id(self) -> str:
+        # Trailing digits = cluster id: the outer link checks they are distinct (I1).
+        return f"cluster{self.cluster:04d}"
+
+    def __str__(self) -> str:
+        return f"c{self.cluster}r{self.replica}"
+
+
+@dataclass(frozen=True)
+class HierSettings:
+    h_inner: int
+    h_outer: int
+    inner: LevelAlgorithm
+    outer: LevelAlgorithm
+    cluster_lighthouse: str
+    cluster_lighthouse_field: str
+    global_lighthouse: str
+    global_lighthouse_field: str
+    min_replicas: int
+    min_clusters: int
+    max_quorum_failures: int
+    max_commit_failures: Optional[int]
+    hostname: str
+    replicas_per_cluster: int = 1
+    inner_link: Optional[LinkSpec] = None  # emulated lossy/slow link per level (lossy.py)
+    outer_link: Optional[LinkSpec] = None
+    group_rank: int = 0
+    group_world_size: int = 1
+    # Lighthouse outages (outage.py): each quorum request waits at most quorum_slice (the
+    # lighthouse heartbeat timeout) before the lighthouse is probed; a level whose
+    # lighthouse has not answered for outage_limit ends the process.
+    quorum_slice: timedelta = timedelta(seconds=5)
+    outage_limit: timedelta = timedelta(seconds=600)
+
+
+@dataclass
+class _OuterResult:
+    status: Status
+    params: Optional[torch.Tensor]
+    outer_round: int
+    step: int
+    cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
+
+
+class HierarchicalSync:
+    """Runs the hierarchical sync for one replica group (see the module docstring).
+
+    The training loop calls :meth:`start` once, then :meth:`after_optimizer_step`
+    after every local step (having advanced ``counters.step`` itself).
+    """
+
+    def __init__(
+        self,
+        settings: HierSettings,
+        identity: Identity,
+        timeouts: Timeouts,
+        flat: FlatParams,
+        inner_optimizer: Optimizer,
+        tracker: PhaseTracker,
+        events: EventSink,
+        faults: Optional[FaultPlan] = None,
+        group: Optional[object] = None,
+        group_store: Optional[object] = None,
+        job_done: Optional[Callable[[], Optional[str]]] = None,
+    ) -> None:
+        """``group``/``group_store``: the replica group's own torch.distributed process
+        group and store (torchrun's), when it has several ranks. ``job_done``: returns a
+        message once the job has finished without this group (status.py), asked before
+        a failing quorum ends the process."""
+        self.s = settings
+        self.id = identity
+        self.t = timeouts
+        self.flat = flat
+        self.opt = inner_optimizer
+        self.tracker = tracker
+        self.events = events
+        self.faults = faults or FaultPlan([], identity.cluster, identity.replica)
+        self.counters = Counters()
+        self.job_done = job_done
+
+        # This rank's slice of the flat vector (all of it with one rank per group).
+        g, k = settings.group_world_size, settings.group_rank
+        self._slice_len = (flat.numel + g - 1) // g
+        self.part = slice(min(flat.numel, k * self._slice_len), min(flat.numel, (k + 1) * self._slice_len))
+        self.group, self.group_store = group, group_store  # group_store is already per attempt (trainer.py)
+        if g > 1 and (group is None or group_store is None):
+            raise ValueError("a replica group of several ranks needs its process group and store")
+        # Three optimizers, three owners (I2): the inner optimizer owns the model's
+        # parameters; each level owns its backup and its momentum buffer.
+        self.inner = Level("inner", settings.inner, flat.data[self.part])
+        self.outer = Level("outer", settings.outer, flat.data[self.part])
+        self._committed = flat.data.detach().clone()  # the full model at the last commit
+        check_disjoint_tensors(
+            [
+                ("model parameters (inner optimizer)", [flat.data]),
+                ("inner level backup and outer optimizer", self.inner.state_tensors()),
+                ("outer level backup and outer optimizer", self.outer.state_tensors()),
+                ("committed model", [self._committed]),
+            ]
+        )
+        self._opt_backup = copy.deepcopy(inner_optimizer.state_dict())
+        self._gate = CollectiveGate()
+        self._leader = False
+        self._quorum_failures = {"inner": 0, "outer": 0}
+        self._outer_healed: Optional[tuple[int, int]] = None
+        self._last_quorum_size = 0
+        self._last_rank = 0
+        self._last_healed = False
+        self._outer_epoch = 0
+        # Work accounting: local steps run, and those discarded by a rollback (or
+        # contributed with weight 0) — what chaos.py's goodput starts from.
+        self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
+        self._since_outer = 0  # steps committed at the inner level since the last outer commit
+        tracker.set_extra(**self.work_counters())
+
+        probe = min(timedelta(seconds=1), settings.quorum_slice)
+        self.health = {
+            "inner": LighthouseHealth("inner", settings.cluster_lighthouse_field, settings.cluster_lighthouse, probe, settings.quorum_slice, settings.outage_limit),
+            "outer": LighthouseHealth("outer", settings.global_lighthouse_field, settings.global_lighthouse, probe, settings.quorum_slice, settings.outage_limit),
+        }
+        self._published_outage: Dict[str, bool] = {"inner": False, "outer": False}
+        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link)
+        self.inner_mgr = LevelManager(
+            level="inner",
+            replica_id=identity.inner_replica_id,
+            lighthouse_addr=settings.cluster_lighthouse,
+            lighthouse_field=settings.cluster_lighthouse_field,
+            pg=self.inner_link,
+            state_dict=self._inner_state_dict,
+            load_state_dict=self._load_inner_state,
+            min_replicas=settings.min_replicas,
+            quorum_timeout=timeouts.inner_quorum,
+            op_timeout=max(timeouts.inner_reduce, timeouts.inner_commit),
+            heal_timeout=timeouts.inner_quorum,
+            connect_timeout=timeouts.connect,
+            hostname=settings.hostname,
+            group_rank=settings.group_rank,
+            group_world_size=settings.group_world_size,
+            max_commit_failures=settings.max_commit_failures,
+            group_store=group_store,
+            store_key="store/inner",
+        )
+        self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events,
+                                    watch=QuorumWatch(settings.cluster_lighthouse, settings.quorum_slice))
+        # The cluster Manager exists only while this replica group leads its cluster:
+        # a Manager that heartbeats without joining would stall the global lighthouse.
+        self.outer_stats = LinkStats()
+        self.outer_link: Optional[LinkProcessGroup] = None
+        self.outer_mgr: Optional[LevelManager] = None
+        self.outer_comm: Optional[LevelComm] = None
+
+    # ------------------------------------------------------------------ loop API
+    def start(self) -> None:
+        """The join round: sync once before the first local step.
+
+        A restarted replica group heals from a live peer here, before it spends
+        compute on local steps, and starts at once. A cluster starting together
+        (a fresh job, or one resumed from checkpoints) repeats no-op join rounds
+        (every weight is 0) until every replica group of the cluster is in the
+        quorum or ``timeouts.startup`` passes, so it starts together and its
+        leader is the lowest replica group from the first round.
+        """
+        deadline = time.time() + self.t.startup.total_seconds()
+        while True:
+            self.tracker.set_counters(step=self.counters.step)
+            self.round(join=True)
+            if self._last_healed or self._last_quorum_size >= self.s.replicas_per_cluster:
+                return
+            if time.time() > deadline:
+                logger.warning("%s starting with %d of %d replica groups after %s", self.id, self._last_quorum_size, self.s.replicas_per_cluster, self.t.startup)
+                return
+            time.sleep(0.2)
+
+    def before_forward(self) -> None:
+        """Nothing to do: hierarchical syncs happen only at round boundaries."""
+
+    def before_optimizer_step(self) -> bool:
+        """Local steps always apply; a failed round rolls them back later."""
+        return True
+
+    def after_optimizer_step(self) -> bool:
+        """Runs a round at round boundaries; returns whether one ran."""
+        self.work["steps_run"] += 1
+        self.work["steps_since_commit"] += 1
+        self.tracker.set_extra(**self.work_counters())  # a status written mid-round must not be stale
+        self.tracker.set_counters(step=self.counters.step)
+        if self.counters.step % self.s.h_inner == 0:
+            self.round()
+            return True
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        return False
+
+    def work_counters(self) -> Dict[str, int]:
+        """``work`` plus ``steps_since_outer``: steps committed at the inner level since the last outer commit."""
+        return {**self.work, "steps_since_outer": self._since_outer}
+
+    def is_outer_round(self) -> bool:
+        step = self.counters.step
+        return step > 0 and step % (self.s.h_inner * self.s.h_outer) == 0
+
+    @property
+    def leader(self) -> bool:
+        return self._leader
+
+    def link_stats(self) -> Dict[str, Dict[str, object]]:
+        return {"inner": self.inner_link.stats.as_dict(), "outer": self.outer_stats.as_dict()}
+
+    def close(self) -> None:
+        if self.outer_mgr is not None:
+            self.outer_mgr.shutdown()
+            self.outer_mgr = None
+        self.inner_mgr.shutdown()
+
+    # ------------------------------------------------------------------ one round
+    def round(self, join: bool = False) -> bool:
+        """Runs one sync round; returns whether this replica committed it."""
+        t, tr, c = self.t, self.tracker, self.counters
+        tr.enter(Phase.INNER_QUORUM, t.inner_quorum, reason="join" if join else "")
+        self._fault_point(Phase.INNER_QUORUM)
+        try:
+            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice)
+        except LighthouseOutage as e:
+            # Nothing was exchanged: keep the local progress and train on (outage.py).
+            self._outage("inner", e)
+            if self._leader and self.is_outer_round() and self.s.group_world_size == 1 and not join:
+                self._outer_without_cluster()
+            tr.enter(Phase.LOCAL, t.local_step, reason="cluster lighthouse not answering: round skipped")
+            return False
+        except QuorumFailed as e:
+            self._quorum_failed("inner", e)
+            self._rollback(f"inner quorum failed: {e}")
+            return False
+        self._lighthouse_ok("inner")
+        self._quorum_failures["inner"] = 0
+        self._last_quorum_size, self._last_rank, self._last_healed = q.size, q.rank, q.healed
+        self.tracker.set_extra(inner=self.inner_mgr.describe(q.size))
+        if q.healed:
+            self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
+        self._set_leader(q.rank == 0)
+
+        tr.enter(Phase.INNER_REDUCE, t.inner_reduce)
+        self._fault_point(Phase.INNER_REDUCE)
+        weight = 0.0 if (join or q.healed or self.inner_mgr.errored() is not None) else 1.0
+        plan = self._consistency(
+            self.inner_comm, q, "inner",
+            guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
+            tensors=self.inner.state_tensors() + [self.outer.backup],
+        )
+        staged = self._reduce(self.inner, self.inner_comm, self.flat.data[self.part], plan, q.rank)
+
+        result: Optional[_OuterResult] = None
+        # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
+        # no-op at both levels; stepping the outer optimizer on a zero pseudo-gradient
+        # would still move the model by its momentum. Every member knows the total.
+        if self.is_outer_round() and plan.total_weight > 0:
+            if self._leader:
+                inner_ok = self.inner_mgr.errored() is None
+                # The cluster model carries the whole cluster's work since the last outer
+                # commit, so it contributes whenever its inner round is valid.
+                result = self._outer_round(staged.backup, contribute=inner_ok, inner_ok=inner_ok)
+            tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, self._leader))
+            self._fault_point(Phase.BROADCAST)
+            result = self._broadcast(result, prior=staged.backup)
+
+        tr.enter(Phase.INNER_COMMIT, t.inner_commit)
+        try:
+            ok = self.inner_mgr.should_commit(tr.remaining())
+        except RuntimeError as e:  # torchft raises after max_retries consecutive failures
+            raise FatalSyncError(f"inner commits keep failing: {e}") from e
+        return self._apply(ok, staged, result, plan)
+
+    # ------------------------------------------------------------------ pieces
+    def _consistency(
+        self,
+        comm: LevelComm,
+        q: QuorumView,
+        level: str,
+        mine: guard.Fingerprint,
+        tensors: List[torch.Tensor],
+    ) -> guard.GuardPlan:
+        """Exchanges fingerprints; if members disagree, resyncs from the newest one."""
+        v = guard.encode(q.rank, q.size, mine)
+        if not comm.allreduce_sum(v, CONTROL):
+            # The round is lost (commit will fail); keep collectives matched: weight 0.
+            return guard.GuardPlan([mine] * q.size, None, [0.0] * q.size)
+        fps = guard.decode(v, q.size)
+        p = guard.plan(fps)
+        if p.source is None:
+            return p
+        src = fps[p.source]
+        logger.warning("%s %s level diverged: resync from rank %d (%s)", self.id, level, p.source, src)
+        buf = guard.pack(tensors) if q.rank == p.source else torch.empty(sum(t.numel() for t in tensors))
+        if comm.broadcast(buf, p.source, CONTROL) and q.rank != p.source:
+            guard.unpack_into(buf, tensors)
+            if level == "inner":
+                self.counters.outer_round, self.counters.inner_round = src.outer_round, src.inner_round
+                self.counters.step = src.step
+            else:
+                self._outer_healed = (src.outer_round, src.step)
+        self.events("resync", level=level, source=p.source, diverged=p.diverged(q.rank), step=self.counters.step)
+        return p
+
+    def _reduce(self, level: Level, comm: LevelComm, live: torch.Tensor, plan: guard.GuardPlan, rank: int) -> Staged:
+        """All-reduces the weighted pseudo-gradient and stages the level's update."""
+        if plan.total_weight == 0:  # every member knows this from the guard: skip the reduce
+            return level.unchanged()
+        grad = level.pseudo_grad(live)
+        w = plan.weights[rank]
+        if w != 1.0:
+            grad.mul_(w)
+        comm.allreduce_sum(grad, PAYLOAD)
+        grad.div_(plan.total_weight)
+        return level.stage(grad)
+
+    def _outer_round(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool) -> _OuterResult:
+        """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT."""
+        t, tr, c = self.t, self.tracker, self.counters
+        fallback = _OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, c.outer_round, c.step)
+        tr.enter(Phase.OUTER_QUORUM, t.outer_quorum)
+        self._fault_point(Phase.OUTER_QUORUM)
+        self._outer_healed = None
+        health = self.health["outer"]
+        try:
+            if self.outer_mgr is None:
+                health.before_quorum()
+                if not health.probe():  # a new Manager would wait timeouts.connect for it
+                    raise LighthouseOutage(health.message("no cluster Manager yet"))
+            mgr, comm = self._ensure_outer()
+            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
+        except LighthouseOutage as e:
+            # The clusters train and sync inside themselves until the global lighthouse returns.
+            self._outage("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=c.step)
+            return fallback
+        except (QuorumFailed, LighthouseUnreachable) as e:
+            self._quorum_failed("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=c.step)
+            return fallback
+        self._lighthouse_ok("outer")
+        self._quorum_failures["outer"] = 0
+        self.tracker.set_extra(outer=mgr.describe(q.size))
+        if q.healed:
+            self.events("heal", level="outer", step=c.step, outer_round=self._outer_healed[0] if self._outer_healed else None)
+
+        tr.enter(Phase.OUTER_REDUCE, t.outer_reduce)
+        self._fault_point(Phase.OUTER_REDUCE)
+        view_round, view_step = self._outer_healed or (c.outer_round, c.step)
+        # A cluster that just healed to a newer global model measured its work from
+        # an older one: it contributes weight 0 this round.
+        moved = self._outer_healed is not None and view_round != c.outer_round
+        weight = 1.0 if contribute and not moved and mgr.errored() is None else 0.0
+        plan = self._consistency(
+            comm, q, "outer",
+            guard.Fingerprint(self.outer.fingerprint(), view_round, 0, view_step, weight),
+            tensors=self.outer.state_tensors(),
+        )
+        view_round, view_step = self._outer_healed or (view_round, view_step)
+        staged = self._reduce(self.outer, comm, cluster_model, plan, q.rank)
+
+        tr.enter(Phase.OUTER_COMMIT, t.outer_commit)
+        try:
+            ok = mgr.should_commit(tr.remaining())
+        except RuntimeError as e:
+            raise FatalSyncError(f"outer commits keep failing: {e}") from e
+        if not ok:
+            self.events("rollback", level="outer", reason="outer commit vote failed", step=c.step)
+            return _OuterResult(fallback.status, cluster_model, view_round, view_step)
+        self.outer.commit(staged)
+        new_round = view_round + (1 if plan.total_weight > 0 else 0)
+        tr.mark_commit("outer", new_round)
+        self.events(
+            "commit", level="outer", outer_round=new_round, step=view_step,
+            participants=q.size, total_weight=plan.total_weight, checksum=checksum(self.outer.backup),
+        )
+        return _OuterResult(Status.OUTER_COMMITTED, self.outer.backup.clone(), new_round, view_step, plan.weights[q.rank])
+
+    def _outer_without_cluster(self) -> None:
+        """The leader's outer round while its cluster lighthouse is out (one rank per group).
+
+        The other clusters must not wait at their outer quorum for a cluster that cannot
+        sync inside: the leader contributes its own model as the cluster's (its local
+        progress since the last inner commit) and adopts the global result. Its cluster
+        peers, who cannot hear a broadcast, are brought along by the consistency guard when
+        their lighthouse returns: they are behind the leader's outer round, so they carry
+        weight 0 in that round and are resynced from it (guard.py). With several ranks per
+        group the ranks could see the outage at different rounds, so they skip instead.
+        """
+        c = self.counters
+        result = self._outer_round(self.flat.data[self.part].clone(), contribute=True, inner_ok=True)
+        if result.status != Status.OUTER_COMMITTED or result.params is None:
+            return
+        self.inner.set_backup(result.params)
+        c.outer_round, c.step = result.outer_round, result.step
+        # The leader's steps since its last inner commit reached the global model.
+        self.work["steps_since_commit"] = 0
+        self._since_outer = 0
+        self.tracker.set_extra(**self.work_counters())
+        self._publish_committed()  # the model becomes the new global model
+        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self.tracker.set_counters(step=c.step, outer_round=c.outer_round)
+
+    def _broadcast(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
+        """BROADCAST: the leader (inner rank 0) sends status + model to its cluster.
+
+        Both broadcasts run on every member unless the header *says* ABORT: a
+        receiver that lost the header still joins the model broadcast (its result
+        is discarded), so the leader never waits for a peer that bailed out.
+        """
+        header = torch.zeros(4, dtype=torch.float64)
+        if self._leader:
+            assert result is not None
+            header[:] = torch.tensor([int(result.status), result.outer_round, result.step, result.cluster_weight], dtype=torch.float64)
+        header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
+        if self._leader:
+            assert result is not None
+            status: Optional[Status] = result.status
+        else:
+            status = Status(int(header[0])) if header_ok else None  # None: unknown
+        outer_round, step = int(header[1]), int(header[2])
+        if status == Status.ABORT:
+            self.inner_mgr.report_error(RuntimeError("the leader aborted this round"))
+            return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
+        # A receiver starts from its own cluster model: what a lossy link's stale fill keeps.
+        params = result.params if self._leader and result is not None else prior.clone()
+        assert params is not None
+        params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
+        if not (header_ok and params_ok) or status is None:
+            return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
+        return _OuterResult(status, params, outer_round, step, float(header[3]))
+
+    def _apply(self, ok: bool, staged: Staged, result: Optional[_OuterResult], plan: guard.GuardPlan) -> bool:
+        """INNER_COMMIT's outcome: adopt the staged state, or roll back."""
+        c = self.counters
+        outer_final = self._leader and result is not None and result.status == Status.OUTER_COMMITTED
+        if not ok:
+            if outer_final:
+                # The outer commit is final even though our cluster's round failed.
+                assert result is not None and result.params is not None
+                self.inner.set_backup(result.params)
+                c.outer_round, c.step = result.outer_round, result.step
+            self._rollback("inner commit vote failed")
+            return False
+
+        self.inner.commit(staged)
+        if plan.weights and plan.weights[min(self._last_rank, len(plan.weights) - 1)] == 0:
+            self._discard_local_work()  # committed, but our steps carried weight 0
+        self._since_outer += self.work["steps_since_commit"]
+        self.work["steps_since_commit"] = 0
+        adopted = result is not None and result.status != Status.ABORT and result.params is not None
+        if adopted and result is not None and result.status == Status.OUTER_COMMITTED:
+            if result.cluster_weight == 0:
+                # The global model moved without this cluster's work (it had just
+                # healed to a newer one): everything since its last outer commit is lost.
+                self.work["steps_discarded"] += self._since_outer
+            self._since_outer = 0
+        self.tracker.set_extra(**self.work_counters())
+        if adopted:
+            assert result is not None and result.params is not None
+            self.inner.set_backup(result.params)
+            c.outer_round, c.step = result.outer_round, result.step
+            if result.status == Status.OUTER_COMMITTED:
+                self.outer.set_backup(result.params)
+        if plan.total_weight > 0 or adopted:
+            c.inner_round += 1
+        self._publish_committed()
+        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self.tracker.set_counters(step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
+        self.tracker.mark_commit("inner", c.inner_round)
+        self.events(
+            "commit", level="inner", inner_round=c.inner_round, outer_round=c.outer_round, step=c.step,
+            outer=bool(result is not None and result.status == Status.OUTER_COMMITTED),
+            cluster_weight=result.cluster_weight if result is not None and result.status == Status.OUTER_COMMITTED else None,
+            total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self._committed),
+        )
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        return True
+
+    def _discard_local_work(self) -> None:
+        self.work["steps_discarded"] += self.work["steps_since_commit"]
+        self.work["steps_since_commit"] = 0
+
+    def _publish_committed(self) -> None:
+        """The full committed model from every rank's committed slice; the model becomes it.
+
+        One rank per group: a copy. Several: an all-gather over the group's own process
+        group (never an FT group: ranks of one group share no FT group, I1)."""
+        g = self.s.group_world_size
+        if g == 1:
+            self._committed.copy_(self.inner.backup)
+        else:
+            import torch.distributed as dist
+
+            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype)
+            mine[: self.part.stop - self.part.start] = self.inner.backup
+            parts = [torch.empty_like(mine) for _ in range(g)]
+            dist.all_gather(parts, mine, group=self.group)
+            self._committed.copy_(torch.cat(parts)[: self._committed.numel()])
+        self.flat.load_(self._committed)
+
+    def _rollback(self, reason: str) -> None:
+        self._discard_local_work()
+        self.tracker.set_extra(**self.work_counters())
+        self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
+        # the committed slice may have moved this round (resync, or a final outer commit)
+        self._publish_committed()
+        self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
+        self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
+        self.events("rollback", level="inner", reason=reason, step=self.counters.step)
+        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+
+    def _quorum_failed(self, level: str, e: Exception) -> None:
+        self._quorum_failures[level] += 1
+        n = self._quorum_failures[level]
+        self.events("timeout" if is_timeout(e) else "quorum_failed", level=level, op="quorum", phase=self.tracker.phase.value, detail=str(e)[:200])
+        logger.warning("%s %s quorum failed (%d in a row): %s", self.id, level, n, e)
+        if n >= self.s.max_quorum_failures:
+            self._check_job_done()
+            raise FatalSyncError(f"{level} quorum failed {n} times in a row (last: {e})") from e
+
+    def _check_job_done(self) -> None:
+        """Raises :class:`JobFinished` if the job ended without this group (a late or lone
+        group must not exit non-zero, or its launcher would restart it for nothing)."""
+        done = self.job_done() if self.job_done is not None else None
+        if done:
+            raise JobFinished(done)
+
+    def _outage(self, level: str, e: LighthouseOutage) -> None:
+        """A round skipped because the level's lighthouse does not answer (outage.py)."""
+        health = self.health[level]
+        if not self._published_outage[level]:
+            self._published_outage[level] = True
+            self.events("outage", level=level, state="start", lighthouse=health.addr, detail=str(e)[:200], step=self.counters.step)
+        self._publish_outages()
+        try:
+            health.check_limit()
+        except OutageLimitExceeded as limit:
+            self._check_job_done()
+            raise FatalSyncError(str(limit)) from limit
+
+    def _lighthouse_ok(self, level: str) -> None:
+        health = self.health[level]
+        was = self._published_outage[level]
+        health.mark_up()
+        if was:
+            self._published_outage[level] = False
+            self.events("outage", level=level, state="end", lighthouse=health.addr, step=self.counters.step)
+            self._publish_outages()
+
+    def _publish_outages(self) -> None:
+        self.tracker.set_extra(outage={lv: h.describe() for lv, h in self.health.items() if h.describe() is not None} or None)
+
+    # ------------------------------------------------------------------ leadership
+    def _set_leader(self, leader: bool) -> None:
+        if leader != self._leader:
+            self._leader = leader
+            self.tracker.set_counters(leader=leader)
+            self.events("leader", leader=leader, step=self.counters.step)
+            logger.info("%s %s its cluster's leader", self.id, "is now" if leader else "is no longer")
+        if not leader and self.outer_mgr is not None:
+            self.outer_mgr.shutdown()
+            self.outer_mgr, self.outer_comm = None, None
+            self.tracker.set_extra(outer=None)
+        if leader and self.outer_mgr is None and not self.health["outer"].down and self.health["outer"].probe():
+            # Join the global lighthouse early so the first outer quorum waits for us.
+            try:
+                self._ensure_outer()
+            except LighthouseUnreachable as e:
+                self.health["outer"].mark_down()
+                logger.error("%s cannot reach the global lighthouse yet: %s", self.id, e)
+
+    def _ensure_outer(self) -> tuple[LevelManager, LevelComm]:
+        if self.outer_mgr is None or self.outer_comm is None:
+            t = self.t
+            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
+            link.share_stats(self.outer_stats)  # one account (and loss streams) across leadership changes
+            self.outer_link = link
+            self.outer_mgr = LevelManager(
+                level="outer",
+                replica_id=self.id.outer_replica_id,
+                lighthouse_addr=self.s.global_lighthouse,
+                lighthouse_field=self.s.global_lighthouse_field,
+                pg=link,
+                state_dict=self._outer_state_dict,
+                load_state_dict=self._load_outer_state,
+                min_replicas=self.s.min_clusters,
+                quorum_timeout=t.outer_quorum,
+                op_timeout=max(t.outer_reduce, t.outer_commit),
+                heal_timeout=t.outer_quorum,
+                connect_timeout=t.connect,
+                hostname=self.s.hostname,
+                group_rank=self.s.group_rank,
+                group_world_size=self.s.group_world_size,
+                max_commit_failures=self.s.max_commit_failures,
+                group_store=self.group_store,
+                store_key=f"store/outer/{self._outer_epoch}",  # one per leadership term
+            )
+            self._outer_epoch += 1
+            self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate, self.events,
+                                        watch=QuorumWatch(self.s.global_lighthouse, self.s.quorum_slice))
+        return self.outer_mgr, self.outer_comm
+
+    # ------------------------------------------------------------------ state
+    def _inner_hash(self) -> int:
+        return checksum_int(*self.inner.state_tensors(), self.outer.backup)
+
+    def _inner_state_dict(self) -> Dict[str, object]:
+        """What a donor serves a healing peer of its cluster: committed state only."""
+        c = self.counters
+        return {
+            "model": self._committed.clone(),
+            "inner": self.inner.state_dict(),
+            "outer_backup": self.outer.backup.clone(),
+            "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
+            "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
+        }
+
+    def _load_inner_state(self, sd: Dict[str, object]) -> None:
+        self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
+        self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
+        self._opt_backup = copy.deepcopy(sd["optimizer"])
+        self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
+        counters = sd["counters"]
+        assert isinstance(counters, dict)
+        self.counters.step = int(counters["step"])
+        self.counters.inner_round = int(counters["inner_round"])
+        self.counters.outer_round = int(counters["outer_round"])
+        self._committed.copy_(sd["model"])  # type: ignore[arg-type]
+        self.flat.load_(self._committed)
+        self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
+        logger.info("%s healed from a peer of its cluster: %s", self.id, counters)
+
+    def snapshot(self) -> Dict[str, object]:
+        """The committed state for a durable checkpoint (clones; call right after a commit)."""
+        sd = self._inner_state_dict()
+        sd["optimizer"] = copy.deepcopy(self._opt_backup)
+        sd["outer"] = self.outer.state_dict()
+        return sd
+
+    def restore(self, sd: Dict[str, object]) -> None:
+        """Loads a checkpoint's state (before the join round of a resumed job)."""
+        self._load_inner_state(sd)
+        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        self._since_outer = 0
+
+    def _outer_state_dict(self) -> Dict[str, object]:
+        """What a leader serves another cluster's healing leader."""
+        return {
+            "outer": self.outer.state_dict(),
+            "counters": {"outer_round": self.counters.outer_round, "step": self.counters.step},
+        }
+
+    def _load_outer_state(self, sd: Dict[str, object]) -> None:
+        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        counters = sd["counters"]
+        assert isinstance(counters, dict)
+        self._outer_healed = (int(counters["outer_round"]), int(counters["step"]))
+        logger.info("%s healed its outer level from another cluster: %s", self.id, counters)
+
+    # ------------------------------------------------------------------ faults
+    def _fault_point(self, phase: Phase) -> None:
+        """Fires a planned fault for this step and phase (tests, experiments)."""
+        step = self.counters.step
+        f = self.faults.take(step, phase.value, ("fail", "raise", "hang", "exit", "stop"))
+        if f is None:
+            return
+        self.events("fault", action=f.action, phase=phase.value, step=step)
+        logger.warning("%s injecting fault %s", self.id, f)
+        if f.action == "fail":
+            link = self.outer_link if phase == Phase.OUTER_REDUCE else self.inner_link
+            link.arm_failure(InjectedFault(f"injected {phase.value} failure at step {step}"))
+        elif f.action == "raise":
+            raise InjectedFault(f"injected exception in {phase.value} at step {step}")
+        elif f.action == "hang":
+            while True:  # only the watchdog (or a signal) ends this
+                time.sleep(1.0)
+        elif f.action == "exit":
+            os._exit(17)
+        elif f.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)

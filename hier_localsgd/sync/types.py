@@ -1,0 +1,82 @@
+"""The sync layer's shared vocabulary: modes, the topology and sync config sections.
+
+``sync.mode`` picks the strategy (``hier``: :mod:`hier_localsgd.sync.hier`; ``flat``
+and ``ddp``: :mod:`hier_localsgd.sync.baselines`); :data:`MODES` is the one list of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hier_localsgd.core.level import ALGORITHMS
+from hier_localsgd.schema import fail
+
+MODES = ("hier", "flat", "ddp")
+
+
+@dataclass
+class TopologyConfig:
+    clusters: int = 2
+    replicas_per_cluster: int = 2
+    ranks_per_replica: int = 1
+
+    def check(self, mode: str) -> None:
+        if self.clusters < 1:
+            fail("topology.clusters", f"{self.clusters} — need at least one cluster (empty topology)")
+        if self.replicas_per_cluster < 1:
+            fail("topology.replicas_per_cluster", f"{self.replicas_per_cluster} — need at least one replica group per cluster (empty topology)")
+        if self.ranks_per_replica < 1:
+            fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — need at least one rank per replica group")
+        if self.ranks_per_replica > 1 and mode != "hier":
+            fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — several ranks per replica group need sync.mode=hier (got {mode!r})")
+
+
+@dataclass
+class LevelConfig:
+    algorithm: str = "diloco"
+    every: int = 10  # inner: local steps per round; outer: inner rounds per outer round
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def check(self, path: str) -> None:
+        if self.algorithm not in ALGORITHMS:
+            fail(f"{path}.algorithm", f"unknown algorithm {self.algorithm!r} (expected one of {ALGORITHMS})")
+        if self.every < 1:
+            fail(f"{path}.every", f"{self.every} — H must be at least 1")
+        if self.lr <= 0:
+            fail(f"{path}.lr", f"{self.lr} — must be positive")
+        if not 0 <= self.momentum < 1:
+            fail(f"{path}.momentum", f"{self.momentum} — must be in [0, 1)")
+
+
+@dataclass
+class SyncConfig:
+    mode: str = "hier"
+    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10))
+    outer: LevelConfig = field(default_factory=lambda: LevelConfig(every=3))
+    flat: LevelConfig = field(default_factory=lambda: LevelConfig(every=30))
+    min_replicas: int = 1
+    min_clusters: int = 2
+    max_quorum_failures: int = 3
+    max_commit_failures: int = 5
+    # A level whose lighthouse does not answer skips its rounds and trains on; past this
+    # many seconds of outage the process gives up (hier mode; core/outage.py).
+    outage_limit_s: float = 600.0
+
+    def check(self, topology: TopologyConfig) -> None:
+        t = topology
+        if self.mode not in MODES:
+            fail("sync.mode", f"unknown mode {self.mode!r} (expected one of {MODES})")
+        for name in ("inner", "outer", "flat"):
+            getattr(self, name).check(f"sync.{name}")
+        if not 1 <= self.min_replicas <= t.replicas_per_cluster:
+            fail("sync.min_replicas", f"{self.min_replicas} — must be in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
+        if not 1 <= self.min_clusters <= t.clusters:
+            fail("sync.min_clusters", f"{self.min_clusters} — must be in [1, topology.clusters={t.clusters}]")
+        if self.max_quorum_failures < 1:
+            fail("sync.max_quorum_failures", f"{self.max_quorum_failures} — must be at least 1")
+        if self.max_commit_failures < 0:
+            fail("sync.max_commit_failures", f"{self.max_commit_failures} — must be at least 0")
+        if self.outage_limit_s <= 0:
+            fail("sync.outage_limit_s", f"{self.outage_limit_s} — must be positive (seconds)")

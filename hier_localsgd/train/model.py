@@ -1,0 +1,107 @@
+"""Models: torchtitan's Llama3 flavors, or a tiny bigram LM for fast tests.
+
+``llama3_<flavor>`` builds ``torchtitan.models.llama3.Transformer`` from
+``llama3_args[flavor]`` (``llama3_debugmodel``: dim 256, 6 layers, 16 heads,
+vocab 2048, 6,163,712 parameters) with sdpa attention, which trains on CPU with
+torchtitan 0.2.2. torchtitan is imported only when such a model is asked for
+(its import alone takes seconds).
+
+``tiny``: an embedding, one hidden layer and an output projection applied to
+each position — a bigram model. It cannot use more than the previous token, which
+is exactly what the first-order Markov corpus needs to reach its entropy floor,
+so tests converge in seconds.
+
+Every replica builds the same initial weights from ``train.seed``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hier_localsgd.schema import fail
+
+TINY = "tiny"
+LLAMA3_PREFIX = "llama3_"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama3_debugmodel"
+    dim: int = 64
+
+    def check(self) -> None:
+        if self.name != TINY and not self.name.startswith(LLAMA3_PREFIX):
+            fail("model.name", f"unknown model {self.name!r} (expected 'tiny' or 'llama3_<flavor>', e.g. llama3_debugmodel)")
+        if self.dim < 1:
+            fail("model.dim", f"{self.dim} — must be positive")
+
+
+class TinyLM(nn.Module):
+    """Bigram LM: logits for position t depend on token t only."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.hidden = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.hidden(self.embed(tokens))))
+
+
+def llama3_flavors() -> list[str]:
+    from torchtitan.models.llama3 import llama3_args
+
+    return sorted(llama3_args)
+
+
+def build_model(name: str, vocab_size: int, seq_len: int, dim: int, seed: int) -> nn.Module:
+    """Builds the model with weights that depend only on ``seed``.
+
+    Args:
+        name: ``tiny`` or ``llama3_<flavor>``.
+        vocab_size: vocabulary (tiny; for llama3 flavors the flavor's own is kept
+            unless it is smaller than the data's).
+        seq_len: longest sequence (llama3 rotary tables).
+        dim: hidden size (tiny only).
+    """
+    torch.manual_seed(seed)
+    if name == TINY:
+        return TinyLM(vocab_size, dim)
+    if name.startswith(LLAMA3_PREFIX):
+        from torchtitan.models.llama3 import Transformer, llama3_args
+
+        flavor = name[len(LLAMA3_PREFIX) :]
+        if flavor not in llama3_args:
+            raise ValueError(f"model.name={name!r}: unknown llama3 flavor (known: {sorted(llama3_args)})")
+        args = copy.deepcopy(llama3_args[flavor])
+        if args.attn_type != "sdpa":
+            raise ValueError(f"model.name={name!r}: attention {args.attn_type!r} has no CPU backward; use an sdpa flavor")
+        args.max_seq_len = seq_len
+        args.vocab_size = max(args.vocab_size, vocab_size)
+        model = Transformer(args)
+        with torch.no_grad():
+            model.init_weights()
+        return model
+    raise ValueError(f"model.name={name!r}: expected {TINY!r} or {LLAMA3_PREFIX}<flavor>")
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        total += float(lm_loss(model, x, y))
+    model.train(was_training)
+    return total / len(batches)

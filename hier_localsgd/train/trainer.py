@@ -1,0 +1,373 @@
+"""The training loop of one replica-group process — read this first.
+
+It composes the pieces the config names: data shard, model, inner optimizer and a
+sync strategy (``hier``: :class:`hier_localsgd.sync.hier.HierarchicalSync`; ``flat``
+and ``ddp``: :mod:`hier_localsgd.sync.baselines`). The strategy owns the counters, so
+a replica group that heals from a peer resumes at the peer's step (and its data
+position, since batches are addressed by step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+
+import torch
+
+from hier_localsgd.core.checkpoint import Checkpointer, rng_state, set_rng_state
+from hier_localsgd.train.data import ByteTextData, MarkovChain, MarkovData
+from hier_localsgd.core.faults import FaultPlan, InjectedFault
+from hier_localsgd.core.flat import FlatParams, checksum
+from hier_localsgd.core.level import LevelAlgorithm
+from hier_localsgd.train.model import build_model, evaluate, lm_loss
+from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.core.runtime import EXIT_WATCHDOG, LOG_TAG, Runtime
+from hier_localsgd.core.status import ReplicaPublisher, job_finished
+from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity, JobFinished
+
+if TYPE_CHECKING:
+    from hier_localsgd.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+class Scalars:
+    """TensorBoard scalars of one replica group (``<run.dir>/tensorboard/c<C>r<R>``), or nothing."""
+
+    def __init__(self, cfg: Config, identity: Identity) -> None:
+        self.w = None
+        if cfg.run.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.w = SummaryWriter(os.path.join(cfg.run.dir, "tensorboard", f"c{identity.cluster}r{identity.replica}"), flush_secs=10)
+
+    def add(self, step: int, **values: Optional[float]) -> None:
+        if self.w is not None:
+            for tag, v in values.items():
+                if v is not None:
+                    self.w.add_scalar(tag.replace("__", "/"), v, step)
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()
+
+
+def build_data(cfg: Config, rank: int = 0):  # type: ignore[no-untyped-def]
+    d, tr = cfg.data, cfg.train
+    if d.kind == "markov":
+        chain = MarkovChain(d.states, d.branching, d.seed, d.concentration)
+        return MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches)
+    return ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard(rank), cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
+
+
+@dataclass
+class GroupContext:
+    """This process's place in its replica group (several ranks: launched by torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    pg: Optional[Any] = None  # the group's own process group: gradients every step, never FT traffic
+    store: Optional[Any] = None  # torchrun's store: where rank 0 publishes its Managers' stores
+
+
+def group_context(cfg: Config, t: Any) -> GroupContext:
+    g = cfg.topology.ranks_per_replica
+    if g == 1:
+        return GroupContext()
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world != g:
+        raise ValueError(
+            f"topology.ranks_per_replica={g} but this process was launched with WORLD_SIZE={world or 'unset'}: "
+            f"launch the replica group with torchrun --nproc-per-node {g} (launch/replica.sh --ranks {g})"
+        )
+    # torchrun's shared store outlives a restart of the group's workers, and the default
+    # process group's keys are not per attempt: a restarted rank would read the previous
+    # attempt's (dead) peers' addresses. Every attempt gets a key space of its own.
+    store, rank, _ = next(dist.rendezvous("env://", timeout=max(t.inner_reduce, t.local_step)))
+    store = dist.PrefixStore(f"hier/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=g, timeout=max(t.inner_reduce, t.local_step))
+    return GroupContext(rank=rank, size=g, pg=dist.group.WORLD, store=store)
+
+
+def job_done_check(cfg: Config, identity: Identity) -> Callable[[], Optional[str]]:
+    """Whether the job finished without this replica group (status.job_finished)."""
+    t = cfg.topology
+    others = [(c, r) for c in range(t.clusters) for r in range(t.replicas_per_cluster) if (c, r) != (identity.cluster, identity.replica)]
+    return lambda: job_finished(cfg.run.dir, others, cfg.train.steps)
+
+
+def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext()):  # type: ignore[no-untyped-def]
+    s, t = cfg.sync, cfg.timeouts_obj()
+    hostname = cfg.run.hostname or socket.gethostname()
+    if s.mode == "hier":
+        settings = HierSettings(
+            h_inner=s.inner.every,
+            h_outer=s.outer.every,
+            inner=LevelAlgorithm.build(s.inner.algorithm, s.inner.lr, s.inner.momentum, s.inner.nesterov),
+            outer=LevelAlgorithm.build(s.outer.algorithm, s.outer.lr, s.outer.momentum, s.outer.nesterov),
+            cluster_lighthouse=cfg.lighthouse.cluster_addrs[identity.cluster],
+            cluster_lighthouse_field=f"lighthouse.cluster_addrs[{identity.cluster}]",
+            global_lighthouse=cfg.lighthouse.global_addr,
+            global_lighthouse_field="lighthouse.global_addr",
+            min_replicas=s.min_replicas,
+            min_clusters=s.min_clusters,
+            max_quorum_failures=s.max_quorum_failures,
+            max_commit_failures=s.max_commit_failures,
+            hostname=hostname,
+            replicas_per_cluster=cfg.topology.replicas_per_cluster,
+            inner_link=cfg.link_spec("inner"),
+            outer_link=cfg.link_spec("outer"),
+            group_rank=grp.rank,
+            group_world_size=grp.size,
+            quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
+            outage_limit=timedelta(seconds=s.outage_limit_s),
+        )
+        faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
+        return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,
+                                job_done=job_done_check(cfg, identity))
+
+    from hier_localsgd.sync.baselines import DDPSync, FlatSync
+
+    common = dict(
+        identity=identity,
+        replicas_per_cluster=cfg.topology.replicas_per_cluster,
+        timeouts=t,
+        flat=flat,
+        optimizer=opt,
+        tracker=tracker,
+        events=pub.event,
+        global_lighthouse=cfg.lighthouse.global_addr,
+        hostname=hostname,
+        max_quorum_failures=s.max_quorum_failures,
+        max_commit_failures=s.max_commit_failures,
+        link_spec=cfg.link_spec("outer"),
+    )
+    if s.mode == "ddp":
+        return DDPSync(**common)
+    f = s.flat
+    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov)
+
+
+def wait_for_gate(path: str, timeout_s: float) -> None:
+    """Local jobs start every replica group together: the launcher creates ``path``
+    once all are ready (Managers heartbeating). Bounded by ``timeouts.startup``."""
+    if not path:
+        return
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            logger.warning("start gate %s not opened after %.0fs; starting anyway", path, timeout_s)
+            return
+        time.sleep(0.1)
+
+
+def _bytes_by_level(stats: Dict[str, Any]) -> Dict[str, float]:
+    return {level: st["sent_bytes_total"] for level, st in stats.items()}
+
+
+def _work(sync: Any) -> Dict[str, int]:
+    """The strategy's work accounting (hier: steps run, discarded, since the last inner and outer commit)."""
+    if hasattr(sync, "work_counters"):
+        return sync.work_counters()
+    return dict(getattr(sync, "work", {}))
+
+
+def trimmed_mean(xs: list, warmup: int = 3) -> float | None:
+    """Mean step time, skipping the first steps (allocator and cache warm-up)."""
+    xs = xs[warmup:]
+    return sum(xs) / len(xs) if xs else None
+
+
+def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
+    """Trains one replica group to ``train.steps`` and returns its result record.
+
+    A group that finds the job already finished without it (at start-up, or when its
+    quorums keep failing: :class:`JobFinished`) says so in one line and returns without
+    a result, so the process exits 0 and no launcher restarts it."""
+    done = job_done_check(cfg, Identity(cfg.run.cluster, cfg.run.replica))()
+    if done:
+        logger.warning("c%dr%d: %s; exiting", cfg.run.cluster, cfg.run.replica, done)
+        return {"job_finished": done}
+    try:
+        return _train(cfg, rt)
+    except JobFinished as e:
+        logger.warning("c%dr%d: %s; exiting", cfg.run.cluster, cfg.run.replica, e)
+        return {"job_finished": str(e)}
+
+
+def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
+    t0 = time.time()
+    identity = Identity(cfg.run.cluster, cfg.run.replica)
+    tr = cfg.train
+    grp = group_context(cfg, cfg.timeouts_obj())
+    lighthouses = {"global": cfg.lighthouse.global_addr}
+    if cfg.sync.mode == "hier":
+        lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
+    pub = ReplicaPublisher(
+        cfg.run.dir,
+        identity.cluster,
+        identity.replica,
+        {"cluster": identity.cluster, "replica": identity.replica, "mode": cfg.sync.mode, "steps_total": tr.steps,
+         "lighthouses": lighthouses, "group_rank": grp.rank,
+         "topology": {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster, "ranks_per_replica": grp.size}},
+        rank=grp.rank,
+    )
+
+    def closing(code: int, reason: str) -> None:
+        if code == EXIT_WATCHDOG:  # a hang: hier-localsgd chaos counts these
+            pub.event("watchdog", reason=reason, pid=os.getpid())
+        pub.close("done" if code == 0 else f"failed ({reason})")
+
+    rt.on_exit(closing)
+    LOG_TAG.set_role("member")
+    tracker = PhaseTracker(
+        describe=str(identity) + (f"g{grp.rank}" if grp.size > 1 else ""),
+        listeners=[pub.on_transition, lambda tr, snap: LOG_TAG.set_role("leader" if snap.get("leader") else "member")],
+    )
+    rt.watch(tracker)
+    torch.set_num_threads(tr.threads)
+    tb = Scalars(cfg, identity)
+    rt.on_exit(lambda code, reason: tb.close())
+
+    # -- data, model, inner optimizer -------------------------------------------
+    data = build_data(cfg, grp.rank)
+    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
+    # Gradients as one flat buffer for the ddp baseline, which all-reduces it across replica groups.
+    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
+    opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
+    # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
+    # group (bucketed gradient averaging overlapped with backward), never across the
+    # fault-tolerant dimension.
+    fwd: torch.nn.Module = model
+    if grp.pg is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False)
+    eval_set = data.eval_batches()
+    floor = data.entropy_floor
+    eval_start = evaluate(model, eval_set)
+    pub.update(model_params=flat.numel, model_bytes=flat.nbytes, entropy_floor=floor, eval_loss_start=eval_start)
+    pub.event("eval", step=0, loss=eval_start, floor=floor)
+    tb.add(0, eval__loss=eval_start, eval__excess=None if floor is None else eval_start - floor)
+
+    # -- sync strategy (hier / flat / ddp) --------------------------------------------
+    sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp)
+    rt.add_closer(sync.close)
+    c = sync.counters
+    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
+    ck = cfg.checkpoint
+    ckpt = None
+    if ck.every or ck.resume:
+        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank)
+        rt.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
+    if ck.resume:
+        assert ckpt is not None
+        payload = ckpt.load_latest()
+        if payload is not None:
+            sync.restore(payload["state"])
+            set_rng_state(payload["state"]["rng"])
+            logger.info("%s resumed at step %d (outer round %d)", identity, c.step, c.outer_round)
+        else:
+            logger.warning("%s: checkpoint.resume=true but no usable checkpoint under %s; starting fresh", identity, ckpt.dir)
+    last_ckpt_round = c.outer_round
+    pub.update(state="ready")
+    wait_for_gate(cfg.run.start_gate, cfg.timeouts_obj().startup.total_seconds())
+    pub.update(state="running")
+    sync.start()  # join round: a restarted group heals here, before any local step
+    loss_val = float("nan")
+    local_step_times: list = []  # durations of steps without a sync (overhead measurements)
+
+    while c.step < tr.steps:
+        sync.before_forward()  # ddp: quorum (and heal) for this step
+        if plan.take(c.step, Phase.LOCAL.value, ("raise",)):
+            # As in seed 004, another non-daemon thread is still blocked when the loop
+            # dies; an interpreter exit would wait for it, heartbeat and all.
+            threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
+            raise InjectedFault(f"injected exception in the training loop at step {c.step}")
+        if plan.take(c.step, Phase.LOCAL.value, ("hang",)):
+            while True:  # the watchdog ends this
+                time.sleep(1.0)
+        if plan.take(c.step, Phase.LOCAL.value, ("exit",)):
+            os._exit(17)
+        t_step = time.time()
+        t_perf = time.perf_counter()
+        x, y = data.batch(c.step)
+        loss = lm_loss(fwd, x, y)
+        loss.backward()  # with G > 1 ranks, DDP has averaged the gradients across the group on return
+        if sync.before_optimizer_step():  # ddp: gradient all-reduce + commit vote
+            opt.step()
+        if flat.grad is not None:
+            flat.zero_grad()
+        else:
+            opt.zero_grad()
+        if tr.min_step_time_s > 0:  # emulated compute: pad the step
+            time.sleep(max(0.0, tr.min_step_time_s - (time.time() - t_step)))
+        c.step += 1  # every replica advances its own step counter (I5)
+        synced = sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
+        if not synced:
+            local_step_times.append(time.perf_counter() - t_perf)
+        if ckpt is not None and ck.every and c.outer_round > last_ckpt_round and c.outer_round % ck.every == 0:
+            last_ckpt_round = c.outer_round  # right after the outer round committed
+            ckpt.save_async(c.step, {**sync.snapshot(), "rng": rng_state()})
+        loss_val = float(loss.detach())
+        # Every step: a killed process's last status says how much work it had done.
+        pub.update(step=c.step, loss=loss_val, loss_step=c.step, **_work(sync))
+
+        if c.step % tr.log_every == 0 or c.step == tr.steps:
+            logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
+            links = sync.link_stats()
+            pub.update(loss=loss_val, loss_step=c.step, link=links)
+            pub.event("loss", step=c.step, loss=loss_val)
+            work = _work(sync)
+            tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
+                   work__steps_discarded=work.get("steps_discarded"),
+                   **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
+        if tr.eval_every and c.step % tr.eval_every == 0 and c.step < tr.steps:
+            ev = evaluate(model, eval_set)
+            pub.event("eval", step=c.step, loss=ev, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
+            pub.update(eval_loss=ev, eval_step=c.step)
+            tb.add(c.step, eval__loss=ev, eval__excess=None if floor is None else ev - floor)
+
+    # -- final evaluation and result ---------------------------------------------
+    final = evaluate(model, eval_set)
+    pub.event("eval", step=c.step, loss=final, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
+    tb.add(c.step, eval__loss=final, eval__excess=None if floor is None else final - floor)
+    result = {
+        "cluster": identity.cluster,
+        "replica": identity.replica,
+        "group_rank": grp.rank,
+        "mode": cfg.sync.mode,
+        "steps": c.step,
+        "inner_rounds": c.inner_round,
+        "outer_rounds": c.outer_round,
+        "leader": sync.leader,
+        "eval_loss_start": eval_start,
+        "eval_loss": final,
+        "entropy_floor": floor,
+        "train_loss": loss_val,
+        "checksum": checksum(flat.data),
+        "model_params": flat.numel,
+        "model_bytes": flat.nbytes,
+        "link": sync.link_stats(),
+        "work": _work(sync),
+        "local_step_s": trimmed_mean(local_step_times),
+        "local_steps_timed": len(local_step_times),
+        "wall_s": time.time() - t0,
+    }
+    flat.check_in_place()
+    if ckpt is not None:
+        ckpt.wait()
+        result["checkpoint_errors"] = ckpt.errors
+    pub.result(result)
+    pub.update(state="finished", eval_loss=final, eval_step=c.step, loss=loss_val, link=sync.link_stats())
+    tracker.enter(Phase.STOPPED, None, reason="finished")
+    logger.info("%s finished: eval loss %.4f (floor %s) checksum %s", identity, final, floor, result["checksum"])
+    return result
