@@ -5,6 +5,8 @@ import pytest
 
 from harness import logs_tail, run_job
 
+from hier_localsgd.core.status import read_events, replica_dir
+
 pytestmark = pytest.mark.slow
 
 
@@ -32,3 +34,10 @@ def test_flat_baseline_is_torchft_diloco_over_every_group_on_a_parquet_corpus(tm
     # torchft's DiLoCo commits once per sync: 20 / 5 syncs on every replica group.
     results = [run.job.result(k) for k in run.job.keys()]
     assert {r["inner_rounds"] for r in results} == {4}
+    # ... and keeps the hierarchy's evidence, so chaos scores flat and hier alike: a commit
+    # event per sync with the same checksum on every group, and work counters.
+    commits = {k: [(e["step"], e["checksum"]) for e in read_events(replica_dir(run.job.run_dir, *k) / "events.jsonl")
+                   if e["kind"] == "commit" and e["level"] == "flat"] for k in run.job.keys()}
+    assert len({tuple(c) for c in commits.values()}) == 1, commits
+    assert [s for s, _ in next(iter(commits.values()))] == [5, 10, 15, 20]
+    assert [r["work"] for r in results] == [{"steps_run": 20, "steps_discarded": 0, "steps_since_commit": 0, "steps_since_outer": 0}] * 4

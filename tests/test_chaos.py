@@ -221,6 +221,41 @@ def test_an_incarnation_that_exits_nonzero_on_its_own_counts():
     assert r["restarts"][0]["time_to_heal_s"] == pytest.approx(0.6) and r["kills"] == []
 
 
+def test_a_flat_baselines_commits_count_at_both_levels_and_its_heal_is_evidenced():
+    """A flat run (torchft DiLoCo, one global level) is scored like the hierarchy: its
+    ``level="flat"`` commits are inner and outer commits, so a kill of a whole cluster's
+    groups is measured to the survivors' next flat commit, and the restarts heal when they
+    commit a survivor's (step, checksum) after the kill."""
+    f = Fake()
+
+    def flat(key, t_from, t_to, first_step=10):
+        step = first_step
+        while T0 + step / 4 <= t_to:
+            if T0 + step / 4 >= t_from:
+                f.events[key].append({"t": T0 + step / 4, "kind": "commit", "level": "flat", "step": step,
+                                      "checksum": f"g{step}", "outer": True})
+            step += 10
+
+    for k in ALL:
+        f.events[k] = [e for e in f.events[k] if e["step"] != 0]  # flat has no join round
+        flat(k, T0, T0 + 10 if k[0] == 1 else T0 + 20)
+    f.kill(T0 + 10.5, "cluster", {(1, 0): dict(steps_run=42, steps_since_commit=2), (1, 1): dict(steps_run=42, steps_since_commit=2)})
+    for k in [(1, 0), (1, 1)]:
+        f.start(k, T0 + 12.0, restart=True)
+        f.events[k] = [e for e in f.events[k] if not (e["step"] == 0 and e["t"] > T0 + 12)]
+        f.events[k].append({"t": T0 + 15.0, "kind": "heal", "level": "flat", "step": 59})
+        flat(k, T0 + 15.0, T0 + 20, first_step=60)
+    r = f.evidence()
+    (kill,) = r["kills"]
+    assert kill["lost_clusters"] == [1]
+    # the survivors' next commit after T0+10.5 is step 50's, at T0+12.5
+    assert kill["time_to_next_commit_s"] == pytest.approx(2.0)
+    assert kill["recovered"] is True
+    # each restart (T0+12) healed at its first commit of the global model: step 60, T0+15
+    assert r["time_to_heal_s"] == [pytest.approx(3.0), pytest.approx(3.0)]
+    assert r["steps_lost"]["uncommitted_at_death"] == 4
+
+
 def test_hangs_come_from_events_and_exit_codes_not_from_error_text():
     f = Fake()
     f.events[(0, 0)].append({"t": T0 + 3, "kind": "timeout", "level": "inner", "op": "allreduce", "phase": "INNER_REDUCE"})

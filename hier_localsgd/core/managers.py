@@ -211,7 +211,7 @@ class LevelManager:
             left = timedelta(seconds=max(0.1, deadline - time.monotonic()))
             this = min(left, slice_) if slice_ is not None and health is not None else left
             try:
-                return self._quorum_once(this)
+                return self._quorum_once(this, heal_budget=timedelta(seconds=max(0.1, deadline - time.monotonic())))
             except QuorumFailed as e:
                 if health is not None and not health.probe():
                     raise LighthouseOutage(health.message(f"quorum request failed: {e}")) from e
@@ -222,9 +222,19 @@ class LevelManager:
                 if not e.timed_out:
                     time.sleep(0.1)  # failed early with the lighthouse answering: don't spin
 
-    def _quorum_once(self, timeout: timedelta) -> QuorumView:
+    def _quorum_once(self, timeout: timedelta, heal_budget: Optional[timedelta] = None) -> QuorumView:
+        """One quorum request of at most ``timeout``; a heal it starts (checkpoint metadata
+        and transfer from the donor) gets at most ``heal_budget``, the time left in the
+        caller's phase."""
         self._healed = False
         deadline = time.time() + timeout.total_seconds()
+        # torchft bounds a heal by the Manager's one op timeout (the full heal timeout),
+        # whatever of the phase is already spent: a heal starting late in the phase could
+        # outlast its deadline and the watchdog would end the process. The quorum is
+        # synchronous (use_async_quorum=False), so the bound applies to this call only.
+        saved = self.manager._timeout
+        if heal_budget is not None:
+            self.manager._timeout = min(saved, heal_budget)
         try:
             self.manager.start_quorum(timeout=timeout)
             rank = self.manager.participating_rank()
@@ -234,6 +244,8 @@ class LevelManager:
             # start_quorum; drop it so the next round starts from a fresh quorum.
             self.manager._quorum_future = None
             raise QuorumFailed(f"{self.level} quorum failed: {e}", timed_out=ran_into_deadline(deadline)) from e
+        finally:
+            self.manager._timeout = saved
         if self.pg.violation is not None:
             raise self.pg.violation  # e.g. I1: never continue in a group that breaks it
         if rank is None:

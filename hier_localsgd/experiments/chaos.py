@@ -87,7 +87,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from hier_localsgd.experiments.chaos_faults import FAULT_KINDS, PendingFaults, fault_evidence, signal_group
+from hier_localsgd.experiments.chaos_faults import FAULT_KINDS, PendingFaults, at_level, fault_evidence, is_commit, signal_group
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
@@ -421,8 +421,8 @@ class Timeline:
                 a.until = b.start
             for inc in incs:
                 inc.holds_from = inc.start if not inc.restart else next(
-                    (e["t"] for e in self.of(inc) if (e["kind"] == "heal" and e.get("level") == "inner")
-                     or (e["kind"] == "commit" and e.get("level") == "inner" and e.get("step", 0) > 0)),
+                    (e["t"] for e in self.of(inc) if (e["kind"] == "heal" and at_level(e, "inner"))
+                     or (is_commit(e, "inner") and e.get("step", 0) > 0)),
                     None,
                 )
         self.healed_at = self._heals()
@@ -497,7 +497,7 @@ class Timeline:
         return [e for e in self.events.get(inc.key, []) if inc.start <= e["t"] < inc.until]
 
     def commits(self, inc: Incarnation, level: str) -> List[Dict[str, Any]]:
-        return [e for e in self.of(inc) if e["kind"] == "commit" and e.get("level") == level]
+        return [e for e in self.of(inc) if is_commit(e, level)]
 
     def holders(self, t: float, exclude: Iterable[Key] = (), cluster: Optional[int] = None) -> List[Incarnation]:
         """Incarnations holding a model at ``t`` (of ``cluster``, if given), outside ``exclude``."""
@@ -616,7 +616,7 @@ def account_work(
         items: List[Tuple[float, int, Any]] = [(o.t, 0, o) for o in tl.outages if o.t > after and any(k[0] == c for k in o.keys)]
         for key in [k for k in tl.incs if k[0] == c]:
             items += [(e["t"], 1, e) for e in tl.events.get(key, []) if e["t"] > after
-                      and e["kind"] == "commit" and e.get("level") == "inner" and e.get("outer")]
+                      and is_commit(e, "inner") and e.get("outer")]
         pending = 0
         for t, kind, item in sorted(items, key=lambda x: (x[0], x[1])):
             if kind == 0:

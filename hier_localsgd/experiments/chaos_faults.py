@@ -48,6 +48,18 @@ FAULT_KINDS = ("hang", "lighthouse", "partition")
 KINDS = KILL_KINDS + FAULT_KINDS
 
 
+FLAT = "flat"  # a flat baseline's one global level stands for both of the hierarchy's (baselines.py)
+
+
+def at_level(e: Dict[str, Any], level: str) -> bool:
+    """Whether event ``e`` is of ``level`` ("inner" / "outer"), a flat baseline's counting as both."""
+    return e.get("level") in (level, FLAT)
+
+
+def is_commit(e: Dict[str, Any], level: str) -> bool:
+    return e["kind"] == "commit" and at_level(e, level)
+
+
 def name(key: Key) -> str:
     return f"c{key[0]}r{key[1]}"
 
@@ -95,12 +107,12 @@ def hang_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], hi
     rejoined = None
     healed = [e["t"] for e in mine if e["kind"] in ("heal", "resync") and e["t"] > t_cont]
     for e in mine:
-        if e["kind"] != "commit" or e.get("level") != "inner" or e["t"] <= t_cont or e.get("step", 0) <= 0:
+        if not is_commit(e, "inner") or e["t"] <= t_cont or e.get("step", 0) <= 0:
             continue
         if first_exit is not None and e["t"] > first_exit:
             break  # a later incarnation: chaos.py's restart evidence covers it
         peers = {p["checksum"] for k, evs in events.items() if k != key for p in evs
-                 if p["kind"] == "commit" and p.get("level") == "inner" and p.get("step") == e.get("step")}
+                 if is_commit(p, "inner") and p.get("step") == e.get("step")}
         if e.get("checksum") in peers or any(t < e["t"] for t in healed):
             rejoined = e["t"] - t_cont
             break
@@ -116,10 +128,10 @@ def lighthouse_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]
     role, t_kill = f["target"], f["t_abs"]
     up = min((h["t"] for h in history if h["event"] == "up" and h["key"] == role and h["t"] > t_kill), default=None)
     if role == "global":
-        commits = [e["t"] for evs in events.values() for e in _after(evs, up or t_kill, "commit", level="outer")]
+        commits = [e["t"] for evs in events.values() for e in _after(evs, up or t_kill, "commit") if at_level(e, "outer")]
     else:
         c = int(role[len("cluster"):])
-        commits = [e["t"] for k, evs in events.items() if k[0] == c for e in _after(evs, up or t_kill, "commit", level="inner")]
+        commits = [e["t"] for k, evs in events.items() if k[0] == c for e in _after(evs, up or t_kill, "commit") if at_level(e, "inner")]
     resumed = (min(commits) - up) if up is not None and commits else None
     restarts = [h for h in history if h["event"] == "restart" and not isinstance(h["key"], str) and t_kill < h["t"] <= (up or t_kill) + 5]
     return {
@@ -132,7 +144,7 @@ def lighthouse_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]
 
 def partition_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], clusters: int) -> Dict[str, Any]:
     t_heal = f["t_abs"] + f["duration_s"]
-    full = [e["t"] for evs in events.values() for e in _after(evs, t_heal, "commit", level="outer") if int(e.get("participants", 0)) >= clusters]
+    full = [e["t"] for evs in events.values() for e in _after(evs, t_heal, "commit") if at_level(e, "outer") and int(e.get("participants", 0)) >= clusters]
     rejoined = (min(full) - t_heal) if full else None
     return {"rejoined_after_s": rejoined, "recovered": rejoined is not None}
 

@@ -15,6 +15,14 @@ torchft Manager each (no hierarchy, no leaders):
 They expose the same interface as :class:`hier_localsgd.sync.hier.HierarchicalSync`
 (``start``, ``before_forward``, ``before_optimizer_step``, ``after_optimizer_step``,
 ``counters``, ``link_stats``, ``close``).
+
+``flat`` also keeps the hierarchy's work accounting and evidence, so a chaos run scores
+both the same way (chaos.py): ``work_counters()`` (steps run, discarded by a failed sync
+or replaced by a heal, run since the last commit; ``steps_since_outer`` is always 0, its
+one level being global), a ``commit`` event with ``level="flat"`` and the model's checksum
+after every committed sync, and a ``rollback`` event after every failed one. Its single
+level stands for both of the hierarchy's: chaos counts a flat commit as an inner and an
+outer commit, and a flat heal as an inner heal.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hier_localsgd.core.comm import LevelComm
-from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.invariants import CollectiveGate
 from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup
 from hier_localsgd.emulation.lossy import LinkSpec
@@ -105,7 +113,11 @@ class _Baseline:
         self.counters.step = int(counters["step"])
         self.counters.inner_round = int(counters["inner_round"])
         self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
+        self._healed()
         self.events("heal", level=self.level, step=self.counters.step)
+
+    def _healed(self) -> None:
+        """Work accounting hook: the state a heal replaced is discarded."""
 
     def _quorum_failed(self, e: Exception) -> None:
         self._quorum_failures += 1
@@ -208,15 +220,38 @@ class FlatSync(_Baseline):
         else:
             self.algo = LocalSGD(manager, model, self.opt, sync_every=every)
         self.algo.__enter__()  # registers the optimizer hooks that run the syncs
+        self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
         # torchft's syncs run inside optimizer.step(): the LOCAL budget covers one.
         self._budget = self.t.local_step + self.t.inner_quorum + self.t.inner_reduce + self.t.inner_commit
 
     def start(self) -> None:
         self.tracker.enter(Phase.LOCAL, self._budget)
 
+    def _healed(self) -> None:
+        self.work["steps_discarded"] += self.work["steps_since_commit"]
+        self.work["steps_since_commit"] = 0
+
+    def work_counters(self) -> Dict[str, int]:
+        """Steps run, discarded and since the last commit (module docstring)."""
+        return {**self.work, "steps_since_outer": 0}
+
     def after_optimizer_step(self) -> bool:
         synced = self.mgr.step != self.counters.inner_round  # torchft synced inside optimizer.step()
+        attempted = self.algo._local_step == 0  # torchft resets its local step count at every sync
         self.counters.inner_round = self.mgr.step
+        self.work["steps_run"] += 1
+        self.work["steps_since_commit"] += 1
+        c = self.counters
+        if synced:
+            self.work["steps_since_commit"] = 0
+            self.tracker.mark_commit(self.level, c.inner_round)
+            self.events("commit", level=self.level, inner_round=c.inner_round, step=c.step, outer=True,
+                        participants=self.mgr.manager.num_participants(), checksum=checksum(self.flat.data))
+        elif attempted:  # torchft restored the last global parameters: this sync's local steps are gone
+            self.events("rollback", level=self.level, reason="flat sync did not commit", step=c.step,
+                        discarded=self.work["steps_since_commit"])
+            self.work["steps_discarded"] += self.work["steps_since_commit"]
+            self.work["steps_since_commit"] = 0
         super().after_optimizer_step()
         self.tracker.enter(Phase.LOCAL, self._budget)
         return synced

@@ -1,0 +1,236 @@
+"""Non-circular checks of the link model on real, kernel-shaped links (issue #14 §2).
+
+The user-space emulation (lossy.py) makes a collective last its analytic ring bound by
+sleeping until it; comparing that emulation against the same bound proves nothing. Here
+the bound meets a link it does not control: one process per cluster, each in its own
+network namespace (netns.py), joined through veth pairs and a bridge whose cluster
+uplinks the kernel shapes with ``tbf`` at the rate under test. The processes form the
+project's own level process group (:class:`~hier_localsgd.core.link.LinkProcessGroup` around
+torchft's Gloo group, as an outer level would) and time model-sized all-reduces.
+
+Three figures, each measured against something it was not derived from:
+
+* ``time_vs_bound`` — the all-reduce's wall time on the shaped link ÷ the ring bound
+  ``2(n-1)/n · S / B`` for the shaped rate ``B`` (the planner's and emulator's model).
+* ``wire_vs_analytic`` — bytes each process's uplink really sent (its interface's
+  ``tx_bytes`` in ``/proc/net/dev``, headers and TCP acknowledgements included) ÷ the
+  analytic ring count ``2(n-1)/n · S`` (link.py's accounting). Above 1 by the
+  Ethernet/IP/TCP headers and the acknowledgements of what the process received.
+* ``emulated_vs_kernel`` — the same all-reduce on unshaped links with the user-space
+  emulation at the same rate ÷ the kernel-shaped time.
+
+What is real and what is not: bandwidth is the kernel's (tbf's token bucket on both
+ends of each uplink); there is no added latency (``tc netem`` is not available on these
+machines, so a latency term, if wanted, would come from user space and is left out:
+the α term of the bound is 0 here); all processes share this machine's cores, so a
+collective's own compute (Gloo's reduction, copies) adds to the time as it would on a
+real host.
+
+Failure semantics: every wait has a timeout (the store, the process group, the
+workers' exit); a worker that fails or times out makes :func:`measure` raise
+:class:`LinkCheckError` with its stderr tail; the network is always removed
+(``ClusterNetwork.close``), also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hier_localsgd import costs
+
+STORE_PORT = 29517  # inside a fresh namespace: nothing else listens there
+WORKER_TIMEOUT = timedelta(seconds=300)
+
+
+class LinkCheckError(RuntimeError):
+    """A worker failed or timed out; the message carries its stderr tail."""
+
+
+def ring_bytes(nbytes: int, world: int) -> float:
+    """What each process sends in a ring all-reduce of ``nbytes`` (the links' count: costs.py)."""
+    return costs.ring_allreduce_bytes(nbytes, world)
+
+
+def ring_bound_s(nbytes: int, world: int, rate_bits_per_s: float) -> float:
+    """The ring all-reduce's bandwidth bound at ``rate_bits_per_s`` (costs.py's model, α = 0)."""
+    return costs.allreduce_time(nbytes, world, 0.0, rate_bits_per_s / 8)
+
+
+@dataclass
+class Measurement:
+    """One configuration's figures (medians over repetitions; every repetition kept)."""
+
+    clusters: int
+    rate_mbit: float
+    nbytes: int
+    mode: str  # "kernel" (tbf-shaped, no emulation) or "emulated" (unshaped, user-space rate)
+    times_s: List[float] = field(default_factory=list)  # slowest rank, per repetition
+    tx_bytes: List[float] = field(default_factory=list)  # mean over ranks, per repetition
+    bound_s: float = 0.0
+    analytic_bytes: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def time_vs_bound(self) -> float:
+        return self.time_s / self.bound_s
+
+    @property
+    def wire_vs_analytic(self) -> float:
+        return statistics.median(self.tx_bytes) / self.analytic_bytes
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "time_s": self.time_s, "time_vs_bound": self.time_vs_bound, "wire_vs_analytic": self.wire_vs_analytic}
+
+
+def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank: forms the group, times ``reps`` all-reduces, reads its uplink's counters."""
+    import torch
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+    from hier_localsgd.core.link import LinkProcessGroup
+    from hier_localsgd.emulation.lossy import LinkSpec
+    from hier_localsgd.launch.netns import read_net_dev
+
+    rank, world = spec["rank"], spec["world"]
+    timeout = timedelta(seconds=spec["timeout_s"])
+    store = TCPStore(spec["host"], STORE_PORT, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    emu = LinkSpec(bandwidth_Bps=spec["emulate_Bps"]) if spec["emulate_Bps"] else None
+    pg = LinkProcessGroup("outer", timeout, emulation=emu)
+    pg.configure(f"{spec['host']}:{STORE_PORT}/linkcheck", f"linkcheck_{rank}", rank, world)
+    t = torch.ones(spec["nbytes"] // 4, dtype=torch.float32)
+    small = torch.zeros(1)
+
+    def allreduce(x: torch.Tensor) -> None:
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        opts.timeout = timeout
+        pg.allreduce([x], opts).wait()
+
+    def tx() -> int:
+        return read_net_dev(Path("/proc/net/dev").read_text())[spec["iface"]][1]
+
+    allreduce(t)  # warm-up: connections, buffers
+    times, sent = [], []
+    for _ in range(spec["reps"]):
+        allreduce(small)  # start together
+        before = tx()
+        t0 = time.perf_counter()
+        allreduce(t)
+        times.append(time.perf_counter() - t0)
+        allreduce(small)  # everyone's receive is over before the counter is read
+        sent.append(tx() - before)
+    store.set(f"done{rank}", "1")
+    if rank == 0:  # keep the store up until every rank has finished with it
+        store.wait([f"done{r}" for r in range(world)], timeout)
+    return {"rank": rank, "times_s": times, "tx_bytes": sent}
+
+
+def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 * 1024, reps: int = 3, modes: tuple = ("kernel", "emulated")) -> List[Measurement]:
+    """Times ``reps`` all-reduces of ``nbytes`` among ``clusters`` processes (one per
+    cluster namespace) for each mode, on a fresh cluster network removed afterwards.
+
+    Raises:
+        LinkCheckError: a worker failed or timed out.
+        netns.NetnsError: namespaces cannot be built here (see ``netns.available``).
+    """
+    from hier_localsgd.launch.netns import ClusterNetwork
+
+    rate = rate_mbit * 1e6
+    out = []
+    with ClusterNetwork(clusters) as net:
+        for mode in modes:
+            for c in range(clusters):
+                if mode == "kernel":
+                    net.shape(c, rate)
+                else:
+                    net.unshape(c)
+            m = Measurement(clusters, rate_mbit, nbytes, mode, bound_s=ring_bound_s(nbytes, clusters, rate),
+                            analytic_bytes=ring_bytes(nbytes, clusters))
+            results = _run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0)
+            for i in range(reps):
+                m.times_s.append(max(r["times_s"][i] for r in results))
+                m.tx_bytes.append(sum(r["tx_bytes"][i] for r in results) / len(results))
+            out.append(m)
+    return out
+
+
+def _run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: float) -> List[Dict[str, Any]]:
+    procs = []
+    for c in range(clusters):
+        spec = {"rank": c, "world": clusters, "host": net.address(0), "nbytes": nbytes, "reps": reps,
+                "emulate_Bps": emulate_Bps, "iface": net.cluster_iface(c), "timeout_s": WORKER_TIMEOUT.total_seconds() / 2}
+        argv = net.wrap([sys.executable, "-m", "hier_localsgd.experiments.linkcheck", json.dumps(spec)], where=c)
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    deadline = time.monotonic() + WORKER_TIMEOUT.total_seconds()
+    try:
+        for c, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as e:
+                raise LinkCheckError(f"linkcheck worker of cluster {c} did not finish in {WORKER_TIMEOUT}") from e
+            if p.returncode != 0:
+                raise LinkCheckError(f"linkcheck worker of cluster {c} exited {p.returncode}: {err.strip()[-1500:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def report(ms: List[Measurement]) -> str:
+    """A markdown table of the measurements, with the emulated-vs-kernel ratio per configuration."""
+    lines = ["| clusters | rate | payload | mode | time (s) | ring bound (s) | time/bound | wire bytes/analytic |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in ms:
+        lines.append(f"| {m.clusters} | {m.rate_mbit:g} Mbit/s | {m.nbytes / 2**20:.1f} MiB | {m.mode} | {m.time_s:.3f} | "
+                     f"{m.bound_s:.3f} | {m.time_vs_bound:.3f} | {m.wire_vs_analytic:.3f} |")
+    kernel = {(m.clusters, m.rate_mbit, m.nbytes): m for m in ms if m.mode == "kernel"}
+    for m in ms:
+        k = kernel.get((m.clusters, m.rate_mbit, m.nbytes))
+        if m.mode == "emulated" and k is not None:
+            lines.append(f"\nemulated/kernel time, {m.clusters} clusters at {m.rate_mbit:g} Mbit/s, "
+                         f"{m.nbytes / 2**20:.1f} MiB: {m.time_s / k.time_s:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m hier_localsgd.experiments.linkcheck '<worker spec json>'`` (a worker), or with
+    ``--sweep OUT.json`` a sweep over rates and cluster counts, printed as markdown."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] != "--sweep":
+        print(json.dumps(_worker(json.loads(args[0]))), flush=True)
+        return 0
+    from hier_localsgd.launch.netns import available
+
+    why = available()
+    if why is not None:
+        print(f"linkcheck: cannot run: {why}")
+        return 2
+    ms: List[Measurement] = []
+    for clusters in (2, 3):
+        for rate in (100.0, 20.0):
+            ms += measure(clusters=clusters, rate_mbit=rate, nbytes=8 * 1024 * 1024, reps=3)
+            print(report(ms[-2:]), flush=True)
+    print(report(ms))
+    if len(args) > 1:
+        Path(args[1]).write_text(json.dumps([m.as_dict() for m in ms], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
