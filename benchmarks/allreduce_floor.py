@@ -2,7 +2,7 @@
 
     python benchmarks/allreduce_floor.py [--sizes-mb 1,6,24.65] [--gbps 10] [--latency-ms 0.1] [--busy 2]
 
-The link emulation (hier_localsgd/lossy.py) can only add time: a collective lasts at
+The link emulation (hier_localsgd/emulation/lossy.py) can only add time: a collective lasts at
 least its ring bound 2(n-1)/n * S/B + 2(n-1)*alpha, but never less than the real
 transfer. When the real transfer between two processes over loopback is slower than the
 bound (a fast emulated LAN on a small VM), the measured sync time exceeds the bound no

@@ -1,7 +1,7 @@
 """hier_localsgd: fault-tolerant hierarchical LocalSGD/DiLoCo training on torchft.
 
-Start with docs/architecture.md; the training loop is hier_localsgd/trainer.py and
-one sync round reads top to bottom in hier_localsgd/sync.py.
+Start with docs/architecture.md; the training loop is hier_localsgd/train/trainer.py and
+one sync round reads top to bottom in hier_localsgd/sync/hier.py.
 """
 
 __version__ = "0.1.0"

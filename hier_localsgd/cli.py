@@ -29,6 +29,8 @@ import sys
 import traceback
 from typing import List, Optional
 
+from hier_localsgd.core.runtime import EXIT_CONFIG
+
 COMMANDS = {
     "lighthouse": "serve the global and/or per-cluster lighthouses (lighthouse.serve=all|global|cluster)",
     "train": "run one replica group: run.cluster=C run.replica=R",
@@ -131,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if debug():
             traceback.print_exc()
         print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if args.print_config:
         print(dump(cfg))
         return 0
@@ -158,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_simulate(cfg.simulate, out)
         except ValueError as e:  # the message starts with the field, e.g. plan.model.dim
             print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
     if args.command == "dashboard":
         setup_logging(cfg.run.log_level, "dashboard")
         from hier_localsgd.tools.dashboard import server as dashboard

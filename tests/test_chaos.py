@@ -164,7 +164,7 @@ def test_a_kill_is_matched_with_its_own_restart_not_a_later_one():
 def test_inner_committed_work_lost_with_a_whole_cluster_is_discarded():
     f = cluster_kill(restarted_heal=True)
     results = {k: {"work": {"steps_run": 80, "steps_discarded": 0, "steps_since_commit": 0, "steps_since_outer": 0}} for k in [(0, 0), (0, 1)]}
-    # the restarted groups trained steps 1-10 again and lost them at weight 0 (sync.py counts it), then 20 more
+    # the restarted groups trained steps 1-10 again and lost them at weight 0 (sync/hier.py counts it), then 20 more
     results.update({k: {"work": {"steps_run": 30, "steps_discarded": 10, "steps_since_commit": 0, "steps_since_outer": 0}} for k in [(1, 0), (1, 1)]})
     for k in ALL:
         f.exit(k, T0 + 21, 0)

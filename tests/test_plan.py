@@ -1,4 +1,4 @@
-"""The cost planner (hier_localsgd/plan.py): every formula against hand-computed values,
+"""The cost planner (hier_localsgd/tools/plan/planner.py): every formula against hand-computed values,
 parameter and FLOP counts against torchtitan's own models."""
 
 import copy

@@ -1,4 +1,4 @@
-"""The deployment simulator (hier_localsgd/simulate.py): the no-failure identity, hand-worked
+"""The deployment simulator (hier_localsgd/tools/simulate/engine.py): the no-failure identity, hand-worked
 single failures, conservation of time, reproducibility, and the validation figures."""
 
 import json

@@ -226,10 +226,6 @@ class LinkProcessGroup(ProcessGroupWrapper):
             store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
         )
 
-    @property
-    def world(self) -> int:
-        return self._world
-
     # -- accounting and fault injection --------------------------------------------
     @contextmanager
     def kind(self, kind: str) -> Iterator[None]:

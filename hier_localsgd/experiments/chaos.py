@@ -57,7 +57,7 @@ from its own heal on: its model descends without a break from the job's start.
   counters are its last status, read by the launcher when it records the exit, or by the
   monkey just before the kill). A step is kept only if it was committed at the inner
   level AND its cluster's model carrying it was then committed at the outer level with
-  non-zero cluster weight (sync.py discards what a live process loses at weight 0), or it
+  non-zero cluster weight (sync/hier.py discards what a live process loses at weight 0), or it
   is in the final model: work since the last outer commit at the end of the run counts
   as kept only if the run ended consistent (one final model), else it is
   ``unmerged_at_end``. Lost, in ``steps_lost``: ``rolled_back_or_weight0`` (the processes'

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, List
 
 from hier_localsgd.core.addresses import parse_address
+from hier_localsgd.core.runtime import EXIT_CONFIG
 from hier_localsgd.schema import fail
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def serve(cfg: Config) -> int:
     servers = start(cfg)
     if not servers:
         print("lighthouse: nothing to serve for this configuration", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if cfg.lighthouse.until_done:
         started, waiting = time.time(), result_paths(cfg)
         sig = None

@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from hier_localsgd.core.runtime import EXIT_CONFIG
 from hier_localsgd.schema import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -934,7 +935,7 @@ def serve(cfg: DashboardConfig) -> int:
     except ConfigError as e:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
         print(f"hier-localsgd dashboard: configuration error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     kills = "kills enabled" if cfg.allow_kill else "kills disabled; dashboard.allow_kill=true enables them"
     print(f"dashboard: {url} watching {cfg.run_dir} ({kills})", flush=True)
     sig = signal.sigwait(sigs)

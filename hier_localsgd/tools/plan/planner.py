@@ -27,7 +27,7 @@ torch, nothing is instantiated):
 3. **Peak memory per rank** (bytes): parameters, gradients, AdamW state (2 tensors),
    the copies the sync algorithm keeps (per level: a backup, plus a momentum buffer for
    ``diloco``; this project also snapshots the inner optimizer for rollback), the sync
-   scratch (pseudo-gradient and staged state, sync.py) and activations, with and
+   scratch (pseudo-gradient and staged state, sync/hier.py) and activations, with and
    without per-block activation checkpointing. With ``sharding=fsdp`` the model-sized
    terms are divided by G. Activations per token per block (elements):
    ``6d + 2 k hd + 4F`` (norm inputs/outputs, q/k/v and the attention output saved by
@@ -79,6 +79,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from hier_localsgd import costs
+from hier_localsgd.core.level import ALGORITHMS
+from hier_localsgd.sync.types import MODES
 
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4,
@@ -87,8 +89,8 @@ DTYPE_BYTES = {
     "float8": 1, "fp8": 1,
 }
 SHARDINGS = ("replicate", "fsdp")
-ALGORITHMS = ("localsgd", "diloco")
-MODES = ("ddp", "flat", "hier")
+# The report's columns: the modes from the least to the most machinery.
+REPORT_ORDER = tuple(reversed(MODES))
 
 # Models that are not torchtitan Llama3 flavors. Llama-7B (Llama 1 and Llama 2 7B share
 # the shapes): published count 6,738,415,616 parameters.
@@ -320,7 +322,7 @@ def activation_elements_per_token(d: ModelDims) -> Dict[str, float]:
 
 def sync_state_copies(mode: str, sync: PlanSyncConfig, optimizer_states: int, rollback_snapshot: bool) -> Dict[str, int]:
     """Model-sized copies the sync keeps: persistent (backups, momenta, rollback snapshot)
-    and transient (pseudo-gradient and staged state during a round; sync.py)."""
+    and transient (pseudo-gradient and staged state during a round; sync/hier.py)."""
 
     def level(alg: str) -> int:
         return 1 + (1 if alg == "diloco" else 0)  # backup (+ momentum)
@@ -562,7 +564,7 @@ def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
     hf = h_flat(s)
 
     modes: Dict[str, Any] = {}
-    for mode in MODES:
+    for mode in REPORT_ORDER:
         per_step = sync_per_step(st, mode, s.h_inner, s.h_outer, hf, cfg.hardware.ddp_overlap)
         frac = comm_fraction(step_s, per_step)
         modes[mode] = {
@@ -581,7 +583,7 @@ def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
         "flat": c * tp.ranks_per_replica * st.flat_bytes / hf if c > 1 else 0.0,
         "ddp": c * tp.ranks_per_replica * st.ddp_bytes if c > 1 else 0.0,
     }
-    for mode in MODES:
+    for mode in REPORT_ORDER:
         modes[mode]["slow_link_bytes_per_step"] = slow[mode]
     mem_limit = cfg.hardware.memory_gib * 2**30
     return {
@@ -599,7 +601,7 @@ def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
         "sync": asdict(st),
         "h": {"inner": s.h_inner, "outer": s.h_outer, "flat": hf},
         "modes": modes,
-        "fits_memory": {m: {"no_checkpointing": modes[m]["memory"]["peak"] <= mem_limit, "checkpointing": modes[m]["memory"]["peak_checkpointed"] <= mem_limit} for m in MODES},
+        "fits_memory": {m: {"no_checkpointing": modes[m]["memory"]["peak"] <= mem_limit, "checkpointing": modes[m]["memory"]["peak_checkpointed"] <= mem_limit} for m in REPORT_ORDER},
         "recommendation": {"target_comm_fraction": s.target_comm_fraction, **recommend_h(st, step_s, s.target_comm_fraction, s.inner_share)},
         "scaling": {**chinchilla_optimum(cfg.scaling), "constants": asdict(cfg.scaling)},
         "config": asdict(cfg),
@@ -668,12 +670,12 @@ def human(p: Dict[str, Any]) -> str:
     rows = []
     keys = ["parameters", "gradients", "optimizer", "sync_backups", "rollback_snapshot", "sync_scratch", "activations", "activations_checkpointed", "peak", "peak_checkpointed"]
     for k in keys:
-        rows.append([k] + [fmt_bytes(p["modes"][mode]["memory"][k]) for mode in MODES])
-    out.append(table(["", *MODES], rows))
+        rows.append([k] + [fmt_bytes(p["modes"][mode]["memory"][k]) for mode in REPORT_ORDER])
+    out.append(table(["", *REPORT_ORDER], rows))
     fits = p["fits_memory"]
     out.append(
         f"fits in hardware.memory_gib={cfg['hardware']['memory_gib']:g} GiB: "
-        + ", ".join(f"{m} {'yes' if fits[m]['no_checkpointing'] else ('with checkpointing' if fits[m]['checkpointing'] else 'no')}" for m in MODES)
+        + ", ".join(f"{m} {'yes' if fits[m]['no_checkpointing'] else ('with checkpointing' if fits[m]['checkpointing'] else 'no')}" for m in REPORT_ORDER)
     )
     st = p["sync"]
     lan, wan = cfg["network"]["lan"], cfg["network"]["wan"]

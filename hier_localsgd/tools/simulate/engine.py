@@ -15,7 +15,7 @@ heal times and timeouts:
 * **slow-link traffic** (bytes crossing clusters: outer all-reduces and heals from another
   cluster; for ``flat``/``ddp`` the C cluster-crossing edges of their ring);
 * the chaos command's own figure, ``efficiency`` = steps kept / steps run, counted as
-  sync.py and chaos.py count it, for validation against ``hier-localsgd chaos``;
+  sync/hier.py and chaos.py count it, for validation against ``hier-localsgd chaos``;
 * the **sensitivity** of goodput to the failure rate (the rates scaled by each factor of
   ``sensitivity``).
 
@@ -35,7 +35,7 @@ and round, from its own seeded stream), then
    the round fails (rollback);
 2. the round's collectives: heals of the joiners (``heal_s``, everyone waits),
    ``reconfigure_s`` if the membership changed, the inner all-reduce (ring bound on the
-   LAN, plan.py);
+   LAN, tools/plan/planner.py);
 3. every ``H_inner x H_outer`` steps, the leader (lowest live replica group) joins the
    global lighthouse with its cluster Manager (one Manager id per leader incarnation, as
    torchft appends a uuid). The same rule forms the outer quorum; a leader that waits
@@ -47,7 +47,7 @@ and round, from its own seeded stream), then
 A cluster whose model derives from an older global model than the current one (it missed
 a committed outer round, or it restarted from scratch) contributes weight 0 at its next
 outer round and adopts the global model and step: its work since its last outer commit is
-discarded (sync.py ``moved``). A leader change alone costs a heal of the new cluster
+discarded (sync/hier.py ``moved``). A leader change alone costs a heal of the new cluster
 manager over the WAN, and the work only if the global model moved meanwhile.
 
 Failures:
@@ -121,8 +121,9 @@ from hier_localsgd.tools.plan.planner import (
 from hier_localsgd import costs
 from hier_localsgd.core.faults import ROLES
 from hier_localsgd.core.timeouts import Timeouts
+from hier_localsgd.launch.lighthouse import LighthouseConfig
+from hier_localsgd.sync.types import MODES
 
-MODES = ("hier", "flat", "ddp")
 FAILURE_MODELS = ("independent", "chaos", "none")
 INF = math.inf
 
@@ -159,10 +160,10 @@ _DEFAULT_TIMEOUTS = Timeouts()
 
 @dataclass
 class SimTimeoutsConfig:
-    """Seconds; the project's defaults (phase timeouts from :class:`Timeouts`)."""
+    """Seconds; the project's defaults (phase timeouts from :class:`Timeouts`, the lighthouse's from its section)."""
 
-    heartbeat_s: float = 5.0  # lighthouse.heartbeat_timeout_ms
-    join_s: float = 30.0  # lighthouse.join_timeout_ms
+    heartbeat_s: float = LighthouseConfig.heartbeat_timeout_ms / 1000  # lighthouse.heartbeat_timeout_ms
+    join_s: float = LighthouseConfig.join_timeout_ms / 1000  # lighthouse.join_timeout_ms
     inner_quorum_s: float = _DEFAULT_TIMEOUTS.inner_quorum.total_seconds()
     outer_quorum_s: float = _DEFAULT_TIMEOUTS.outer_quorum.total_seconds()
     inner_reduce_s: float = _DEFAULT_TIMEOUTS.inner_reduce.total_seconds()
@@ -254,7 +255,7 @@ class SimParams:
         return self.h_inner * self.h_outer if self.mode == "hier" else self.h_inner
 
     def no_failure_sync_per_step(self) -> float:
-        """Exposed sync seconds per step without failures (plan.py's formula)."""
+        """Exposed sync seconds per step without failures (tools/plan/planner.py's formula)."""
         if self.mode == "hier":
             return self.inner_time(self.replicas) / self.h_inner + (self.outer_time(self.clusters) + self.broadcast_time(self.replicas)) / self.period
         return self.inner_time(self.replicas) / self.h_inner
