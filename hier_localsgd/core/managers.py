@@ -48,7 +48,7 @@ from hier_localsgd.core.addresses import probe_lighthouse
 from hier_localsgd.core.invariants import check_group_rank
 from hier_localsgd.core.link import LinkProcessGroup
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage
-from hier_localsgd.core.timeouts import ran_into_deadline
+from hier_localsgd.core.timeouts import Timeouts, ran_into_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,10 @@ class LevelManager:
         state_dict / load_state_dict: the committed state a donor serves and a
             healing replica loads (through torchft's HTTP checkpoint transport).
         min_replicas: fewest participants for this Manager to commit.
-        quorum_timeout, op_timeout, heal_timeout, connect_timeout: see timeouts.py.
+        timeouts: the process's timeouts; the level's are taken from them (an "outer"
+            Manager the outer level's, any other the inner level's): quorum and heal
+            within the level's QUORUM timeout, each operation within the longer of its
+            REDUCE and COMMIT timeouts, connections within ``connect``.
         hostname: address peers use to reach this process's servers.
         group_rank / group_world_size: this rank inside its replica group.
         max_commit_failures: consecutive failed commits before the Manager raises.
@@ -118,10 +121,7 @@ class LevelManager:
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
         min_replicas: int,
-        quorum_timeout: timedelta,
-        op_timeout: timedelta,
-        heal_timeout: timedelta,
-        connect_timeout: timedelta,
+        timeouts: Timeouts,
         hostname: str,
         group_rank: int = 0,
         group_world_size: int = 1,
@@ -131,6 +131,10 @@ class LevelManager:
         group_store: Optional[Any] = None,
         store_key: str = "",
     ) -> None:
+        outer = level == "outer"
+        quorum_timeout = timeouts.outer_quorum if outer else timeouts.inner_quorum
+        op_timeout = max(timeouts.outer_reduce, timeouts.outer_commit) if outer else max(timeouts.inner_reduce, timeouts.inner_commit)
+        heal_timeout, connect_timeout = quorum_timeout, timeouts.connect
         if not replica_id[-1:].isdigit():
             raise ValueError(f"replica id {replica_id!r} must end in digits (torchft parses them)")
         check_group_rank(level, group_rank, group_world_size)

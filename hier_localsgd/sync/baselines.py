@@ -89,10 +89,7 @@ class _Baseline:
             state_dict=self._state_dict,
             load_state_dict=self._load_state,
             min_replicas=1,
-            quorum_timeout=timeouts.inner_quorum,
-            op_timeout=max(timeouts.inner_reduce, timeouts.inner_commit),
-            heal_timeout=timeouts.inner_quorum,
-            connect_timeout=timeouts.connect,
+            timeouts=timeouts,  # a baseline's one level keeps the inner level's timeouts
             hostname=hostname,
             max_commit_failures=max_commit_failures,
         )

@@ -247,26 +247,7 @@ class HierarchicalSync:
         }
         self._published_outage: Dict[str, bool] = {"inner": False, "outer": False}
         self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link)
-        self.inner_mgr = LevelManager(
-            level="inner",
-            replica_id=identity.inner_replica_id,
-            lighthouse_addr=settings.cluster_lighthouse,
-            lighthouse_field=settings.cluster_lighthouse_field,
-            pg=self.inner_link,
-            state_dict=self._inner_state_dict,
-            load_state_dict=self._load_inner_state,
-            min_replicas=settings.min_replicas,
-            quorum_timeout=timeouts.inner_quorum,
-            op_timeout=max(timeouts.inner_reduce, timeouts.inner_commit),
-            heal_timeout=timeouts.inner_quorum,
-            connect_timeout=timeouts.connect,
-            hostname=settings.hostname,
-            group_rank=settings.group_rank,
-            group_world_size=settings.group_world_size,
-            max_commit_failures=settings.max_commit_failures,
-            group_store=group_store,
-            store_key="store/inner",
-        )
+        self.inner_mgr = self._manager("inner", self.inner_link, "store/inner")
         self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events,
                                     watch=QuorumWatch(settings.cluster_lighthouse, settings.quorum_slice))
         # The cluster Manager exists only while this replica group leads its cluster:
@@ -695,32 +676,34 @@ class HierarchicalSync:
                 self.health["outer"].mark_down()
                 logger.error("%s cannot reach the global lighthouse yet: %s", self.id, e)
 
+    def _manager(self, level: str, pg: LinkProcessGroup, store_key: str) -> LevelManager:
+        """The Manager of one level (inner: the cluster's lighthouse; outer: the global one)."""
+        s, inner = self.s, level == "inner"
+        return LevelManager(
+            level=level,
+            replica_id=self.id.inner_replica_id if inner else self.id.outer_replica_id,
+            lighthouse_addr=s.cluster_lighthouse if inner else s.global_lighthouse,
+            lighthouse_field=s.cluster_lighthouse_field if inner else s.global_lighthouse_field,
+            pg=pg,
+            state_dict=self._inner_state_dict if inner else self._outer_state_dict,
+            load_state_dict=self._load_inner_state if inner else self._load_outer_state,
+            min_replicas=s.min_replicas if inner else s.min_clusters,
+            timeouts=self.t,
+            hostname=s.hostname,
+            group_rank=s.group_rank,
+            group_world_size=s.group_world_size,
+            max_commit_failures=s.max_commit_failures,
+            group_store=self.group_store,
+            store_key=store_key,
+        )
+
     def _ensure_outer(self) -> tuple[LevelManager, LevelComm]:
         if self.outer_mgr is None or self.outer_comm is None:
             t = self.t
             link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
             link.share_stats(self.outer_stats)  # one account (and loss streams) across leadership changes
             self.outer_link = link
-            self.outer_mgr = LevelManager(
-                level="outer",
-                replica_id=self.id.outer_replica_id,
-                lighthouse_addr=self.s.global_lighthouse,
-                lighthouse_field=self.s.global_lighthouse_field,
-                pg=link,
-                state_dict=self._outer_state_dict,
-                load_state_dict=self._load_outer_state,
-                min_replicas=self.s.min_clusters,
-                quorum_timeout=t.outer_quorum,
-                op_timeout=max(t.outer_reduce, t.outer_commit),
-                heal_timeout=t.outer_quorum,
-                connect_timeout=t.connect,
-                hostname=self.s.hostname,
-                group_rank=self.s.group_rank,
-                group_world_size=self.s.group_world_size,
-                max_commit_failures=self.s.max_commit_failures,
-                group_store=self.group_store,
-                store_key=f"store/outer/{self._outer_epoch}",  # one per leadership term
-            )
+            self.outer_mgr = self._manager("outer", link, f"store/outer/{self._outer_epoch}")  # one store per leadership term
             self._outer_epoch += 1
             self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate, self.events,
                                         watch=QuorumWatch(self.s.global_lighthouse, self.s.quorum_slice))
