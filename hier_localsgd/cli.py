@@ -152,10 +152,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         out = os.path.join(cfg.run.dir, args.command)
         try:
             if args.command == "plan":
-                from hier_localsgd.tools.plan.planner import run_plan
+                from hier_localsgd.tools.plan.report import run_plan
 
                 return run_plan(cfg.plan, out)
-            from hier_localsgd.tools.simulate.engine import run_simulate
+            from hier_localsgd.tools.simulate.report import run_simulate
 
             return run_simulate(cfg.simulate, out)
         except ValueError as e:  # the message starts with the field, e.g. plan.model.dim
@@ -163,10 +163,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return EXIT_CONFIG
     if args.command == "dashboard":
         setup_logging(cfg.run.log_level, "dashboard")
-        from hier_localsgd.tools.dashboard import server as dashboard
+        from hier_localsgd.tools.dashboard.server import serve
+
         if not cfg.dashboard.run_dir:
             cfg.dashboard.run_dir = cfg.run.dir
-        return dashboard.serve(cfg.dashboard)
+        return serve(cfg.dashboard)
     if args.command == "chaos":
         setup_logging(cfg.run.log_level, "chaos")
         from hier_localsgd.experiments.chaos import run_chaos

@@ -31,9 +31,9 @@ from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoCon
 from hier_localsgd.launch.lighthouse import LighthouseConfig
 from hier_localsgd.schema import ConfigError, fail
 from hier_localsgd.sync.types import SyncConfig, TopologyConfig
-from hier_localsgd.tools.dashboard.server import DashboardConfig
-from hier_localsgd.tools.plan.planner import PlanConfig
-from hier_localsgd.tools.simulate.engine import SimulateConfig
+from hier_localsgd.tools.dashboard.config import DashboardConfig
+from hier_localsgd.tools.plan.config import PlanConfig
+from hier_localsgd.tools.simulate.config import SimulateConfig
 from hier_localsgd.train.data import DataConfig
 from hier_localsgd.train.model import ModelConfig
 from hier_localsgd.train.sections import TrainConfig

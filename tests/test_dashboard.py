@@ -24,9 +24,11 @@ from typing import Any, Dict, List
 
 import pytest
 
-from hier_localsgd.tools.dashboard import server as dash
+from hier_localsgd.tools.dashboard import reader as dash_reader, server as dash_server
 from hier_localsgd.config import ConfigError
-from hier_localsgd.tools.dashboard.server import DashboardConfig, read_state, start_in_thread
+from hier_localsgd.tools.dashboard.config import DashboardConfig
+from hier_localsgd.tools.dashboard.server import start_in_thread
+from hier_localsgd.tools.dashboard.state import read_state
 from hier_localsgd.core.status import read_json
 
 NOW = 1_800_000_000.0
@@ -247,7 +249,7 @@ def test_reader_tolerates_partial_and_corrupt_lines_and_half_written_status(tmp_
     write_run(tmp_path, {(0, 0): status(0, 0)})
     events = tmp_path / "replicas" / "c0r0" / "events.jsonl"
     events.write_text(json.dumps({"t": NOW, "kind": "heal", "level": "inner"}) + "\n{not json}\n" + '{"t": 1, "kind": "lea')
-    reader = dash.RunReader(tmp_path)
+    reader = dash_reader.RunReader(tmp_path)
     assert [e["kind"] for e in reader.read().events[(0, 0)]] == ["heal"]
     with open(events, "a") as f:  # the line being written is finished
         f.write('der", "leader": true}\n')
@@ -320,12 +322,12 @@ def test_kill_endpoint(tmp_path):
         live = dict(started_at=time.time() - 60, updated_at=time.time())
         write_run(tmp_path, {(0, 1): status(0, 1, inner=inner, **live), (0, 0): status(0, 0, inner=dict(inner, lighthouse="http://127.0.0.1:9"), **live),
                              (1, 1): status(1, 1, inner=dict(inner, replica_id="c1_r0001:x"), **live), (1, 0): status(1, 0, inner=dict(inner, replica_id="c1_r0000:y"), **live)})
-        off = dash.create_app(DashboardConfig(run_dir=str(tmp_path))).test_client()
+        off = dash_server.create_app(DashboardConfig(run_dir=str(tmp_path))).test_client()
         r = off.post("/api/replicas/0/1/kill", json={})
         assert r.status_code == 403 and "allow_kill" in r.get_json()["error"]
         assert fake.kills == [] and not (tmp_path / "dashboard_events.jsonl").exists()
 
-        on = dash.create_app(DashboardConfig(run_dir=str(tmp_path), allow_kill=True)).test_client()
+        on = dash_server.create_app(DashboardConfig(run_dir=str(tmp_path), allow_kill=True)).test_client()
         assert on.post("/api/replicas/0/1/kill", data="x").status_code == 415  # a plain form post (CSRF) is refused
         assert on.post("/api/replicas/0/1/kill", json={}, headers={"Origin": "http://evil.example"}).status_code == 403
         assert on.post("/api/replicas/1/2/kill", json={}).status_code == 404

@@ -10,16 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from hier_localsgd import costs
-from hier_localsgd.tools.plan import planner as P
-from hier_localsgd.tools.plan.planner import (
-    NetworkLink,
-    NetworkConfig,
-    PlanConfig,
-    PlanModelConfig,
-    PlanSyncConfig,
-    PlanTopologyConfig,
-    ScalingConfig,
-)
+from hier_localsgd.tools.plan import config as plan_config, model as plan_model, planner as plan_planner, report as plan_report
+from hier_localsgd.tools.plan.config import NetworkLink, NetworkConfig, PlanConfig, PlanModelConfig, PlanSyncConfig, PlanTopologyConfig, ScalingConfig
 
 DEBUG = PlanModelConfig(flavor="debugmodel")
 LLAMA7B = PlanModelConfig(flavor="llama_7b")
@@ -29,15 +21,15 @@ S_DEBUG = 6_163_712 * 4  # debugmodel in float32: 24,654,848 bytes
 def demo_plan(**hardware) -> dict:
     cfg = PlanConfig()
     cfg.hardware.step_time_s = hardware.get("step_time_s", 0.34)
-    return P.make_plan(cfg)
+    return plan_planner.make_plan(cfg)
 
 
 # ----------------------------------------------------------------------------- parameters
 def test_debugmodel_parameters_by_part():
-    d = P.resolve_model(DEBUG)
+    d = plan_model.resolve_model(DEBUG)
     # dim 256, 6 layers, 16 heads (no GQA), vocab 2048; FFN int(2*1024/3)=682 -> multiple of 256 -> 768
     assert (d.dim, d.n_layers, d.n_heads, d.n_kv_heads, d.ffn_dim, d.vocab_size) == (256, 6, 16, 16, 768, 2048)
-    assert P.param_counts(d) == {
+    assert plan_model.param_counts(d) == {
         "embeddings": 2048 * 256,  # 524,288
         "attention": 6 * 4 * 256 * 256,  # wq, wk, wv, wo: 1,572,864
         "mlp": 6 * 3 * 256 * 768,  # w1, w2, w3: 3,538,944
@@ -48,8 +40,8 @@ def test_debugmodel_parameters_by_part():
 
 
 def test_llama7b_matches_published_count():
-    d = P.resolve_model(LLAMA7B)
-    p = P.param_counts(d)
+    d = plan_model.resolve_model(LLAMA7B)
+    p = plan_model.param_counts(d)
     assert p["attention"] == 32 * 4 * 4096 * 4096  # 2,147,483,648
     assert p["mlp"] == 32 * 3 * 4096 * 11008  # 4,328,521,728
     assert p["norms"] == 65 * 4096  # 266,240
@@ -58,15 +50,15 @@ def test_llama7b_matches_published_count():
 
 
 def test_ffn_rule_is_torchtitans():
-    assert P.llama_ffn_dim(256, 256, None) == 768  # int(682.67)=682 -> 768
-    assert P.llama_ffn_dim(4096, 256, None) == 11008  # int(10922.67)=10922 -> 11008 (Llama 2 7B)
-    assert P.llama_ffn_dim(4096, 1024, 1.3) == 14336  # int(1.3*10922)=14198 -> 14336 (Llama 3 8B)
-    assert P.llama_ffn_dim(8192, 4096, 1.3) == 28672  # int(1.3*21845)=28398 -> 28672 (Llama 3 70B)
+    assert plan_model.llama_ffn_dim(256, 256, None) == 768  # int(682.67)=682 -> 768
+    assert plan_model.llama_ffn_dim(4096, 256, None) == 11008  # int(10922.67)=10922 -> 11008 (Llama 2 7B)
+    assert plan_model.llama_ffn_dim(4096, 1024, 1.3) == 14336  # int(1.3*10922)=14198 -> 14336 (Llama 3 8B)
+    assert plan_model.llama_ffn_dim(8192, 4096, 1.3) == 28672  # int(1.3*21845)=28398 -> 28672 (Llama 3 70B)
 
 
 def test_tied_embeddings_drop_the_output_matrix():
-    d = P.resolve_model(PlanModelConfig(flavor="debugmodel", tied_embeddings=True))
-    assert P.param_counts(d)["total"] == 6_163_712 - 524_288
+    d = plan_model.resolve_model(PlanModelConfig(flavor="debugmodel", tied_embeddings=True))
+    assert plan_model.param_counts(d)["total"] == 6_163_712 - 524_288
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +78,8 @@ def test_counts_and_flops_equal_torchtitans_instantiated_models(titan):
         with torch.device(device):
             model = Transformer(args)
         parts = dict(model.named_children())
-        d = P.resolve_model(PlanModelConfig(flavor=flavor))
-        ours = P.param_counts(d)
+        d = plan_model.resolve_model(PlanModelConfig(flavor=flavor))
+        ours = plan_model.param_counts(d)
         numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
         assert ours["total"] == numel(model), flavor
         assert ours["embeddings"] == numel(parts["tok_embeddings"]), flavor
@@ -97,24 +89,24 @@ def test_counts_and_flops_equal_torchtitans_instantiated_models(titan):
         assert ours["mlp"] == d.n_layers * numel(layer.feed_forward), flavor
         assert ours["norms"] == d.n_layers * (numel(layer.attention_norm) + numel(layer.ffn_norm)) + numel(parts["norm"]), flavor
         n, flops = args.get_nparams_and_flops(model, seq)
-        assert P.flops_per_token(d, seq)["total"] == flops, flavor
-    assert P.param_counts(P.resolve_model(PlanModelConfig(flavor="8B")))["total"] == 8_030_261_248
-    assert P.param_counts(P.resolve_model(PlanModelConfig(flavor="70B")))["total"] == 70_553_706_496
+        assert plan_model.flops_per_token(d, seq)["total"] == flops, flavor
+    assert plan_model.param_counts(plan_model.resolve_model(PlanModelConfig(flavor="8B")))["total"] == 8_030_261_248
+    assert plan_model.param_counts(plan_model.resolve_model(PlanModelConfig(flavor="70B")))["total"] == 70_553_706_496
 
 
 def test_explicit_dims_override_the_flavor():
-    d = P.resolve_model(PlanModelConfig(flavor="", dim=512, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000))
+    d = plan_model.resolve_model(PlanModelConfig(flavor="", dim=512, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000))
     # hd 64; attention per layer 512*512 + 2*512*128 + 512*512 = 655,360; FFN int(2*2048/3)=1365 -> 1536
     assert d.ffn_dim == 1536
-    p = P.param_counts(d)
+    p = plan_model.param_counts(d)
     assert p["attention"] == 2 * 655_360
     assert p["total"] == 2 * 655_360 + 2 * 3 * 512 * 1536 + 5 * 512 + 2 * 1000 * 512
-    assert P.resolve_model(PlanModelConfig(flavor="debugmodel", n_layers=12)).n_layers == 12
+    assert plan_model.resolve_model(PlanModelConfig(flavor="debugmodel", n_layers=12)).n_layers == 12
 
 
 # ----------------------------------------------------------------------------- FLOPs and memory
 def test_flops_per_token_debugmodel():
-    f = P.flops_per_token(P.resolve_model(DEBUG), 64)
+    f = plan_model.flops_per_token(plan_model.resolve_model(DEBUG), 64)
     assert f["dense"] == 6 * (6_163_712 - 524_288)  # 33,836,544
     assert f["attention"] == 12 * 6 * 16 * 16 * 64  # 12 L h hd T = 1,179,648
     assert f["total"] == 35_016_192
@@ -124,7 +116,7 @@ def test_flops_per_token_debugmodel():
 
 
 def test_step_time_from_flops():
-    p = P.make_plan(PlanConfig(hardware=P.HardwareConfig(peak_tflops=100.0, mfu=0.5)))
+    p = plan_planner.make_plan(PlanConfig(hardware=plan_config.HardwareConfig(peak_tflops=100.0, mfu=0.5)))
     # 8,964,145,152 FLOPs / (100e12 x 0.5) = 1.7928e-4 s
     assert p["step_time_s"] == pytest.approx(35_016_192 * 256 / 50e12)
 
@@ -151,7 +143,7 @@ def test_memory_per_rank_debugmodel_by_hand():
 
 def test_fsdp_divides_model_sized_memory_by_g():
     cfg = PlanConfig(topology=PlanTopologyConfig(ranks_per_replica=4, sharding="fsdp"))
-    m = P.make_plan(cfg)["modes"]["hier"]["memory"]
+    m = plan_planner.make_plan(cfg)["modes"]["hier"]["memory"]
     assert m["parameters"] == S_DEBUG / 4 and m["optimizer"] == 2 * S_DEBUG / 4
     assert m["activations"] == 36_175_872  # per-rank batch unchanged
 
@@ -211,13 +203,13 @@ def test_recommendation_by_hand():
 def test_wider_wan_shrinks_outer_time():
     cfg = PlanConfig(network=NetworkConfig(wan=NetworkLink(10.0, 20.0)))
     cfg.hardware.step_time_s = 0.34
-    assert P.make_plan(cfg)["sync"]["outer_allreduce_s"] == pytest.approx(S_DEBUG * 8 / 1e10 + 0.04)
+    assert plan_planner.make_plan(cfg)["sync"]["outer_allreduce_s"] == pytest.approx(S_DEBUG * 8 / 1e10 + 0.04)
 
 
 # ----------------------------------------------------------------------------- scaling law
 def test_chinchilla_optimum_for_the_seed_budget():
     sc = ScalingConfig()
-    o = P.chinchilla_optimum(sc)
+    o = plan_planner.chinchilla_optimum(sc)
     # G = (0.34 x 406.4 / (0.28 x 410.7))^(1/0.62) = (138.176 / 114.996)^1.6129 = 1.34471
     assert o["G"] == pytest.approx(1.34471, rel=1e-5)
     # N = G (C/6)^(0.28/0.62) = 1.34471 x (2.05e21)^0.451613 = 5.6662e9 ; D = 2.05e21 / N = 3.6179e11
@@ -229,11 +221,11 @@ def test_chinchilla_optimum_for_the_seed_budget():
     # it is the minimum along the budget: 10 % more or fewer parameters give a higher loss
     for k in (0.9, 1.1):
         n = o["N_opt"] * k
-        assert P.chinchilla_loss(sc, n, 1.23e22 / 6 / n) > o["loss"]
+        assert plan_planner.chinchilla_loss(sc, n, 1.23e22 / 6 / n) > o["loss"]
 
 
 def test_scaling_constants_are_configurable():
-    o = P.chinchilla_optimum(ScalingConfig(alpha=0.5, beta=0.5, A=1.0, B=1.0, budget_flops=6e20))
+    o = plan_planner.chinchilla_optimum(ScalingConfig(alpha=0.5, beta=0.5, A=1.0, B=1.0, budget_flops=6e20))
     # G = 1, N = (1e20)^0.5 = 1e10 = D
     assert o["N_opt"] == pytest.approx(1e10) and o["D_opt"] == pytest.approx(1e10)
 
@@ -260,7 +252,7 @@ def test_bad_values_name_the_field(mutate, prefix):
     cfg = PlanConfig()
     mutate(cfg)
     with pytest.raises(ValueError) as e:
-        P.make_plan(cfg)
+        plan_planner.make_plan(cfg)
     assert str(e.value).startswith(prefix), str(e.value)
 
 
@@ -276,7 +268,7 @@ def test_run_plan_prints_tables_and_writes_json(tmp_path, capsys):
     cfg = PlanConfig(model=LLAMA7B, sync=PlanSyncConfig(h_inner=10, h_outer=3))
     cfg.train.seq_len = 2048
     cfg.train.batch_size = 1
-    assert P.run_plan(cfg, str(tmp_path)) == 0
+    assert plan_report.run_plan(cfg, str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "6,738,415,616" in out and "Compute-optimal" in out and "inner all-reduce" in out
     data = json.loads((tmp_path / "plan.json").read_text())

@@ -7,10 +7,10 @@ from dataclasses import asdict
 
 import pytest
 
-from hier_localsgd.tools.plan import planner as P
-from hier_localsgd.tools.simulate import engine as S
-from hier_localsgd.tools.plan.planner import HardwareConfig, NetworkLink, NetworkConfig, PlanTopologyConfig
-from hier_localsgd.tools.simulate.engine import FailureConfig, SimSyncConfig, SimTimeoutsConfig, SimulateConfig
+from hier_localsgd.tools.plan import network as plan_network
+from hier_localsgd.tools.simulate import engine, params, report
+from hier_localsgd.tools.plan.config import HardwareConfig, NetworkLink, NetworkConfig, PlanTopologyConfig
+from hier_localsgd.tools.simulate.config import FailureConfig, SimSyncConfig, SimTimeoutsConfig, SimulateConfig
 
 DEBUG_PARAMS = 6_163_712
 
@@ -44,14 +44,14 @@ def free_network(**failures) -> SimulateConfig:
     return cfg
 
 
-def one_run(cfg: SimulateConfig, seed: int = 0) -> S.RunResult:
-    return S.simulate_once(S.resolve(cfg), seed)
+def one_run(cfg: SimulateConfig, seed: int = 0) -> engine.RunResult:
+    return engine.simulate_once(params.resolve(cfg), seed)
 
 
 # ----------------------------------------------------------------------------- the lighthouse rule
 def test_lighthouse_rule_by_hand():
     inf = float("inf")
-    f = S.lighthouse_forms_at
+    f = engine.lighthouse_forms_at
     assert f(3.0, 0.0, 1, [inf], 30.0, fast=True) == 3.0  # every previous member joined
     # 1 joined, 1 dead member counted until t=10: 1 <= 2//2 until it expires
     assert f(0.0, 0.0, 1, [10.0], 30.0, fast=False) == 10.0
@@ -70,9 +70,9 @@ def test_no_failures_goodput_is_one_minus_sync_overhead(mode):
     r = one_run(small(mode))
     # the planner's formulas, independently: ring bound per level on the demo networks
     topo = PlanTopologyConfig(clusters=2, replicas_per_cluster=2)
-    st = P.sync_times(DEBUG_PARAMS, topo, NetworkConfig(), "float32")
-    per_step = P.sync_per_step(st, mode, 10, 3, 30)
-    expected = 1.0 - P.comm_fraction(0.34, per_step)
+    st = plan_network.sync_times(DEBUG_PARAMS, topo, NetworkConfig(), "float32")
+    per_step = plan_network.sync_per_step(st, mode, 10, 3, 30)
+    expected = 1.0 - plan_network.comm_fraction(0.34, per_step)
     assert r.goodput == pytest.approx(expected, rel=1e-12)
     assert r.goodput == pytest.approx({"hier": 0.9698736, "flat": 0.9608267, "ddp": 0.4498198}[mode], abs=1e-6)
     # by hand, per 0.34 s step: hier 19.92 ms / 10 + (237.24 + 19.82) ms / 30 = 10.561 ms;
@@ -176,7 +176,7 @@ def test_time_is_conserved_under_every_failure_kind(mode, seed):
 
 
 def test_chaos_schedule_picks_roles_like_chaos_py():
-    s = S.summarize_runs(S.simulate_many(S.resolve(S.chaos_validation_config()), 0, 50))
+    s = report.summarize_runs(report.simulate_many(params.resolve(report.chaos_validation_config()), 0, 50))
     roles = s["lost_per_failure_by_role"]
     assert set(roles) == {"non_leader", "leader", "cluster"}
     # a whole-cluster kill costs most: its outer period is discarded
@@ -187,7 +187,7 @@ def test_chaos_schedule_picks_roles_like_chaos_py():
 def test_chaos_run_replay_reproduces_the_measured_discards():
     # docs/benchmarks.md: kills at steps 172 (cluster 0), 234 (c1r1), 370 (cluster 0);
     # measured 2198 steps run, 128 discarded, efficiency 0.942
-    cfg = S.chaos_validation_config(runs=1, failures=FailureConfig(model="none", restart_s=6.0, kills=["s172:0", "s234:1:1", "s370:0"]))
+    cfg = report.chaos_validation_config(runs=1, failures=FailureConfig(model="none", restart_s=6.0, kills=["s172:0", "s234:1:1", "s370:0"]))
     r = one_run(cfg)
     assert r.steps_discarded == 128  # 2x2 + 60, 4, 0 + 60
     assert r.steps_run == pytest.approx(2198, rel=0.10)  # 2328: the real survivors ran faster alone
@@ -195,7 +195,7 @@ def test_chaos_run_replay_reproduces_the_measured_discards():
 
 
 def test_chaos_validation_within_25_percent():
-    s = S.summarize_runs(S.simulate_many(S.resolve(S.chaos_validation_config()), 0, 200))
+    s = report.summarize_runs(report.simulate_many(params.resolve(report.chaos_validation_config()), 0, 200))
     eff = s["efficiency"]["mean"]
     assert abs(eff - 0.942) / 0.942 < 0.25
     assert eff == pytest.approx(0.934, abs=0.01)  # this simulator's prediction (200 seeded runs)
@@ -204,7 +204,7 @@ def test_chaos_validation_within_25_percent():
 def test_torchft_per_step_shape():
     shares = {}
     for every in (60.0, 15.0):
-        s = S.summarize_runs(S.simulate_many(S.resolve(S.torchft_per_step_config(every)), 0, 5))
+        s = report.summarize_runs(report.simulate_many(params.resolve(report.torchft_per_step_config(every)), 0, 5))
         shares[every] = s["goodput"]["mean"] / s["expected_no_failure_goodput"]
     # published: 82.3 % of steps committed at one failure per 60 s, 30.2 % at one per 15 s.
     # The 60 s point calibrates reconfigure_s; at 15 s the simulator is more optimistic
@@ -215,8 +215,8 @@ def test_torchft_per_step_shape():
 
 
 def test_goodput_falls_with_the_failure_rate():
-    p = S.resolve(S.chaos_validation_config())
-    g = [S.summarize_runs(S.simulate_many(S.scale_failures(p, k), 0, 40))["goodput"]["mean"] for k in (0.0, 0.5, 1.0, 3.0)]
+    p = params.resolve(report.chaos_validation_config())
+    g = [report.summarize_runs(report.simulate_many(params.scale_failures(p, k), 0, 40))["goodput"]["mean"] for k in (0.0, 0.5, 1.0, 3.0)]
     assert g[0] > g[1] > g[2] > g[3]
 
 
@@ -241,7 +241,7 @@ def test_bad_values_name_the_field(mutate, prefix):
     cfg = small()
     mutate(cfg)
     with pytest.raises(ValueError) as e:
-        S.resolve(cfg)
+        params.resolve(cfg)
     assert str(e.value).startswith(prefix), str(e.value)
 
 
@@ -255,7 +255,7 @@ def test_config_is_omegaconf_structured():
 
 def test_run_simulate_prints_and_writes_json_and_plot(tmp_path, capsys):
     cfg = small(failures=FailureConfig(model="chaos", kill_every_s=30.0, restart_s=6.0), duration_s=300.0, runs=3, sensitivity=[0.0, 1.0, 3.0])
-    assert S.run_simulate(cfg, str(tmp_path)) == 0
+    assert report.run_simulate(cfg, str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "goodput" in out and "Time lost per failure" in out and "Sensitivity" in out
     data = json.loads((tmp_path / "simulate.json").read_text())

@@ -1,0 +1,88 @@
+"""``dashboard.*``: the dashboard's config section and its check, and the names of what it reads and writes."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Tuple
+
+from hier_localsgd.schema import ConfigError
+
+
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+DASHBOARD_EVENTS = "dashboard_events.jsonl"
+JOB_EVENTS = "job_events.jsonl"
+
+Key = Tuple[int, int]
+
+# Replica event kinds the dashboard keeps (phase transitions are in status.json,
+# and there are too many of them for a timeline).
+SKIPPED_EVENT_KINDS = frozenset({"phase"})
+
+# Timeline severities, used by the page for colours.
+SEVERITY = {
+    "commit": "info",
+    "eval": "info",
+    "start": "info",
+    "heal": "good",
+    "restart": "good",
+    "leader": "warn",
+    "resync": "warn",
+    "quorum": "warn",
+    "rollback": "bad",
+    "timeout": "bad",
+    "quorum_failed": "bad",
+    "fault": "bad",
+    "kill": "bad",
+    "exit": "bad",
+}
+
+
+
+
+@dataclass
+class DashboardConfig:
+    """``dashboard.*``: what to watch, where to serve, whether kills are allowed.
+
+    Attributes:
+        run_dir: the run directory to watch (a job's ``run.dir``); required.
+        host: address to bind; loopback by default. Anyone who can reach it sees
+            the run (and, with ``allow_kill``, can kill its processes).
+        port: TCP port; 0 picks a free one.
+        allow_kill: show kill buttons and accept kill requests. Off by default:
+            the kill endpoint then answers 403.
+        refresh_ms: how often the page polls the state.
+    """
+
+    run_dir: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8265
+    allow_kill: bool = False
+    refresh_ms: int = 1000
+
+
+def validate(cfg: DashboardConfig, prefix: str = "dashboard") -> None:
+    """Raises :class:`~hier_localsgd.schema.ConfigError` whose message starts with the field."""
+    if not cfg.run_dir:
+        raise ConfigError(f"{prefix}.run_dir: required: the run directory to watch, e.g. {prefix}.run_dir=runs/latest")
+    if not Path(cfg.run_dir).is_dir():
+        raise ConfigError(f"{prefix}.run_dir: {cfg.run_dir!r}: no such directory")
+    if not cfg.host:
+        raise ConfigError(f"{prefix}.host: required (127.0.0.1 serves this machine only)")
+    if not 0 <= cfg.port <= 65535:
+        raise ConfigError(f"{prefix}.port: {cfg.port} — must be in [0, 65535] (0 picks a free port)")
+    if cfg.refresh_ms < 100:
+        raise ConfigError(f"{prefix}.refresh_ms: {cfg.refresh_ms} — must be at least 100")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+

@@ -1,0 +1,169 @@
+"""The planner's model arithmetic: resolved dimensions, parameters, FLOPs and memory per rank (formulas: planner.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from hier_localsgd.tools.plan.config import DTYPE_BYTES, PRESETS, PlanConfig, PlanModelConfig, PlanSyncConfig
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelDims:
+    """A resolved Llama-style decoder."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    tied_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def llama_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
+    """torchtitan's FeedForward hidden size for ``hidden_dim = 4 dim``."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def _flavor_args(flavor: str, path: str) -> Dict[str, Any]:
+    """The flavor's dims: a preset, or torchtitan's ``llama3_args`` (imported lazily)."""
+    name = flavor[len("llama3_"):] if flavor.startswith("llama3_") else flavor
+    if name.lower() in PRESETS:
+        return dict(PRESETS[name.lower()], multiple_of=256, ffn_dim_multiplier=None)
+    try:
+        from torchtitan.models.llama3 import llama3_args
+    except Exception as e:  # pragma: no cover - torchtitan is a dependency
+        raise ValueError(f"{path}: {flavor!r} needs torchtitan to resolve ({e}); give explicit dims with flavor=''") from e
+    if name not in llama3_args:
+        known = sorted(set(llama3_args) | set(PRESETS))
+        raise ValueError(f"{path}: unknown flavor {flavor!r} (known: {known}, or '' with explicit dims)")
+    a = llama3_args[name]
+    return dict(
+        dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads or a.n_heads,
+        ffn_dim=0, vocab_size=a.vocab_size, multiple_of=a.multiple_of, ffn_dim_multiplier=a.ffn_dim_multiplier,
+    )
+
+
+def resolve_model(m: PlanModelConfig, prefix: str = "plan.model") -> ModelDims:
+    """Flavor (if any) overridden by the non-zero explicit fields; validated."""
+    base: Dict[str, Any] = dict(dim=0, n_layers=0, n_heads=0, n_kv_heads=0, ffn_dim=0, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None)
+    if m.flavor:
+        base.update(_flavor_args(m.flavor, f"{prefix}.flavor"))
+    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "multiple_of"):
+        v = getattr(m, k)
+        if v < 0:
+            raise ValueError(f"{prefix}.{k}: must be positive (got {v})")
+        if v:
+            base[k] = v
+    if m.ffn_dim_multiplier < 0:
+        raise ValueError(f"{prefix}.ffn_dim_multiplier: must be positive or 0 (got {m.ffn_dim_multiplier})")
+    if m.ffn_dim_multiplier:
+        base["ffn_dim_multiplier"] = m.ffn_dim_multiplier
+    for k in ("dim", "n_layers", "n_heads", "vocab_size"):
+        if base[k] <= 0:
+            raise ValueError(f"{prefix}.{k}: must be positive (no flavor gives it)")
+    if not base["n_kv_heads"]:
+        base["n_kv_heads"] = base["n_heads"]
+    if base["dim"] % base["n_heads"]:
+        raise ValueError(f"{prefix}.n_heads: {base['n_heads']} does not divide dim={base['dim']}")
+    if base["n_heads"] % base["n_kv_heads"]:
+        raise ValueError(f"{prefix}.n_kv_heads: {base['n_kv_heads']} does not divide n_heads={base['n_heads']}")
+    ffn = base["ffn_dim"] or llama_ffn_dim(base["dim"], base["multiple_of"], base["ffn_dim_multiplier"])
+    return ModelDims(
+        name=m.flavor or "custom", dim=base["dim"], n_layers=base["n_layers"], n_heads=base["n_heads"],
+        n_kv_heads=base["n_kv_heads"], ffn_dim=ffn, vocab_size=base["vocab_size"], tied_embeddings=m.tied_embeddings,
+    )
+
+
+def param_counts(d: ModelDims) -> Dict[str, int]:
+    """Parameters by part (see the module docstring); ``total`` is their sum."""
+    hd = d.head_dim
+    attention = d.n_layers * (d.dim * d.n_heads * hd + 2 * d.dim * d.n_kv_heads * hd + d.n_heads * hd * d.dim)
+    mlp = d.n_layers * 3 * d.dim * d.ffn_dim
+    norms = (2 * d.n_layers + 1) * d.dim
+    embeddings = d.vocab_size * d.dim
+    output = 0 if d.tied_embeddings else d.vocab_size * d.dim
+    parts = {"embeddings": embeddings, "attention": attention, "mlp": mlp, "norms": norms, "output": output}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def flops_per_token(d: ModelDims, seq_len: int) -> Dict[str, float]:
+    """Training FLOPs per token: ``6 (N - N_emb) + 12 L h hd T`` (torchtitan's count)."""
+    p = param_counts(d)
+    dense = 6.0 * (p["total"] - p["embeddings"])
+    attention = 12.0 * d.n_layers * d.n_heads * d.head_dim * seq_len
+    return {"dense": dense, "attention": attention, "total": dense + attention, "forward": (dense + attention) / 3.0}
+
+
+def dtype_bytes(name: str, path: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"{path}: unknown dtype {name!r} (expected one of {sorted(DTYPE_BYTES)})")
+    return DTYPE_BYTES[name]
+
+
+def activation_elements_per_token(d: ModelDims) -> Dict[str, float]:
+    """Activation elements kept for backward, per token (see the module docstring)."""
+    block = 6 * d.dim + 2 * d.n_kv_heads * d.head_dim + 4 * d.ffn_dim
+    return {"block": float(block), "head": float(2 * d.dim), "logits_fp32": float(2 * d.vocab_size)}
+
+
+def sync_state_copies(mode: str, sync: PlanSyncConfig, optimizer_states: int, rollback_snapshot: bool) -> Dict[str, int]:
+    """Model-sized copies the sync keeps: persistent (backups, momenta, rollback snapshot)
+    and transient (pseudo-gradient and staged state during a round; sync/hier.py)."""
+
+    def level(alg: str) -> int:
+        return 1 + (1 if alg == "diloco" else 0)  # backup (+ momentum)
+
+    if mode == "ddp":
+        return {"persistent": 0, "transient": 0}
+    if mode == "flat":  # torchft DiLoCo: original parameters + outer momentum; pseudo-gradient
+        return {"persistent": level(sync.flat_algorithm), "transient": 1}
+    persistent = level(sync.inner_algorithm) + level(sync.outer_algorithm) + (optimizer_states if rollback_snapshot else 0)
+    # inner round: pseudo-gradient + staged backup (+ staged momentum);
+    # outer round on the leader, on top: pseudo-gradient, staged backup (+ momentum), result clone.
+    transient = level(sync.inner_algorithm) + 1 + level(sync.outer_algorithm) + 2
+    return {"persistent": persistent, "transient": transient}
+
+
+def memory_per_rank(cfg: PlanConfig, d: ModelDims, mode: str) -> Dict[str, float]:
+    """Peak bytes per rank (see the module docstring), with and without checkpointing."""
+    t, tp = cfg.train, cfg.topology
+    n = param_counts(d)["total"]
+    shard = tp.ranks_per_replica if tp.sharding == "fsdp" else 1
+    pb = dtype_bytes(t.param_dtype, "plan.train.param_dtype")
+    gb = dtype_bytes(t.grad_dtype, "plan.train.grad_dtype")
+    ob = dtype_bytes(t.optimizer_dtype, "plan.train.optimizer_dtype")
+    ab = dtype_bytes(t.activation_dtype, "plan.train.activation_dtype")
+    copies = sync_state_copies(mode, cfg.sync, t.optimizer_states, t.rollback_snapshot)
+    out: Dict[str, float] = {
+        "parameters": n * pb / shard,
+        "gradients": n * gb / shard,
+        "optimizer": n * ob * t.optimizer_states / shard,
+    }
+    snapshot = t.optimizer_states if (mode == "hier" and t.rollback_snapshot) else 0
+    out["sync_backups"] = (copies["persistent"] - snapshot) * n * pb / shard
+    out["rollback_snapshot"] = snapshot * n * ob / shard
+    out["sync_scratch"] = copies["transient"] * n * pb / shard
+    tokens = t.batch_size * t.seq_len
+    act = activation_elements_per_token(d)
+    head = tokens * (act["head"] * ab + act["logits_fp32"] * 4)
+    out["activations"] = tokens * act["block"] * d.n_layers * ab + head
+    out["activations_checkpointed"] = tokens * (d.dim * d.n_layers + act["block"]) * ab + head
+    persistent = out["parameters"] + out["gradients"] + out["optimizer"] + out["sync_backups"] + out["rollback_snapshot"]
+    out["persistent"] = persistent
+    out["peak"] = persistent + max(out["activations"], out["sync_scratch"])
+    out["peak_checkpointed"] = persistent + max(out["activations_checkpointed"], out["sync_scratch"])
+    return out
+
+

@@ -1,0 +1,105 @@
+"""The planner's sync times per level and mode, and the recommended sync periods (formulas: planner.py; costs: hier_localsgd/costs.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict
+
+from hier_localsgd import costs
+from hier_localsgd.tools.plan.config import NetworkConfig, PlanSyncConfig, PlanTopologyConfig
+from hier_localsgd.tools.plan.model import dtype_bytes
+
+
+# ----------------------------------------------------------------------------- network
+@dataclass(frozen=True)
+class SyncTimes:
+    """Seconds per sync of each kind, and the bytes one rank puts on the wire for it."""
+
+    sync_bytes: float  # S per rank (model bytes in the sync dtype, /G with fsdp)
+    inner_s: float
+    outer_allreduce_s: float
+    broadcast_s: float
+    flat_s: float
+    ddp_s: float
+    inner_bytes: float
+    outer_bytes: float
+    broadcast_bytes: float  # sent by the leader
+    flat_bytes: float
+    ddp_bytes: float
+    wide_link: str  # which link bounds flat/ddp ("wan", or "lan" with one cluster)
+
+
+def sync_times(n_params: int, topo: PlanTopologyConfig, net: NetworkConfig, dtype: str, prefix: str = "plan") -> SyncTimes:
+    """Per-sync times of every level and mode (ring bound + ``round_overhead_s``)."""
+    s = n_params * dtype_bytes(dtype, f"{prefix}.sync.dtype")
+    if topo.sharding == "fsdp":
+        s /= topo.ranks_per_replica
+    c, r = topo.clusters, topo.replicas_per_cluster
+    n = c * r
+    wide = net.wan if c > 1 else net.lan
+    o = net.round_overhead_s
+    return SyncTimes(
+        sync_bytes=s,
+        inner_s=costs.allreduce_time(s, r, *net.lan.alpha_beta()) + o,
+        outer_allreduce_s=costs.allreduce_time(s, c, *net.wan.alpha_beta()) + o,
+        broadcast_s=costs.broadcast_time(s, r, *net.lan.alpha_beta()),
+        flat_s=costs.allreduce_time(s, n, *wide.alpha_beta()) + o,
+        ddp_s=costs.allreduce_time(s, n, *wide.alpha_beta()) + o,
+        inner_bytes=costs.ring_allreduce_bytes(s, r),
+        outer_bytes=costs.ring_allreduce_bytes(s, c),
+        broadcast_bytes=(r - 1) * s,
+        flat_bytes=costs.ring_allreduce_bytes(s, n),
+        ddp_bytes=costs.ring_allreduce_bytes(s, n),
+        wide_link="wan" if c > 1 else "lan",
+    )
+
+
+def h_flat(sync: PlanSyncConfig) -> int:
+    return sync.h_flat or sync.h_inner * sync.h_outer
+
+
+def sync_per_step(st: SyncTimes, mode: str, h_inner: int, h_outer: int, h_flat_: int, ddp_overlap: float = 0.0) -> float:
+    """Average exposed sync seconds per local step of one mode."""
+    if mode == "ddp":
+        return st.ddp_s * (1.0 - ddp_overlap)
+    if mode == "flat":
+        return st.flat_s / h_flat_
+    return st.inner_s / h_inner + (st.outer_allreduce_s + st.broadcast_s) / (h_inner * h_outer)
+
+
+def comm_fraction(step_s: float, sync_s: float) -> float:
+    """Share of wall time spent communicating: ``sync / (compute + sync)``."""
+    return sync_s / (step_s + sync_s) if step_s + sync_s > 0 else 0.0
+
+
+def recommend_h(st: SyncTimes, step_s: float, target: float, inner_share: float) -> Dict[str, Any]:
+    """Smallest H values that keep the communication fraction at or below ``target``.
+
+    Per-step budget ``b = target/(1-target) step_s``. hier: H_inner is the smallest with
+    ``inner_s/H_inner <= inner_share b``; H_outer the smallest with
+    ``inner_s/H_inner + (outer_s + bcast_s)/(H_inner H_outer) <= b``. flat: the smallest
+    H with ``flat_s/H <= b``. ddp has no H: reported as reachable or not.
+    """
+    b = target / (1.0 - target) * step_s
+    out: Dict[str, Any] = {"budget_per_step_s": b}
+    if b <= 0:
+        return {**out, "h_inner": None, "h_outer": None, "h_flat": None, "ddp_meets_target": False}
+    h_in = max(1, math.ceil(st.inner_s / (inner_share * b) - 1e-12)) if st.inner_s > 0 else 1
+    left = b - st.inner_s / h_in
+    outer = st.outer_allreduce_s + st.broadcast_s
+    h_out = max(1, math.ceil(outer / (h_in * left) - 1e-12)) if outer > 0 else 1
+    hf = max(1, math.ceil(st.flat_s / b - 1e-12)) if st.flat_s > 0 else 1
+    frac = comm_fraction(step_s, sync_per_step(st, "hier", h_in, h_out, hf))
+    return {
+        **out,
+        "h_inner": h_in,
+        "h_outer": h_out,
+        "outer_period_steps": h_in * h_out,
+        "hier_fraction": frac,
+        "h_flat": hf,
+        "flat_fraction": comm_fraction(step_s, st.flat_s / hf),
+        "ddp_meets_target": comm_fraction(step_s, st.ddp_s) <= target,
+    }
+
+

@@ -1,0 +1,141 @@
+"""The plan as text and JSON: ``hier-localsgd plan``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Sequence
+
+from hier_localsgd.tools.plan.config import HEADER, PlanConfig, REPORT_ORDER
+from hier_localsgd.tools.plan.planner import make_plan
+
+
+# ----------------------------------------------------------------------------- report
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table, columns right-aligned except the first."""
+    cells = [[str(h) for h in headers]] + [[str(x) for x in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for j, row in enumerate(cells):
+        lines.append("  ".join(row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i]) for i in range(len(row))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def fmt_count(x: float) -> str:
+    for unit, k in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= k:
+            return f"{x / k:.3f} {unit}"
+    return f"{x:.0f}"
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= k:
+            return f"{x / k:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def fmt_time(x: float) -> str:
+    if x >= 3600:
+        return f"{x / 3600:.2f} h"
+    if x >= 1:
+        return f"{x:.3f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.2f} ms"
+    return f"{x * 1e6:.1f} us"
+
+
+def human(p: Dict[str, Any]) -> str:
+    m, cfg = p["model"], p["config"]
+    tp, s = cfg["topology"], cfg["sync"]
+    out = [
+        f"{HEADER}: {m['name']} (dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads, {m['n_kv_heads']} kv heads, "
+        f"FFN {m['ffn_dim']}, vocab {m['vocab_size']}) on {tp['clusters']} clusters x {tp['replicas_per_cluster']} replica groups "
+        f"x {tp['ranks_per_replica']} ranks ({tp['sharding']})",
+        "",
+        "Parameters",
+    ]
+    par = p["parameters"]
+    out.append(table(["part", "parameters", "share"], [[k, f"{v:,}", f"{v / par['total']:.1%}"] for k, v in par.items()]))
+    f = p["flops"]
+    out += [
+        "",
+        f"FLOPs (training, per token, seq_len {cfg['train']['seq_len']}): {fmt_count(f['per_token']['total'])} "
+        f"= 6(N-N_emb) {fmt_count(f['per_token']['dense'])} + attention {fmt_count(f['per_token']['attention'])}   (6N = {fmt_count(f['six_n_per_token'])})",
+        f"per rank step ({f['tokens_per_rank_step']} tokens): {fmt_count(f['per_rank_step'])}FLOP; "
+        f"compute time per step {fmt_time(p['step_time_s'])} ({p['step_time_source']})",
+        "",
+        "Peak memory per rank",
+    ]
+    rows = []
+    keys = ["parameters", "gradients", "optimizer", "sync_backups", "rollback_snapshot", "sync_scratch", "activations", "activations_checkpointed", "peak", "peak_checkpointed"]
+    for k in keys:
+        rows.append([k] + [fmt_bytes(p["modes"][mode]["memory"][k]) for mode in REPORT_ORDER])
+    out.append(table(["", *REPORT_ORDER], rows))
+    fits = p["fits_memory"]
+    out.append(
+        f"fits in hardware.memory_gib={cfg['hardware']['memory_gib']:g} GiB: "
+        + ", ".join(f"{m} {'yes' if fits[m]['no_checkpointing'] else ('with checkpointing' if fits[m]['checkpointing'] else 'no')}" for m in REPORT_ORDER)
+    )
+    st = p["sync"]
+    lan, wan = cfg["network"]["lan"], cfg["network"]["wan"]
+    out += [
+        "",
+        f"Syncs (ring bound; LAN {lan['bandwidth_gbps']} Gbit/s {lan['latency_ms']} ms, WAN {wan['bandwidth_gbps']} Gbit/s {wan['latency_ms']} ms; "
+        f"{fmt_bytes(st['sync_bytes'])} per rank in {s['dtype']})",
+        table(
+            ["sync", "ranks", "link", "bytes sent per rank", "time", "every (steps)"],
+            [
+                ["inner all-reduce", tp["replicas_per_cluster"], "lan", fmt_bytes(st["inner_bytes"]), fmt_time(st["inner_s"]), p["h"]["inner"]],
+                ["outer all-reduce", tp["clusters"], "wan", fmt_bytes(st["outer_bytes"]), fmt_time(st["outer_allreduce_s"]), p["h"]["inner"] * p["h"]["outer"]],
+                ["broadcast in cluster", tp["replicas_per_cluster"], "lan", fmt_bytes(st["broadcast_bytes"]), fmt_time(st["broadcast_s"]), p["h"]["inner"] * p["h"]["outer"]],
+                ["flat all-reduce", tp["clusters"] * tp["replicas_per_cluster"], st["wide_link"], fmt_bytes(st["flat_bytes"]), fmt_time(st["flat_s"]), p["h"]["flat"]],
+                ["ddp all-reduce", tp["clusters"] * tp["replicas_per_cluster"], st["wide_link"], fmt_bytes(st["ddp_bytes"]), fmt_time(st["ddp_s"]), 1],
+            ],
+        ),
+        "",
+        "Time per step",
+        table(
+            ["mode", "compute", "sync (avg)", "comm fraction", "tokens/s (all)", "slow-link bytes/step"],
+            [
+                [mode, fmt_time(p["step_time_s"]), fmt_time(v["sync_per_step_s"]), f"{v['comm_fraction']:.1%}", fmt_count(v["tokens_per_s"]), fmt_bytes(v["slow_link_bytes_per_step"])]
+                for mode, v in p["modes"].items()
+            ],
+        ),
+    ]
+    rec = p["recommendation"]
+    if rec.get("h_inner"):
+        out += [
+            "",
+            f"For a communication fraction <= {rec['target_comm_fraction']:.1%}: hier H_inner={rec['h_inner']}, H_outer={rec['h_outer']} "
+            f"(outer every {rec['outer_period_steps']} steps, {rec['hier_fraction']:.2%}); flat H={rec['h_flat']} ({rec['flat_fraction']:.2%}); "
+            f"ddp {'meets' if rec['ddp_meets_target'] else 'cannot meet'} it ({p['modes']['ddp']['comm_fraction']:.1%})",
+        ]
+    sc = p["scaling"]
+    k = sc["constants"]
+    out += [
+        "",
+        f"Compute-optimal (L = {k['E']} + {k['A']}/N^{k['alpha']} + {k['B']}/D^{k['beta']}, C = {k['flops_per_param_token']:g} N D) "
+        f"for C = {sc['budget_flops']:.3g} FLOPs:",
+        f"  N_opt = {fmt_count(sc['N_opt'])} parameters, D_opt = {fmt_count(sc['D_opt'])} tokens, "
+        f"{sc['tokens_per_param']:.1f} tokens/parameter, loss {sc['loss']:.4f}",
+    ]
+    return "\n".join(out)
+
+
+def run_plan(cfg: PlanConfig, out_dir: str) -> int:
+    """Prints the plan and writes ``<out_dir>/<json_name>``. Returns 0.
+
+    Raises:
+        ValueError: a bad field; the message starts with its path (``plan.model.dim: ...``).
+    """
+    p = make_plan(cfg)
+    print(human(p))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, cfg.json_name)
+    with open(path, "w") as fh:
+        json.dump(p, fh, indent=2)
+    print(f"\nplan written to {path}")
+    return 0
