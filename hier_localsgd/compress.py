@@ -143,20 +143,27 @@ def quantize(x: torch.Tensor, fmt: str, block: int = DEFAULT_BLOCK) -> Quantized
     flat = x.detach().reshape(-1).to(torch.float32)
     n = flat.numel()
     nblocks = math.ceil(n / block)
-    padded = torch.zeros(nblocks * block, dtype=torch.float32, device=flat.device)
-    padded[:n] = flat
-    blocks = padded.view(nblocks, block)
+    if n == nblocks * block:
+        blocks = flat.view(nblocks, block)  # no copy: the callers pad to whole blocks
+    else:
+        padded = torch.zeros(nblocks * block, dtype=torch.float32, device=flat.device)
+        padded[:n] = flat
+        blocks = padded.view(nblocks, block)
     qmax = _QMAX[fmt]
-    absmax = blocks.abs().amax(dim=1)
-    finite = torch.isfinite(blocks).all(dim=1)
+    # max and -min instead of abs().amax(): no full-size temporary. Both propagate NaN,
+    # and an infinity makes the absmax infinite, so `finite` flags every bad block.
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg())
+    finite = torch.isfinite(absmax)
     scales = torch.where(finite, absmax / qmax, torch.full_like(absmax, float("nan")))
     # a zero block (or a non-finite one) is divided by 1: its codes are 0 either way
     divisor = torch.where(finite & (absmax > 0), scales, torch.ones_like(scales))
-    scaled = torch.where(finite.unsqueeze(1), blocks / divisor.unsqueeze(1), torch.zeros_like(blocks))
+    scaled = blocks / divisor.unsqueeze(1)
+    if not bool(finite.all()):  # rare: zero the codes of non-finite blocks (NaN has no int8 code)
+        scaled[~finite] = 0.0
     # clamp: absmax/qmax rounds, so x/scale may exceed qmax by an ulp
-    scaled = scaled.clamp(-qmax, qmax)
+    scaled.clamp_(-qmax, qmax)
     if fmt == INT8:
-        codes = torch.round(scaled).to(torch.int8)
+        codes = scaled.round_().to(torch.int8)
     else:
         codes = scaled.to(torch.float8_e4m3fn)
     return Quantized(codes=codes.reshape(-1), scales=scales, numel=n, fmt=fmt, block=block)
@@ -166,7 +173,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     """The fp32 flat tensor ``q`` encodes (``numel`` elements). Deterministic: the same
     codes and scales give the same bits on every rank."""
     nblocks = q.scales.numel()
-    values = q.codes.view(nblocks, q.block).to(torch.float32) * q.scales.unsqueeze(1)
+    values = q.codes.view(nblocks, q.block).to(torch.float32).mul_(q.scales.unsqueeze(1))
     return values.reshape(-1)[: q.numel]
 
 

@@ -187,8 +187,11 @@ def compressed_allreduce(
     rank, world = pg.rank(), pg.size()
     n = tensor.numel()
     lay = shard_layout(n, world, block)
-    padded = torch.zeros(world * lay.shard_elems, dtype=torch.float32, device=tensor.device)
-    padded[:n] = tensor.reshape(-1)
+    if n == world * lay.shard_elems:
+        padded = tensor.view(-1)  # read only: no copy
+    else:
+        padded = torch.zeros(world * lay.shard_elems, dtype=torch.float32, device=tensor.device)
+        padded[:n] = tensor.view(-1)
     if error_feedback is not None:
         # encode adds the residual to the real elements and quantizes them; its blocks
         # are the padded tensor's first blocks (shards are whole blocks, padding only
