@@ -72,7 +72,7 @@ def rank_main(rank: int, world: int, port: int, numel: int, block: int, repeats:
     }
     res = {}
     for name, fn in ops.items():
-        times, wire, counted = [], [], None
+        times, wire, counted, comm = [], [], None, []
         for i in range(repeats + 1):  # the first call warms up
             t = x.clone()
             barrier()
@@ -87,7 +87,9 @@ def rank_main(rank: int, world: int, port: int, numel: int, block: int, repeats:
                 wire.append(b1 - b0)
             if r is not None and hasattr(r, "bytes_sent"):
                 counted = r.bytes_sent
-        res[name] = (times, wire, counted)
+                if i:
+                    comm.append(r.alltoall_s + r.allgather_s)
+        res[name] = (times, wire, counted, comm)
     out.put((rank, res))
 
 
@@ -155,14 +157,17 @@ def main() -> int:
         barrier_wire = statistics.median(got[0]["barriers only"][1])
         print(f"\nW={world}:")
         print(f"  {'op':<16} {'time ms':>8} {'payload B/rank (analytic)':>26} {'counted':>10} "
-              f"{'wire B/rank (lo, netns)':>24} {'fp32/this bytes':>16}")
+              f"{'wire B/rank (lo, netns)':>24} {'fp32/this bytes':>16} {'in collectives ms':>18}")
         for name in ("fp32 allreduce", "int8 compressed", "fp8 compressed"):
             t = statistics.median(max(got[r][name][0][i] for r in range(world)) for i in range(a.repeats))
             analytic = fp32_bytes if name.startswith("fp32") else compressed_allreduce_bytes(a.numel, world, name[:4].strip(), a.block)
             counted = got[0][name][2]
             wire = (statistics.median(got[0][name][1]) - barrier_wire) / world if count_wire else float("nan")
+            # rank 0's time inside the all-to-all and the all-gather (waits included); the
+            # rest of a compressed call is quantize / dequantize / reduce on one thread
+            comm = f"{statistics.median(got[0][name][3]) * 1e3:.1f}" if got[0][name][3] else "-"
             print(f"  {name:<16} {t * 1e3:8.1f} {analytic:26,d} {counted if counted is not None else '-':>10} "
-                  f"{wire:24,.0f} {fp32_bytes / analytic:16.2f}")
+                  f"{wire:24,.0f} {fp32_bytes / analytic:16.2f} {comm:>18}")
     return 0
 
 

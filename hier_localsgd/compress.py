@@ -169,11 +169,26 @@ def quantize(x: torch.Tensor, fmt: str, block: int = DEFAULT_BLOCK) -> Quantized
     return Quantized(codes=codes.reshape(-1), scales=scales, numel=n, fmt=fmt, block=block)
 
 
+_FP8_LUTS: Dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_to_fp32(codes: torch.Tensor) -> torch.Tensor:
+    # torch's CPU cast from float8_e4m3fn converts element by element (about 4x slower
+    # than the int8 path here); a 256-entry table built from that same cast gives the
+    # same bits (NaN codes included) in one gather.
+    lut = _FP8_LUTS.get(codes.device)
+    if lut is None:
+        lut = torch.arange(256, dtype=torch.uint8, device=codes.device).view(torch.float8_e4m3fn).to(torch.float32)
+        _FP8_LUTS[codes.device] = lut
+    return lut.index_select(0, codes.reshape(-1).view(torch.uint8).to(torch.int32)).view(codes.shape)
+
+
 def dequantize(q: Quantized) -> torch.Tensor:
     """The fp32 flat tensor ``q`` encodes (``numel`` elements). Deterministic: the same
     codes and scales give the same bits on every rank."""
     nblocks = q.scales.numel()
-    values = q.codes.view(nblocks, q.block).to(torch.float32).mul_(q.scales.unsqueeze(1))
+    codes = q.codes.view(nblocks, q.block)
+    values = (_fp8_to_fp32(codes) if q.fmt == FP8 else codes.to(torch.float32)).mul_(q.scales.unsqueeze(1))
     return values.reshape(-1)[: q.numel]
 
 

@@ -63,6 +63,16 @@ def test_zero_block_decodes_to_zero_and_non_finite_block_to_nan():
         assert d[4:].tolist() == pytest.approx([2.0, -4.0], rel=2**-4)
 
 
+def test_fp8_table_decode_is_bitwise_the_cast_for_every_code():
+    from hier_localsgd.compress import _fp8_to_fp32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    by_table = _fp8_to_fp32(codes)
+    by_cast = codes.to(torch.float32)
+    assert torch.equal(by_table.view(torch.int32), by_cast.view(torch.int32))
+    assert int(by_cast.isnan().sum()) == 2  # 0x7f and 0xff: the table is not trivially NaN-free
+
+
 def test_quantized_nbytes_is_what_a_quantized_tensor_holds():
     for n, block in [(1, 1), (255, 256), (257, 256), (6_163_712, 256), (1000, 128)]:
         for fmt in (INT8, FP8):
