@@ -90,6 +90,19 @@ def rank_main(rank: int, world: int, port: int, numel: int, block: int, repeats:
                 if i:
                     comm.append(r.alltoall_s + r.allgather_s)
         res[name] = (times, wire, counted, comm)
+        if rank == 0 and counted is not None:
+            # accuracy of the last call against the true mean (every rank's input is
+            # seeded by its rank, so rank 0 can rebuild them)
+            from hier_localsgd.compressed_allreduce import mean_error_bound
+
+            inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+            true = torch.stack(inputs).mean(0)
+            err = (t - true).abs()
+            fmt = name.split()[0]
+            res[name + " accuracy"] = (
+                float(err.norm() / true.norm()),
+                float((err / mean_error_bound(inputs, fmt, block, world)).max()),
+            )
     out.put((rank, res))
 
 
@@ -125,7 +138,7 @@ def round_trip(block: int) -> None:
         d = dequantize(q)
         err = (x - d).abs()
         print(
-            f"  {fmt}: max err/bound {float((err / error_bound(x, q)).max()):.3f}, "
+            f"  {fmt}: max err/bound {float((err / error_bound(x, q)).max()):.4f}, "
             f"relative L2 error {float(err.norm() / x.norm()):.2e}, {q.nbytes / (x.numel() * 4):.4f} of fp32 bytes"
         )
 
@@ -168,6 +181,9 @@ def main() -> int:
             comm = f"{statistics.median(got[0][name][3]) * 1e3:.1f}" if got[0][name][3] else "-"
             print(f"  {name:<16} {t * 1e3:8.1f} {analytic:26,d} {counted if counted is not None else '-':>10} "
                   f"{wire:24,.0f} {fp32_bytes / analytic:16.2f} {comm:>18}")
+        for name in ("int8 compressed", "fp8 compressed"):
+            rel, ratio = got[0][name + " accuracy"]
+            print(f"  {name}: result vs true mean: relative L2 error {rel:.2e}, max err / double-quantization bound {ratio:.3f}")
     return 0
 
 

@@ -187,23 +187,23 @@ def compressed_allreduce(
     rank, world = pg.rank(), pg.size()
     n = tensor.numel()
     lay = shard_layout(n, world, block)
-    if n == world * lay.shard_elems:
-        padded = tensor.view(-1)  # read only: no copy
-    else:
-        padded = torch.zeros(world * lay.shard_elems, dtype=torch.float32, device=tensor.device)
-        padded[:n] = tensor.view(-1)
+    total = world * lay.shard_elems
     if error_feedback is not None:
         # encode adds the residual to the real elements and quantizes them; its blocks
         # are the padded tensor's first blocks (shards are whole blocks, padding only
         # completes the last block with zeros), and the remaining blocks are all padding:
         # code 0, scale 0
         q_real = error_feedback.encode(tensor)
-        codes = torch.zeros(padded.numel(), dtype=q_real.codes.dtype, device=tensor.device)
+        codes = torch.zeros(total, dtype=q_real.codes.dtype, device=tensor.device)
         codes[: q_real.codes.numel()] = q_real.codes
         scales = torch.zeros(world * lay.shard_blocks, dtype=torch.float32, device=tensor.device)
         scales[: q_real.scales.numel()] = q_real.scales
-        q = Quantized(codes=codes, scales=scales, numel=padded.numel(), fmt=fmt, block=block)
+        q = Quantized(codes=codes, scales=scales, numel=total, fmt=fmt, block=block)
+    elif n == total:
+        q = quantize(tensor, fmt, block)  # whole shards already: read without a copy
     else:
+        padded = torch.zeros(total, dtype=torch.float32, device=tensor.device)
+        padded[:n] = tensor.view(-1)
         q = quantize(padded, fmt, block)
     send = _pack(q, lay)
     recv = torch.empty_like(send)

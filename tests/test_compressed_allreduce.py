@@ -17,6 +17,7 @@ from hier_localsgd.compressed_allreduce import (
 N = 10_007  # not a multiple of W·block: the last shard carries padding
 BLOCK = 64
 EF_ROUNDS = 5
+WHOLE = 2 * 3 * BLOCK * 5  # whole shards for W = 2 and 3
 
 
 def _input(rank: int, fmt: str, rnd: int = 0) -> torch.Tensor:
@@ -51,6 +52,10 @@ def _rank_main(rank: int, world: int, store_path: str, out_dir: str) -> None:
         plain = _input(rank, fmt, 1).clone()
         compressed_allreduce(plain, pg, fmt, BLOCK, "sum", timeout=timedelta(seconds=60))
         out[fmt + "_plain_round1"] = plain
+    # a tensor of whole shards (no padding: the input is quantized in place, not copied)
+    whole = _input(rank, INT8)[:WHOLE].clone()
+    compressed_allreduce(whole, pg, INT8, BLOCK, "avg", timeout=timedelta(seconds=60))
+    out["whole"] = whole
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -94,6 +99,11 @@ def test_every_rank_ends_identical_within_the_bound_and_sends_the_analytic_bytes
         assert analytic == 2 * (world - 1) * lay.shard_blocks * (BLOCK + 4)
         assert fp32_ring_allreduce_bytes(N, world) / analytic > 3.5
         assert torch.equal(got[0][fmt + "_plain_round1"], got[0][fmt + "_ef"][0])
+        whole_in = [_input(r, INT8)[:WHOLE] for r in range(world)]
+        assert shard_layout(WHOLE, world, BLOCK).shard_elems * world == WHOLE
+        assert all(torch.equal(g["whole"], got[0]["whole"]) for g in got)
+        whole_err = (got[0]["whole"] - torch.stack(whole_in).mean(0)).abs()
+        assert bool((whole_err <= mean_error_bound(whole_in, INT8, BLOCK, world)).all())
         # replicas identical after every compressed round with error feedback
         for rnd in range(EF_ROUNDS):
             for r in range(1, world):
