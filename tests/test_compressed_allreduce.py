@@ -1,4 +1,4 @@
-"""compressed_allreduce over real Gloo groups of 2 and 3 processes (spawned, FileStore)."""
+"""compressed_allreduce over real Gloo groups of 2 (torchft's ProcessGroupGloo, TCPStore) and 3 (c10d, FileStore) spawned processes."""
 
 import os
 from datetime import timedelta
@@ -26,14 +26,21 @@ def _input(rank: int, fmt: str, rnd: int = 0) -> torch.Tensor:
     return torch.randn(N, generator=gen) * torch.logspace(-3, 1, N) * (1 + rank)
 
 
-def _rank_main(rank: int, world: int, store_path: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, store_path: str, out_dir: str, torchft_port: int = 0) -> None:
     import torch.distributed as dist
 
     from hier_localsgd.compressed_allreduce import compressed_allreduce
 
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=60))
+    if torchft_port:
+        # torchft's wrapper, as the outer level will call it (its own configure/store)
+        from torchft.process_group import ProcessGroupGloo
+
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+        pg.configure(f"127.0.0.1:{torchft_port}/cmp", f"r{rank}", rank, world)
+    else:
+        store = dist.FileStore(store_path, world)
+        pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=60))
     out = {}
     for fmt in (INT8, FP8):
         t = _input(rank, fmt).clone()
@@ -77,9 +84,15 @@ def _spawn(world: int, target, tmp_path, *extra) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_ends_identical_within_the_bound_and_sends_the_analytic_bytes(world, tmp_path):
-    _spawn(world, _rank_main, tmp_path)
+@pytest.mark.parametrize("world,group", [(2, "torchft"), (3, "c10d")])
+def test_every_rank_ends_identical_within_the_bound_and_sends_the_analytic_bytes(world, group, tmp_path):
+    if group == "torchft":
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        _spawn(world, _rank_main, tmp_path, store.port)
+    else:
+        _spawn(world, _rank_main, tmp_path)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for fmt in (INT8, FP8):
         results = [g[fmt][0] for g in got]
