@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -250,6 +250,10 @@ class ErrorFeedback:
         self.block = block
         self.residual: Optional[torch.Tensor] = None
         self._staged: Optional[torch.Tensor] = None
+        # What the residual is the error of, where that can change under it: the
+        # compressed all-reduce's shard residual is tagged (numel, world, rank) and reset
+        # when the quorum gives this rank another shard. None for a whole-tensor residual.
+        self.owner: Optional[Tuple[int, ...]] = None
 
     def encode(self, x: torch.Tensor) -> Quantized:
         """Quantizes ``x + residual`` and stages the new residual.
@@ -282,12 +286,14 @@ class ErrorFeedback:
     def reset(self) -> None:
         self.residual = None
         self._staged = None
+        self.owner = None
 
     def state_dict(self) -> Dict[str, Any]:
         return {
             "fmt": self.fmt,
             "block": self.block,
             "residual": None if self.residual is None else self.residual.detach().clone(),
+            "owner": None if self.owner is None else list(self.owner),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -305,3 +311,5 @@ class ErrorFeedback:
         r = state.get("residual")
         self.residual = None if r is None else r.detach().to(torch.float32).clone()
         self._staged = None
+        owner = state.get("owner")
+        self.owner = None if owner is None else tuple(owner)

@@ -19,9 +19,11 @@ shards, Gloo's ring all-gather forwards ``W−1`` packed shards, so
 all-reduce (:func:`fp32_ring_allreduce_bytes`): 3.94× fewer with ``block=256``.
 
 Error: each input is quantized once (bounded as its format says) and the reduced
-shard once more; with error feedback on the first quantization (pass
-``error_feedback``), only the second one is not compensated — it is common to every
-rank, at most one quantization error of the mean per round (:func:`mean_error_bound`).
+shard once more (:func:`mean_error_bound`). Both can be error-fed back: the first by
+each rank's ``error_feedback`` (its whole tensor), the second by ``shard_feedback``
+(the shard it owns). With both, over committed rounds
+``Σ result = Σ true mean − mean_r(residual_r) − shard residuals`` (for ``avg``), so
+the accumulated result stays within about one step of each quantizer of the true one.
 
 Gloo in torch 2.13 has ``alltoall_base`` (checked; uint8 payloads) and ``allgather``;
 the packed bytes travel as uint8 because Gloo has no float8 type.
@@ -147,6 +149,7 @@ def compressed_allreduce(
     op: str = AVG,
     timeout: timedelta = timedelta(seconds=60),
     error_feedback: Optional[ErrorFeedback] = None,
+    shard_feedback: Optional[ErrorFeedback] = None,
 ) -> CompressedAllreduceResult:
     """All-reduces ``tensor`` in place over ``pg`` with quantized payloads.
 
@@ -163,14 +166,20 @@ def compressed_allreduce(
         error_feedback: this rank's residual; if given, ``tensor + residual`` is what is
             quantized and the new residual is staged — the caller commits it when the
             round commits, or rolls it back (:class:`ErrorFeedback`).
+        shard_feedback: this rank's residual of the *second* quantization (of the
+            reduced shard it owns); staged and committed/rolled back like
+            ``error_feedback``. It is the error of shard ``rank`` of a ``world``-way
+            split, so it is reset here when ``(numel, world, rank)`` changed (the
+            quorum gave this rank another shard: a bounded, one-off loss).
 
     Returns:
         byte counts and timings of this rank (:class:`CompressedAllreduceResult`).
 
     Failure semantics: a peer that fails or does not arrive makes a collective raise
     (RuntimeError from Gloo, or ours on timeout) within ``timeout``; ``tensor`` is
-    then left unchanged (it is written only after the all-gather completed), and a
-    staged error-feedback residual must be rolled back by the caller. Non-finite
+    then left unchanged (it is written only after the all-gather completed), and the
+    staged residuals (``error_feedback``, ``shard_feedback``) must be rolled back by
+    the caller. Non-finite
     inputs do not raise (peers would be left waiting): their blocks come out NaN on
     every rank.
 
@@ -222,7 +231,15 @@ def compressed_allreduce(
         acc += versions[j]
     if op == AVG:
         acc /= world
-    mine = _pack(quantize(acc, fmt, block), shard_layout(lay.shard_elems, 1, block))[0]
+    if shard_feedback is not None:
+        owner = (n, world, rank)
+        if shard_feedback.owner != owner:
+            shard_feedback.reset()
+            shard_feedback.owner = owner
+        q_mine = shard_feedback.encode(acc)
+    else:
+        q_mine = quantize(acc, fmt, block)
+    mine = _pack(q_mine, shard_layout(lay.shard_elems, 1, block))[0]
 
     gathered: List[torch.Tensor] = [torch.empty_like(mine) for _ in range(world)]
     ag = AllgatherOptions()

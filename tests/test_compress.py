@@ -167,8 +167,10 @@ def test_state_dict_carries_the_residual_to_a_new_leader_bitwise():
         old.encode(g)
         old.commit()
     old.encode(rounds[3])  # staged, never committed: the round failed with the leader
+    old.owner = (500, 2, 1)  # a shard residual's owner tag travels with it
     new = ErrorFeedback(FP8, 64)
     new.load_state_dict(old.state_dict())
+    assert new.owner == (500, 2, 1)
     old.rollback()
     for g in rounds[3:]:
         a, b = old.encode(g), new.encode(g)
