@@ -1,4 +1,5 @@
-"""compressed_allreduce over real Gloo groups of 2 (torchft's ProcessGroupGloo, TCPStore) and 3 (c10d, FileStore) spawned processes."""
+"""compressed_allreduce over real Gloo groups of spawned processes: 2 on torchft's
+ProcessGroupGloo (TCPStore), 3 on plain c10d Gloo (FileStore)."""
 
 import os
 from datetime import timedelta
