@@ -51,6 +51,9 @@ class TopologyConfig:
 class LevelConfig:
     algorithm: str = "diloco"
     every: int = 10  # inner: local steps per round; outer: inner rounds per outer round
+    # outer: inner rounds between an outer round's launch and its result's application
+    # (overlap.py; 0 = blocking). flat: torchft DiLoCo's fragment_sync_delay (local steps).
+    delay: int = 0
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
@@ -397,6 +400,12 @@ def validate(cfg: Config, command: str = "train") -> None:
             err(f"sync.{name}.lr", f"{lv.lr} — must be positive")
         if not 0 <= lv.momentum < 1:
             err(f"sync.{name}.momentum", f"{lv.momentum} — must be in [0, 1)")
+        if name == "inner" and lv.delay != 0:
+            err("sync.inner.delay", f"{lv.delay} — only the outer level (and flat) can be overlapped")
+        elif name == "flat" and lv.delay and lv.algorithm != "diloco":
+            err("sync.flat.delay", f"{lv.delay} — torchft's LocalSGD has no overlap; use sync.flat.algorithm=diloco")
+        elif not 0 <= lv.delay < lv.every:
+            err(f"sync.{name}.delay", f"{lv.delay} — must be in [0, sync.{name}.every={lv.every}): a round's result is applied before the next round starts")
     if not 1 <= s.min_replicas <= t.replicas_per_cluster:
         err("sync.min_replicas", f"{s.min_replicas} — must be in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
     if not 1 <= s.min_clusters <= t.clusters:

@@ -127,6 +127,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             group_world_size=grp.size,
             quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
             outage_limit=timedelta(seconds=s.outage_limit_s),
+            outer_delay=s.outer.delay,
+            final_step=cfg.train.steps,
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,
@@ -151,7 +153,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
     if s.mode == "ddp":
         return DDPSync(**common)
     f = s.flat
-    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov)
+    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov, delay=f.delay)
 
 
 def wait_for_gate(path: str, timeout_s: float) -> None:
