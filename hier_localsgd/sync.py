@@ -366,7 +366,7 @@ class HierarchicalSync:
         tr.enter(Phase.INNER_QUORUM, t.inner_quorum, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
-            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice)
+            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=(c.step << 32) + c.inner_round)
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             self._outage("inner", e)
