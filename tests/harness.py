@@ -70,8 +70,11 @@ class ThreadedHier:
         heartbeat_timeout_ms: int = 2000,
         inner_link: Optional[LinkSpec] = None,
         outer_link: Optional[LinkSpec] = None,
+        outer_delay: int = 0,
+        final_step: int = 0,
     ) -> None:
         self.C, self.R = clusters, replicas
+        self.outer_delay, self.final_step = outer_delay, final_step
         kw = dict(join_timeout_ms=20000, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
         self.global_lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters or clusters, **kw)
         self.cluster_lh = [LighthouseServer(bind="127.0.0.1:0", min_replicas=1, **kw) for _ in range(clusters)]
@@ -103,6 +106,8 @@ class ThreadedHier:
             replicas_per_cluster=self.R,
             inner_link=self.inner_link,
             outer_link=self.outer_link,
+            outer_delay=self.outer_delay,
+            final_step=self.final_step,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

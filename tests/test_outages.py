@@ -258,3 +258,40 @@ def test_survivors_abandon_a_collective_with_a_stopped_peer_within_the_heartbeat
     assert [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > state["cont"]], logs_tail(run)
     assert run.summary["consistent"] is True
 
+
+
+def test_a_replica_group_restarted_during_its_lighthouses_outage_waits_for_it(tmp_path):
+    """c0r1 is killed while cluster 0's lighthouse is down. Its restart finds no
+    lighthouse: it waits for it instead of exiting (a first start would exit with one
+    line). So that nothing races the restart's start-up time, every other group stops
+    itself (fault action ``stop``: SIGSTOP) at its step-60 round, and the test brings the
+    lighthouse back and resumes them (SIGCONT) only once the restart says it is waiting.
+    c0r1 then heals from c0r0 — which trained on through the outage (rounds skipped) and
+    must not heal from the restarted group's no-op join rounds — and the job ends
+    consistent: one restart, no exit of its own, c0r0 never healed."""
+    seen = {}
+    log = tmp_path / "logs" / "c0r1.log"
+    others = [(0, 0), (1, 0), (1, 1)]
+    stop = "faults=[" + ",".join(f"{{cluster:{c},replica:{r},step:60,action:stop,phase:INNER_QUORUM}}" for c, r in others) + "]"
+
+    def during(job):
+        if "kill" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 30 for k in ALL):
+            seen["kill"] = time.time()
+            job.kill_lighthouse("cluster0")
+            job.kill((0, 1))
+        elif "kill" in seen and "back" not in seen and log.exists() and "waiting for it" in log.read_text():
+            seen["back"] = time.time()
+            job.start_lighthouse("cluster0")
+            for k in others:
+                os.killpg(job.replicas[k].popen.pid, signal.SIGCONT)
+
+    run = run_job(tmp_path, [*OUTAGE, "lighthouse.supervise=false", stop], during=during, restart=True, timeout_s=300)
+    assert "back" in seen, logs_tail(run)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    exits = [h["code"] for h in history(run, "exit", (0, 1))]
+    assert exits == [-9, 0], (exits, logs_tail(run))  # the kill, then the restart's clean end
+    assert len(history(run, "restart", (0, 1))) == 1
+    assert run.kinds((0, 1), "heal", level="inner"), "the restarted group must heal from c0r0"
+    assert "answers again" in log.read_text()
+    assert not run.kinds((0, 0), "heal", level="inner")  # c0r0's training was not reset
+    assert run.summary["consistent"] is True

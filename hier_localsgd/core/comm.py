@@ -79,6 +79,11 @@ class LevelComm:
         self._tracker = tracker
         self._gate = gate
 
+    def use_tracker(self, tracker: PhaseTracker) -> None:
+        """The phases (and deadlines) this level's collectives run in from now on: the
+        round's, or the overlapped outer stage's (overlap.py)."""
+        self._tracker = tracker
+
     def _run(self, op: str, kind: str, issue: Callable[[timedelta], Work]) -> bool:
         self._tracker.require(self.level)
         already_failed = self.mgr.errored() is not None

@@ -12,7 +12,9 @@ I1 ONE_GROUP_PER_PAIR
     group. Checked (a) when the outer group is configured from a quorum: its
     members' cluster ids must be distinct (:func:`check_distinct_clusters`), and
     (b) inside a process: collectives on different groups never overlap in time
-    (:class:`CollectiveGate`).
+    (:class:`CollectiveGate`), except the inner and outer levels of a leader with the
+    overlapped outer sync (overlap.py): those two groups share no pair of processes,
+    by (a), so they may each have one collective in flight at once.
 I2 SEPARATE_OPTIMIZERS
     The inner optimizer, the inner level's outer optimizer and the outer level's
     outer optimizer are separate objects over separate tensors
@@ -79,31 +81,37 @@ def check_distinct_clusters(level: str, cluster_ids: Optional[Sequence[int]]) ->
 
 
 class CollectiveGate:
-    """I1(b): at most one process group of this process has a collective in flight.
+    """I1(b): at most one collective in flight per level, and collectives of two levels
+    in flight at once only for a pair of levels declared ``concurrent``.
 
-    The sync state machine is sequential, so this never fires in correct code; it
-    turns a future mistake (say, an outer all-reduce started before the inner
-    broadcast finished) into an immediate error instead of a cross-group deadlock.
+    ``concurrent`` names pairs whose groups share no pair of processes: the inner and
+    outer levels under the overlapped outer sync (the outer group's members are of
+    distinct clusters, I1(a)). Without it the sync state machine is sequential, so this
+    never fires in correct code; it turns a future mistake (say, an outer all-reduce
+    started before the inner broadcast finished) into an immediate error instead of a
+    cross-group deadlock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, concurrent: Iterable[tuple[str, str]] = ()) -> None:
         self._lock = threading.Lock()
-        self._active: Optional[str] = None
+        self._active: dict[str, str] = {}  # level -> its op in flight
+        self._concurrent = {frozenset(p) for p in concurrent}
 
     @contextmanager
     def collective(self, level: str, op: str) -> Iterator[None]:
         with self._lock:
-            if self._active is not None:
-                raise InvariantViolation(
-                    ONE_GROUP_PER_PAIR,
-                    f"{level} {op} started while a {self._active} collective is in flight",
-                )
-            self._active = f"{level} {op}"
+            for other, other_op in self._active.items():
+                if other == level or frozenset((level, other)) not in self._concurrent:
+                    raise InvariantViolation(
+                        ONE_GROUP_PER_PAIR,
+                        f"{level} {op} started while a {other} {other_op} collective is in flight",
+                    )
+            self._active[level] = op
         try:
             yield
         finally:
             with self._lock:
-                self._active = None
+                self._active.pop(level, None)
 
 
 def check_disjoint_tensors(named_groups: Iterable[tuple[str, Iterable[torch.Tensor]]]) -> None:

@@ -196,8 +196,22 @@ class LevelManager:
         self._healed = True
         self._load(sd)
 
-    def start_quorum(self, timeout: timedelta, health: Optional[LighthouseHealth] = None, slice_: Optional[timedelta] = None) -> QuorumView:
+    def start_quorum(
+        self, timeout: timedelta, health: Optional[LighthouseHealth] = None, slice_: Optional[timedelta] = None,
+        progress: Optional[int] = None,
+    ) -> QuorumView:
         """Forms a quorum (and heals from a peer if behind) within ``timeout``.
+
+        ``progress``: what this replica announces as its step (torchft heals everyone
+        below the quorum's highest step from a member at it). By default torchft counts
+        commits; the inner level announces its training step, then its committed rounds
+        (``step << 32 | inner_round``), so who heals from whom follows training progress
+        (and, at equal steps, a member that rolled a round back heals from one that
+        committed it): a replica group restarted at step 0 that
+        committed a few no-op join rounds alone (its lighthouse had just come back) must
+        not look ahead of a peer that trained on through the outage with its rounds
+        skipped — with commit counts it did, and the peer healed from it, losing all its
+        training (seen in tests/test_outages.py's restart-during-outage test).
 
         With ``health`` and ``slice_`` (the lighthouse's heartbeat timeout), the request
         is made in slices of at most ``slice_`` and the lighthouse is probed between
@@ -214,6 +228,8 @@ class LevelManager:
         while True:
             left = timedelta(seconds=max(0.1, deadline - time.monotonic()))
             this = min(left, slice_) if slice_ is not None and health is not None else left
+            if progress is not None:
+                self.manager._step = progress  # sent with the quorum request (torchft 0.2.0 reads it there)
             try:
                 return self._quorum_once(this, heal_budget=timedelta(seconds=max(0.1, deadline - time.monotonic())))
             except QuorumFailed as e:

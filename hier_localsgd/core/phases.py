@@ -122,14 +122,18 @@ class PhaseTracker:
     Args:
         describe: short text naming this process in log lines (cluster/replica/role).
         listeners: called with each :class:`Transition` (status file, event log).
+        transitions: the legal forward transitions (default :data:`TRANSITIONS`, one
+            sync round; overlap.py's background outer stage has its own).
     """
 
     def __init__(
         self,
         describe: str = "",
         listeners: Iterable[Callable[[Transition, Dict[str, object]], None]] = (),
+        transitions: Optional[Dict[Phase, FrozenSet[Phase]]] = None,
     ) -> None:
         self._describe = describe
+        self._transitions = TRANSITIONS if transitions is None else transitions
         self._listeners: List[Callable[[Transition, Dict[str, object]], None]] = list(listeners)
         self._lock = threading.Lock()
         self._s = _State()
@@ -145,11 +149,11 @@ class PhaseTracker:
             src = self._s.phase
             if src == Phase.STOPPED:
                 raise PhaseError(f"{self._describe}: no transition out of STOPPED (to {dst.name})")
-            legal = dst in (Phase.ROLLBACK, Phase.STOPPED) or dst in TRANSITIONS[src]
+            legal = dst in (Phase.ROLLBACK, Phase.STOPPED) or dst in self._transitions.get(src, frozenset())
             if not legal:
                 raise PhaseError(
                     f"{self._describe}: illegal phase transition {src.name} -> {dst.name} "
-                    f"(allowed from {src.name}: {sorted(p.name for p in TRANSITIONS[src])})"
+                    f"(allowed from {src.name}: {sorted(p.name for p in self._transitions.get(src, frozenset()))})"
                 )
             now = time.time()
             self._s.phase = dst

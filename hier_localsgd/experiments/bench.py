@@ -11,6 +11,9 @@ spec):
   WAN on C of its n hops, C·2(n−1)/n·S per sync, vs C·2(C−1)/C·S per outer round);
 * ``flat_count`` — the same, syncing exactly as often as the hierarchy's outer rounds;
 * ``hier`` — inner over LAN every H_inner steps, outer over WAN every H_outer inner rounds;
+* ``flat_overlap`` / ``hier_overlap`` (by ``bench.arms``) — ``flat_count`` with torchft's
+  ``fragment_sync_delay`` = H_inner local steps, and ``hier`` with the outer round
+  overlapped by one inner round (``sync.outer.delay=1``, overlap.py);
 * a bare training loop (no sync, no machinery) per replica group, run concurrently like
   the arms, for the per-step overhead of the hierarchy on steps without a sync.
 
@@ -78,6 +81,10 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         "flat_budget": ["sync.mode=flat", f"sync.flat.every={budget}"],
         "flat_count": ["sync.mode=flat", f"sync.flat.every={period}"],
         "hier": ["sync.mode=hier"],
+        # the overlapped variants: torchft's own fragment_sync_delay (one inner period's worth
+        # of local steps), and the hierarchy's outer round applied one inner round later
+        "flat_overlap": ["sync.mode=flat", f"sync.flat.every={period}", f"sync.flat.delay={h_in}"],
+        "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],
     }
     return common, {a: arms[a] for a in b.arms}, steps
 

@@ -832,7 +832,7 @@ def _prepare(cfg: Config) -> Config:
     if "partition" in cfg.chaos.kinds and not getattr(cfg.run, "netns", False):
         why = "they need run.netns=true (each cluster in its own network namespace)"
         try:
-            from hier_localsgd import netns  # type: ignore[attr-defined]
+            from hier_localsgd.launch import netns
 
             reason = netns.available()
             if reason is None:

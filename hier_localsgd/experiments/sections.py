@@ -16,7 +16,7 @@ from hier_localsgd.experiments.chaos_faults import KINDS
 from hier_localsgd.schema import fail
 from hier_localsgd.sync.types import MODES
 
-ARMS = ("ddp", "flat_budget", "flat_count", "hier")  # bench.py
+ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "hier", "hier_overlap")  # bench.py
 
 
 @dataclass

@@ -200,6 +200,7 @@ class FlatSync(_Baseline):
         lr: float,
         momentum: float,
         nesterov: bool,
+        delay: int = 0,
         **kwargs: object,
     ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -213,8 +214,13 @@ class FlatSync(_Baseline):
             self.algo = DiLoCo(
                 manager, [model], self.opt, outer, sync_every=every, backup_device=torch.device("cpu"),
                 pin_memory=False, use_bucketization=True,
+                # torchft's own overlap (Streaming DiLoCo's tau): the all-reduce starts `delay`
+                # local steps before the sync point and is waited for at it.
+                fragment_sync_delay=delay,
             )
         else:
+            if delay:
+                raise ValueError("sync.flat.delay: torchft's LocalSGD has no overlap; use sync.flat.algorithm=diloco")
             self.algo = LocalSGD(manager, model, self.opt, sync_every=every)
         self.algo.__enter__()  # registers the optimizer hooks that run the syncs
         self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}

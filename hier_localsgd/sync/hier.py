@@ -79,6 +79,7 @@ from hier_localsgd.core.addresses import LighthouseUnreachable
 from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.core.peers import QuorumWatch
+from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round, merge_keep_local
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -158,6 +159,11 @@ class HierSettings:
     # lighthouse has not answered for outage_limit ends the process.
     quorum_slice: timedelta = timedelta(seconds=5)
     outage_limit: timedelta = timedelta(seconds=600)
+    # Overlapped outer sync (overlap.py): inner rounds between an outer round's launch and
+    # the application of its result; 0 = blocking. The outer round at final_step (the run's
+    # last step, 0 = unknown) always blocks, so a run ends on a synced model.
+    outer_delay: int = 0
+    final_step: int = 0
 
 
 @dataclass
@@ -167,6 +173,7 @@ class _OuterResult:
     outer_round: int
     step: int
     cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
+    merge: bool = False  # overlapped: params is the global model, merged with the progress since the snapshot
 
 
 class HierarchicalSync:
@@ -226,7 +233,22 @@ class HierarchicalSync:
             ]
         )
         self._opt_backup = copy.deepcopy(inner_optimizer.state_dict())
-        self._gate = CollectiveGate()
+        # Overlapped outer sync (overlap.py): the leader's inner and outer groups may each
+        # have a collective in flight (they share no pair of processes, I1).
+        self._overlap = settings.outer_delay > 0
+        self._gate = CollectiveGate(concurrent=[("inner", "outer")] if self._overlap else ())
+        self.stage: Optional[OuterStage] = (
+            OuterStage(str(identity), listener=lambda phase: tracker.set_extra(outer_stage=phase)) if self._overlap else None
+        )
+        # Every member: the committed model the last launched outer round started from (θ_s).
+        self._snap: Optional[torch.Tensor] = flat.data[self.part].detach().clone() if self._overlap else None
+        self._snap_step = 0
+        self._snap_since_outer = 0  # inner-committed steps the launched outer round carries
+        self._stage_outer: Optional[Level] = None  # the stage's copy of the outer level
+        self._outer_target = self.outer  # where an outer heal loads and what a donor serves
+        self._outer_view: Optional[tuple[int, int]] = None  # the stage's (outer_round, step)
+        if self._snap is not None:
+            check_disjoint_tensors([("model parameters (inner optimizer)", [flat.data]), ("outer stage snapshot", [self._snap])])
         self._leader = False
         self._quorum_failures = {"inner": 0, "outer": 0}
         self._outer_healed: Optional[tuple[int, int]] = None
@@ -303,8 +325,7 @@ class HierarchicalSync:
         return {**self.work, "steps_since_outer": self._since_outer}
 
     def is_outer_round(self) -> bool:
-        step = self.counters.step
-        return step > 0 and step % (self.s.h_inner * self.s.h_outer) == 0
+        return is_launch_round(self.counters.step, self.s.h_inner, self.s.h_outer)
 
     @property
     def leader(self) -> bool:
@@ -315,8 +336,9 @@ class HierarchicalSync:
 
     def close(self) -> None:
         if self.outer_mgr is not None:
-            self.outer_mgr.shutdown()
+            self.outer_mgr.shutdown()  # aborts a stage's process group: its waits end
             self.outer_mgr = None
+        self._drop_stage("closing")
         self.inner_mgr.shutdown()
 
     # ------------------------------------------------------------------ one round
@@ -326,7 +348,7 @@ class HierarchicalSync:
         tr.enter(Phase.INNER_QUORUM, t.inner_quorum, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
-            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice)
+            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=(c.step << 32) + c.inner_round)
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             self._outage("inner", e)
@@ -352,7 +374,7 @@ class HierarchicalSync:
         plan = self._consistency(
             self.inner_comm, q, "inner",
             guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
-            tensors=self.inner.state_tensors() + [self.outer.backup],
+            tensors=self._inner_tensors(),
         )
         staged = self._reduce(self.inner, self.inner_comm, self.flat.data[self.part], plan, q.rank)
 
@@ -360,8 +382,11 @@ class HierarchicalSync:
         # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
         # no-op at both levels; stepping the outer optimizer on a zero pseudo-gradient
         # would still move the model by its momentum. Every member knows the total.
-        if self.is_outer_round() and plan.total_weight > 0:
+        outer_now = self.is_outer_round() and plan.total_weight > 0
+        final = self.s.final_step > 0 and c.step >= self.s.final_step
+        if outer_now and (not self._overlap or final):
             if self._leader:
+                self._drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
                 inner_ok = self.inner_mgr.errored() is None
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid.
@@ -369,13 +394,26 @@ class HierarchicalSync:
             tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, self._leader))
             self._fault_point(Phase.BROADCAST)
             result = self._broadcast(result, prior=staged.backup)
+        elif self._overlap and self.is_apply_round():
+            # Every member knows this round by its step: the header tells whether a global
+            # model follows (overlap.py).
+            tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, False))
+            self._fault_point(Phase.BROADCAST)
+            result = self._collect_outer() if self._leader else None
+            result = self._broadcast_global(result, prior=staged.backup)
 
         tr.enter(Phase.INNER_COMMIT, t.inner_commit)
         try:
             ok = self.inner_mgr.should_commit(tr.remaining())
         except RuntimeError as e:  # torchft raises after max_retries consecutive failures
             raise FatalSyncError(f"inner commits keep failing: {e}") from e
-        return self._apply(ok, staged, result, plan)
+        committed = self._apply(ok, staged, result, plan)
+        if outer_now and self._overlap and not final:
+            self._launch_outer(contribute=committed)
+        return committed
+
+    def is_apply_round(self) -> bool:
+        return is_apply_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.outer_delay)
 
     # ------------------------------------------------------------------ pieces
     def _consistency(
@@ -420,12 +458,25 @@ class HierarchicalSync:
         grad.div_(plan.total_weight)
         return level.stage(grad)
 
-    def _outer_round(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool) -> _OuterResult:
-        """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT."""
-        t, tr, c = self.t, self.tracker, self.counters
-        fallback = _OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, c.outer_round, c.step)
+    def _outer_round(
+        self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool,
+        tr: Optional[PhaseTracker] = None, lvl: Optional[Level] = None, view: Optional[tuple[int, int]] = None,
+    ) -> _OuterResult:
+        """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT.
+
+        Blocking (defaults): on the round's tracker, the outer level and the current
+        counters. Overlapped (overlap.py): on the stage's tracker, a copy of the outer
+        level (``lvl``, committed here, adopted at the apply round) and the counters at
+        the launch (``view``); it then touches no state the training thread uses."""
+        t, c = self.t, self.counters
+        tr = self.tracker if tr is None else tr
+        lvl = self.outer if lvl is None else lvl
+        cur_round, cur_step = view or (c.outer_round, c.step)
+        fallback = _OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
+        if tr is not self.tracker and not self._leader:
+            return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
         tr.enter(Phase.OUTER_QUORUM, t.outer_quorum)
-        self._fault_point(Phase.OUTER_QUORUM)
+        self._fault_point(Phase.OUTER_QUORUM, cur_step)
         self._outer_healed = None
         health = self.health["outer"]
         try:
@@ -433,37 +484,38 @@ class HierarchicalSync:
                 health.before_quorum()
                 if not health.probe():  # a new Manager would wait timeouts.connect for it
                     raise LighthouseOutage(health.message("no cluster Manager yet"))
-            mgr, comm = self._ensure_outer()
+            mgr, comm = self._ensure_outer(tr)
+            comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
             q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
         except LighthouseOutage as e:
             # The clusters train and sync inside themselves until the global lighthouse returns.
             self._outage("outer", e)
-            self.events("rollback", level="outer", reason=str(e), step=c.step)
+            self.events("rollback", level="outer", reason=str(e), step=cur_step)
             return fallback
         except (QuorumFailed, LighthouseUnreachable) as e:
             self._quorum_failed("outer", e)
-            self.events("rollback", level="outer", reason=str(e), step=c.step)
+            self.events("rollback", level="outer", reason=str(e), step=cur_step)
             return fallback
         self._lighthouse_ok("outer")
         self._quorum_failures["outer"] = 0
         self.tracker.set_extra(outer=mgr.describe(q.size))
         if q.healed:
-            self.events("heal", level="outer", step=c.step, outer_round=self._outer_healed[0] if self._outer_healed else None)
+            self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
 
         tr.enter(Phase.OUTER_REDUCE, t.outer_reduce)
-        self._fault_point(Phase.OUTER_REDUCE)
-        view_round, view_step = self._outer_healed or (c.outer_round, c.step)
+        self._fault_point(Phase.OUTER_REDUCE, cur_step)
+        view_round, view_step = self._outer_healed or (cur_round, cur_step)
         # A cluster that just healed to a newer global model measured its work from
         # an older one: it contributes weight 0 this round.
-        moved = self._outer_healed is not None and view_round != c.outer_round
+        moved = self._outer_healed is not None and view_round != cur_round
         weight = 1.0 if contribute and not moved and mgr.errored() is None else 0.0
         plan = self._consistency(
             comm, q, "outer",
-            guard.Fingerprint(self.outer.fingerprint(), view_round, 0, view_step, weight),
-            tensors=self.outer.state_tensors(),
+            guard.Fingerprint(lvl.fingerprint(), view_round, 0, view_step, weight),
+            tensors=lvl.state_tensors(),
         )
         view_round, view_step = self._outer_healed or (view_round, view_step)
-        staged = self._reduce(self.outer, comm, cluster_model, plan, q.rank)
+        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank)
 
         tr.enter(Phase.OUTER_COMMIT, t.outer_commit)
         try:
@@ -471,16 +523,101 @@ class HierarchicalSync:
         except RuntimeError as e:
             raise FatalSyncError(f"outer commits keep failing: {e}") from e
         if not ok:
-            self.events("rollback", level="outer", reason="outer commit vote failed", step=c.step)
+            self.events("rollback", level="outer", reason="outer commit vote failed", step=cur_step)
             return _OuterResult(fallback.status, cluster_model, view_round, view_step)
-        self.outer.commit(staged)
+        lvl.commit(staged)
         new_round = view_round + (1 if plan.total_weight > 0 else 0)
-        tr.mark_commit("outer", new_round)
+        self.tracker.mark_commit("outer", new_round)
         self.events(
             "commit", level="outer", outer_round=new_round, step=view_step,
-            participants=q.size, total_weight=plan.total_weight, checksum=checksum(self.outer.backup),
+            participants=q.size, total_weight=plan.total_weight, checksum=checksum(lvl.backup),
         )
-        return _OuterResult(Status.OUTER_COMMITTED, self.outer.backup.clone(), new_round, view_step, plan.weights[q.rank])
+        return _OuterResult(Status.OUTER_COMMITTED, lvl.backup.clone(), new_round, view_step, plan.weights[q.rank])
+
+    # ------------------------------------------------------------------ overlapped outer sync
+    def _launch_outer(self, contribute: bool) -> None:
+        """After the inner commit of an outer round (overlap.py): every member keeps the
+        committed model as the snapshot; the leader starts the outer round behind training."""
+        assert self._snap is not None and self.stage is not None
+        c = self.counters
+        self._snap.copy_(self.inner.backup)
+        self._snap_step = c.step
+        self._snap_since_outer = self._since_outer
+        if not self._leader:
+            return
+        self._drop_stage("a new outer round")  # one never applied (its apply round was skipped)
+        lvl = Level("outer", self.s.outer, self.outer.backup)
+        lvl.load_state_dict(self.outer.state_dict())
+        view = (c.outer_round, c.step)
+        self._stage_outer, self._outer_target, self._outer_view = lvl, lvl, view
+        model = self._snap.clone()
+        self.stage.launch(lambda tr: self._outer_round(model, contribute, contribute, tr=tr, lvl=lvl, view=view))
+        self.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=self.s.outer_delay)
+
+    def _collect_outer(self) -> _OuterResult:
+        """The leader, at the apply round: the stage's result, waiting at most while the
+        stage is inside its deadlines (and the round's BROADCAST budget lasts)."""
+        assert self.stage is not None
+        c, st = self.counters, self.stage
+        none = _OuterResult(Status.INNER_ONLY, None, c.outer_round, c.step)
+        if not st.busy:
+            return none
+        end = self.tracker.deadline() or (time.time() + self.t.broadcast_wait.total_seconds())
+        end -= self.t.broadcast.total_seconds()  # leave the broadcast its own time
+        res: Optional[_OuterResult] = None
+        while True:
+            finished, res = st.collect(min(timedelta(seconds=0.5), st.wait_budget()))
+            if finished:
+                break
+            dl = st.tracker.deadline()
+            now = time.time()
+            if now >= end or (dl is not None and now > dl + 1.0):
+                self.events("timeout", level="outer", op="stage", phase=st.tracker.phase.value, deadline=dl, step=c.step)
+                self._drop_stage("the outer stage ran past its deadline", abort=True)
+                return none
+        lvl = self._stage_outer
+        self._outer_target, self._outer_view = self.outer, None
+        if res is None or res.status != Status.OUTER_COMMITTED or res.params is None:
+            self._stage_outer = None
+            return none
+        # Keep the stage's level until _apply adopts it (its momentum, with the global model).
+        self._stage_outer = lvl
+        step = c.step + (res.step - self._snap_step)  # a healed-to newer view moves the step as well
+        return _OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True)
+
+    def _drop_stage(self, why: str, abort: bool = False) -> None:
+        """Forgets an outer stage in flight or never applied; ``abort``: shut the cluster
+        Manager down first (its process group aborts, so the stage's waits end)."""
+        if self.stage is None or not self.stage.busy:
+            return
+        if abort and self.outer_mgr is not None:
+            self.outer_mgr.shutdown()
+            self.outer_mgr, self.outer_comm = None, None
+            self.tracker.set_extra(outer=None)
+        logger.warning("%s dropping the outer stage: %s", self.id, why)
+        self.stage.abandon()
+        self._stage_outer, self._outer_target, self._outer_view = None, self.outer, None
+        self.events("rollback", level="outer", reason=f"outer stage dropped: {why}", step=self.counters.step)
+
+    def _broadcast_global(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
+        """BROADCAST at an apply round: a header, then the global model only if the
+        header says the outer round committed (every member reads the header first)."""
+        c = self.counters
+        header = torch.zeros(4, dtype=torch.float64)
+        if self._leader:
+            assert result is not None
+            header[:] = torch.tensor([int(result.status), result.outer_round, result.step, result.cluster_weight], dtype=torch.float64)
+        header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
+        if not header_ok:  # the group is broken: the commit vote fails
+            return _OuterResult(Status.ABORT, None, c.outer_round, c.step)
+        status = Status(int(header[0]))
+        if status != Status.OUTER_COMMITTED:
+            return _OuterResult(status, None, c.outer_round, c.step)
+        params = result.params if self._leader and result is not None else prior.clone()
+        assert params is not None
+        if not self.inner_comm.broadcast(params, 0, PAYLOAD):
+            return _OuterResult(Status.ABORT, None, c.outer_round, c.step)
+        return _OuterResult(status, params, int(header[1]), int(header[2]), float(header[3]), merge=True)
 
     def _outer_without_cluster(self) -> None:
         """The leader's outer round while its cluster lighthouse is out (one rank per group).
@@ -494,6 +631,8 @@ class HierarchicalSync:
         group the ranks could see the outage at different rounds, so they skip instead.
         """
         c = self.counters
+        if self.stage is not None and self.stage.busy:
+            return  # the cluster's own outer round is still in flight
         result = self._outer_round(self.flat.data[self.part].clone(), contribute=True, inner_ok=True)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
@@ -544,8 +683,7 @@ class HierarchicalSync:
             if outer_final:
                 # The outer commit is final even though our cluster's round failed.
                 assert result is not None and result.params is not None
-                self.inner.set_backup(result.params)
-                c.outer_round, c.step = result.outer_round, result.step
+                self._adopt_outer(result, self.inner.backup)
             self._rollback("inner commit vote failed")
             return False
 
@@ -556,18 +694,22 @@ class HierarchicalSync:
         self.work["steps_since_commit"] = 0
         adopted = result is not None and result.status != Status.ABORT and result.params is not None
         if adopted and result is not None and result.status == Status.OUTER_COMMITTED:
+            # What the outer round carried: all inner-committed work since the last outer
+            # commit, or (overlapped) what there was at its launch; the rest rides on the next.
+            carried = min(self._snap_since_outer, self._since_outer) if result.merge else self._since_outer
             if result.cluster_weight == 0:
                 # The global model moved without this cluster's work (it had just
-                # healed to a newer one): everything since its last outer commit is lost.
-                self.work["steps_discarded"] += self._since_outer
-            self._since_outer = 0
+                # healed to a newer one): the work it carried is lost.
+                self.work["steps_discarded"] += carried
+            self._since_outer -= carried
         self.tracker.set_extra(**self.work_counters())
         if adopted:
             assert result is not None and result.params is not None
-            self.inner.set_backup(result.params)
-            c.outer_round, c.step = result.outer_round, result.step
             if result.status == Status.OUTER_COMMITTED:
-                self.outer.set_backup(result.params)
+                self._adopt_outer(result, self.inner.backup)
+            else:
+                self.inner.set_backup(result.params)
+                c.outer_round, c.step = result.outer_round, result.step
         if plan.total_weight > 0 or adopted:
             c.inner_round += 1
         self._publish_committed()
@@ -582,6 +724,23 @@ class HierarchicalSync:
         )
         self.tracker.enter(Phase.LOCAL, self.t.local_step)
         return True
+
+    def _adopt_outer(self, result: _OuterResult, now: torch.Tensor) -> None:
+        """A committed outer result becomes the cluster's model: the global model itself, or
+        (overlapped) merged with the progress since the snapshot; the outer backup is the
+        global model, and a leader takes its stage's outer level (momentum) along."""
+        assert result.params is not None
+        c = self.counters
+        if result.merge:
+            assert self._snap is not None
+            self.inner.set_backup(merge_keep_local(result.params, self._snap, now))
+            if self._leader and self._stage_outer is not None:
+                self.outer.load_state_dict(self._stage_outer.state_dict())
+            self._stage_outer = None
+        else:
+            self.inner.set_backup(result.params)
+        self.outer.set_backup(result.params)
+        c.outer_round, c.step = result.outer_round, result.step
 
     def _discard_local_work(self) -> None:
         self.work["steps_discarded"] += self.work["steps_since_commit"]
@@ -665,9 +824,11 @@ class HierarchicalSync:
             self.events("leader", leader=leader, step=self.counters.step)
             logger.info("%s %s its cluster's leader", self.id, "is now" if leader else "is no longer")
         if not leader and self.outer_mgr is not None:
-            self.outer_mgr.shutdown()
+            self.outer_mgr.shutdown()  # aborts a stage's process group too
             self.outer_mgr, self.outer_comm = None, None
             self.tracker.set_extra(outer=None)
+        if not leader:
+            self._drop_stage("no longer the leader")
         if leader and self.outer_mgr is None and not self.health["outer"].down and self.health["outer"].probe():
             # Join the global lighthouse early so the first outer quorum waits for us.
             try:
@@ -697,7 +858,7 @@ class HierarchicalSync:
             store_key=store_key,
         )
 
-    def _ensure_outer(self) -> tuple[LevelManager, LevelComm]:
+    def _ensure_outer(self, tracker: Optional[PhaseTracker] = None) -> tuple[LevelManager, LevelComm]:
         if self.outer_mgr is None or self.outer_comm is None:
             t = self.t
             link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
@@ -705,13 +866,17 @@ class HierarchicalSync:
             self.outer_link = link
             self.outer_mgr = self._manager("outer", link, f"store/outer/{self._outer_epoch}")  # one store per leadership term
             self._outer_epoch += 1
-            self.outer_comm = LevelComm(self.outer_mgr, link, self.tracker, self._gate, self.events,
+            self.outer_comm = LevelComm(self.outer_mgr, link, tracker or self.tracker, self._gate, self.events,
                                         watch=QuorumWatch(self.s.global_lighthouse, self.s.quorum_slice))
         return self.outer_mgr, self.outer_comm
 
     # ------------------------------------------------------------------ state
     def _inner_hash(self) -> int:
-        return checksum_int(*self.inner.state_tensors(), self.outer.backup)
+        return checksum_int(*self._inner_tensors())
+
+    def _inner_tensors(self) -> List[torch.Tensor]:
+        """The cluster's replicated committed tensors (the inner guard compares and resyncs them)."""
+        return self.inner.state_tensors() + [self.outer.backup] + ([self._snap] if self._snap is not None else [])
 
     def _inner_state_dict(self) -> Dict[str, object]:
         """What a donor serves a healing peer of its cluster: committed state only."""
@@ -722,6 +887,7 @@ class HierarchicalSync:
             "outer_backup": self.outer.backup.clone(),
             "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
             "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
+            "outer_snapshot": None if self._snap is None else {"model": self._snap.clone(), "step": self._snap_step},
         }
 
     def _load_inner_state(self, sd: Dict[str, object]) -> None:
@@ -734,6 +900,10 @@ class HierarchicalSync:
         self.counters.step = int(counters["step"])
         self.counters.inner_round = int(counters["inner_round"])
         self.counters.outer_round = int(counters["outer_round"])
+        snap = sd.get("outer_snapshot")
+        if self._snap is not None and isinstance(snap, dict):
+            self._snap.copy_(snap["model"])  # the merge at the next apply round needs it
+            self._snap_step = int(snap["step"])
         self._committed.copy_(sd["model"])  # type: ignore[arg-type]
         self.flat.load_(self._committed)
         self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
@@ -753,23 +923,25 @@ class HierarchicalSync:
         self._since_outer = 0
 
     def _outer_state_dict(self) -> Dict[str, object]:
-        """What a leader serves another cluster's healing leader."""
+        """What a leader serves another cluster's healing leader (overlapped: the stage's
+        outer level and launch counters, the state its outer round runs on)."""
+        outer_round, step = self._outer_view or (self.counters.outer_round, self.counters.step)
         return {
-            "outer": self.outer.state_dict(),
-            "counters": {"outer_round": self.counters.outer_round, "step": self.counters.step},
+            "outer": self._outer_target.state_dict(),
+            "counters": {"outer_round": outer_round, "step": step},
         }
 
     def _load_outer_state(self, sd: Dict[str, object]) -> None:
-        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        self._outer_target.load_state_dict(sd["outer"])  # type: ignore[arg-type]
         counters = sd["counters"]
         assert isinstance(counters, dict)
         self._outer_healed = (int(counters["outer_round"]), int(counters["step"]))
         logger.info("%s healed its outer level from another cluster: %s", self.id, counters)
 
     # ------------------------------------------------------------------ faults
-    def _fault_point(self, phase: Phase) -> None:
-        """Fires a planned fault for this step and phase (tests, experiments)."""
-        step = self.counters.step
+    def _fault_point(self, phase: Phase, step: Optional[int] = None) -> None:
+        """Fires a planned fault for this step (default: the current one) and phase (tests, experiments)."""
+        step = self.counters.step if step is None else step
         f = self.faults.take(step, phase.value, ("fail", "raise", "hang", "exit", "stop"))
         if f is None:
             return

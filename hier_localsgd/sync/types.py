@@ -35,6 +35,9 @@ class TopologyConfig:
 class LevelConfig:
     algorithm: str = "diloco"
     every: int = 10  # inner: local steps per round; outer: inner rounds per outer round
+    # outer: inner rounds between an outer round's launch and its result's application
+    # (overlap.py; 0 = blocking). flat: torchft DiLoCo's fragment_sync_delay (local steps).
+    delay: int = 0
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
@@ -48,6 +51,12 @@ class LevelConfig:
             fail(f"{path}.lr", f"{self.lr} — must be positive")
         if not 0 <= self.momentum < 1:
             fail(f"{path}.momentum", f"{self.momentum} — must be in [0, 1)")
+        if path == "sync.inner" and self.delay != 0:
+            fail("sync.inner.delay", f"{self.delay} — only the outer level (and flat) can be overlapped")
+        elif path == "sync.flat" and self.delay and self.algorithm != "diloco":
+            fail("sync.flat.delay", f"{self.delay} — torchft's LocalSGD has no overlap; use sync.flat.algorithm=diloco")
+        elif not 0 <= self.delay < self.every:
+            fail(f"{path}.delay", f"{self.delay} — must be in [0, {path}.every={self.every}): a round's result is applied before the next round starts")
 
 
 @dataclass

@@ -104,6 +104,50 @@ def job_done_check(cfg: Config, identity: Identity) -> Callable[[], Optional[str
     return lambda: job_finished(cfg.run.dir, others, cfg.train.steps)
 
 
+RESTARTS_ENV = "HIER_LOCALSGD_RESTARTS"  # set by the launchers on a restarted replica group
+
+
+def restarted() -> bool:
+    """Whether this process is a restart of its replica group (the local launcher and
+    launch/replica.sh set :data:`RESTARTS_ENV`; torchrun sets its own restart count)."""
+    return any(int(os.environ.get(v, "0") or 0) > 0 for v in (RESTARTS_ENV, "TORCHELASTIC_RESTART_COUNT"))
+
+
+def wait_for_lighthouse(cfg: Config, identity: Identity) -> None:
+    """A restarted replica group rides out its lighthouse's outage at start-up.
+
+    The first start of a job checks a lighthouse once (a wrong address is one clear line
+    at once). A restart has seen it answer before, so a lighthouse that does not answer
+    now is down or cut off: the process waits for it, up to ``sync.outage_limit_s``, as
+    a running process would (outage.py), instead of exiting and being restarted again.
+    """
+    from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
+
+    if not restarted():
+        return
+    if cfg.sync.mode == "hier":
+        field, addr = f"lighthouse.cluster_addrs[{identity.cluster}]", cfg.lighthouse.cluster_addrs[identity.cluster]
+    else:
+        field, addr = "lighthouse.global_addr", cfg.lighthouse.global_addr
+    connect = cfg.timeouts_obj().connect
+    deadline = time.monotonic() + cfg.sync.outage_limit_s
+    waited = False
+    while True:
+        try:
+            probe_lighthouse(field, addr, connect)
+            if waited:
+                logger.warning("%s: %s=%s answers again; starting", identity, field, addr)
+            return
+        except LighthouseUnreachable:
+            if time.monotonic() >= deadline:
+                raise
+            if not waited:
+                logger.warning("%s: restarted while %s=%s does not answer; waiting for it (up to sync.outage_limit_s=%gs)",
+                               identity, field, addr, cfg.sync.outage_limit_s)
+                waited = True
+            time.sleep(1.0)
+
+
 def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext()):  # type: ignore[no-untyped-def]
     s, t = cfg.sync, cfg.timeouts_obj()
     hostname = cfg.run.hostname or socket.gethostname()
@@ -129,6 +173,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             group_world_size=grp.size,
             quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
             outage_limit=timedelta(seconds=s.outage_limit_s),
+            outer_delay=s.outer.delay,
+            final_step=cfg.train.steps,
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,
@@ -153,7 +199,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
     if s.mode == "ddp":
         return DDPSync(**common)
     f = s.flat
-    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov)
+    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov, delay=f.delay)
 
 
 def wait_for_gate(path: str, timeout_s: float) -> None:
@@ -259,6 +305,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     tb.add(0, eval__loss=eval_start, eval__excess=None if floor is None else eval_start - floor)
 
     # -- sync strategy (hier / flat / ddp) --------------------------------------------
+    wait_for_lighthouse(cfg, identity)
     sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp)
     rt.add_closer(sync.close)
     c = sync.counters
