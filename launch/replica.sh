@@ -75,7 +75,6 @@ while true; do
     exit "$rc"
   fi
   restarts=$((restarts + 1))
-  export HIER_LOCALSGD_RESTARTS=$restarts  # a restart waits out a lighthouse outage (trainer.wait_for_lighthouse)
   echo "replica.sh: c${cluster}r${replica} exited with $rc; restart $restarts/$max_restarts in ${RESTART_DELAY:-2}s" >&2
   sleep "${RESTART_DELAY:-2}"
 done

@@ -155,14 +155,12 @@ class LocalJob:
     def _args(self) -> List[str]:
         return list(self.overrides) + self.addr_overrides + [f"run.dir={self.run_dir}"]
 
-    def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None, restarts: int = 0) -> Proc:
+    def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None) -> Proc:
         if self.netns is not None and where is not None:
             argv = self.netns.wrap(argv, where)  # same pid: `ip netns exec` and the wrapper exec
         log = self.run_dir / "logs" / f"{name}.log"
         f = open(log, "ab")
-        env = child_env()
-        env["HIER_LOCALSGD_RESTARTS"] = str(restarts)  # trainer.restarted: a restart rides out a lighthouse outage
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
         f.close()
         return Proc(name=name, popen=p, started=time.time(), log=log)
 
@@ -231,7 +229,7 @@ class LocalJob:
                 f"--max-restarts={self.torchrun_restarts}", "--tee=3", "--local-ranks-filter=0",
                 f"--log-dir={self.run_dir / 'logs' / f'c{cluster}r{replica}.ranks'}", *train,
             ]
-        proc = self._spawn(f"c{cluster}r{replica}", [self.python, *train], cluster, restarts=prev.restarts + 1 if prev else 0)
+        proc = self._spawn(f"c{cluster}r{replica}", [self.python, *train], cluster)
         proc.extra = tuple(extra)
         if prev is not None:
             proc.restarts = prev.restarts + 1

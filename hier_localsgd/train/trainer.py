@@ -28,7 +28,7 @@ from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.train.model import build_model, evaluate, lm_loss
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime import EXIT_WATCHDOG, LOG_TAG, Runtime
-from hier_localsgd.core.status import ReplicaPublisher, job_finished
+from hier_localsgd.core.status import ReplicaPublisher, job_finished, read_json, replica_dir
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity, JobFinished
 
 if TYPE_CHECKING:
@@ -104,26 +104,27 @@ def job_done_check(cfg: Config, identity: Identity) -> Callable[[], Optional[str
     return lambda: job_finished(cfg.run.dir, others, cfg.train.steps)
 
 
-RESTARTS_ENV = "HIER_LOCALSGD_RESTARTS"  # set by the launchers on a restarted replica group
+def trained_before(cfg: Config, identity: Identity, rank: int = 0) -> bool:
+    """Whether an earlier process of this replica group trained in this run directory: its
+    last status (read before this process overwrites it) shows a step above 0, so it had
+    joined a quorum — its lighthouse answered then."""
+    prev = read_json(replica_dir(cfg.run.dir, identity.cluster, identity.replica, rank) / "status.json")
+    return bool(prev) and int(prev.get("step") or 0) > 0
 
 
-def restarted() -> bool:
-    """Whether this process is a restart of its replica group (the local launcher and
-    launch/replica.sh set :data:`RESTARTS_ENV`; torchrun sets its own restart count)."""
-    return any(int(os.environ.get(v, "0") or 0) > 0 for v in (RESTARTS_ENV, "TORCHELASTIC_RESTART_COUNT"))
-
-
-def wait_for_lighthouse(cfg: Config, identity: Identity) -> None:
+def wait_for_lighthouse(cfg: Config, identity: Identity, ran_before: bool) -> None:
     """A restarted replica group rides out its lighthouse's outage at start-up.
 
-    The first start of a job checks a lighthouse once (a wrong address is one clear line
-    at once). A restart has seen it answer before, so a lighthouse that does not answer
-    now is down or cut off: the process waits for it, up to ``sync.outage_limit_s``, as
-    a running process would (outage.py), instead of exiting and being restarted again.
+    A replica group that never trained checks its lighthouse once (a wrong address is one
+    clear line at once, and a launcher that restarts it gets the same line each time). One
+    whose earlier process trained (``ran_before``, :func:`trained_before`) has seen the
+    lighthouse answer, so a lighthouse that does not answer now is down or cut off: the
+    process waits for it, up to ``sync.outage_limit_s``, as a running process would
+    (outage.py), instead of exiting and being restarted again.
     """
     from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
 
-    if not restarted():
+    if not ran_before:
         return
     if cfg.sync.mode == "hier":
         field, addr = f"lighthouse.cluster_addrs[{identity.cluster}]", cfg.lighthouse.cluster_addrs[identity.cluster]
@@ -257,6 +258,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     lighthouses = {"global": cfg.lighthouse.global_addr}
     if cfg.sync.mode == "hier":
         lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
+    ran_before = trained_before(cfg, identity, grp.rank)  # before the publisher overwrites the status
     pub = ReplicaPublisher(
         cfg.run.dir,
         identity.cluster,
@@ -305,7 +307,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     tb.add(0, eval__loss=eval_start, eval__excess=None if floor is None else eval_start - floor)
 
     # -- sync strategy (hier / flat / ddp) --------------------------------------------
-    wait_for_lighthouse(cfg, identity)
+    wait_for_lighthouse(cfg, identity, ran_before)
     sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp)
     rt.add_closer(sync.close)
     c = sync.counters
