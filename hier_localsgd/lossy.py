@@ -59,7 +59,9 @@ import torch
 LOSS_MODELS = ("none", "bernoulli", "gilbert_elliott")
 FILLS = ("zero", "stale", "rescale")
 WHERE = ("per_sender", "per_receiver")
-_LEVEL_CODES = {"inner": 1, "outer": 2, "flat": 3, "ddp": 4}
+_LEVEL_CODES = {"inner": 1, "outer": 2, "flat": 3, "ddp": 4,
+                # tensor parallelism (tp.py): one stream family per operation and direction
+                "tp_attn_fwd": 11, "tp_attn_bwd": 12, "tp_mlp_fwd": 13, "tp_mlp_bwd": 14}
 
 
 @dataclass(frozen=True)

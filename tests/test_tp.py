@@ -1,0 +1,151 @@
+"""Tensor parallelism (hier_localsgd/tp.py): real 2-process gloo groups on loopback."""
+
+import math
+from datetime import timedelta
+
+import pytest
+import torch
+
+from hier_localsgd.lossy import LinkSpec, LossModel
+from hier_localsgd.model import lm_loss
+from hier_localsgd.plan import ModelDims
+from hier_localsgd.tp import OPS, TPGroup, build_llama3, build_tp_model, spawn_group, tp_comm_volume
+
+MODEL = "llama3_debugmodel"
+LAYERS, SEQ, BATCH, VOCAB = 2, 32, 2, 128
+
+
+def _batch(seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return x, y
+
+
+def _equivalence_worker(rank, world, pg):
+    torch.use_deterministic_algorithms(False)
+    out = {}
+    for variant in ("megatron", "naive"):
+        tp = TPGroup(pg, rank, world)
+        model, shards = build_tp_model(MODEL, VOCAB, SEQ, 3, tp, variant, n_layers=LAYERS)
+        x, y = _batch()
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        out[variant] = {
+            "loss": float(loss),
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+            "slices": dict(shards.slices),
+            "stats": tp.stats(),
+        }
+    return out
+
+
+def test_tp_group_of_two_matches_a_single_process_run_in_loss_and_gradients_for_both_variants(tmp_path):
+    ranks = spawn_group(_equivalence_worker, 2, str(tmp_path), timeout=timedelta(seconds=120))
+    full = build_llama3(MODEL, VOCAB, SEQ, 3, n_layers=LAYERS)
+    x, y = _batch()
+    ref_loss = lm_loss(full, x, y)
+    ref_loss.backward()
+    ref = {n: p.grad.detach() for n, p in full.named_parameters()}
+    dims = ModelDims("t", 256, LAYERS, 16, 16, full.layers["0"].feed_forward.w1.weight.shape[0], 2048)
+    for variant in ("megatron", "naive"):
+        r0, r1 = ranks[0][variant], ranks[1][variant]
+        assert set(r0["grads"]) == set(ref), variant
+        # the sharded weights really are split: 4 attention + 3 MLP matrices per layer
+        assert len(r0["slices"]) == 7 * LAYERS
+        for rank, r in enumerate((r0, r1)):
+            assert r["loss"] == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-6), (variant, rank)
+            for name, g in r["grads"].items():
+                want = ref[name]
+                if name in r["slices"]:
+                    dim, a, b = r["slices"][name]
+                    assert g.shape[dim] * 2 == want.shape[dim], (variant, name)
+                    want = want.narrow(dim, a, b - a)
+                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{variant} rank {rank} {name}: {m}")
+        # the two ranks hold different halves of every sharded weight
+        assert r0["slices"] != r1["slices"]
+        # measured bytes on the TP links equal the planner's prediction (tokens = batch x seq)
+        pred = tp_comm_volume(dims, BATCH * SEQ, 2, variant)["per_step"]
+        for op in OPS:
+            assert r0["stats"][op]["sent_bytes"] == pytest.approx(pred[op], rel=1e-9), (variant, op)
+            assert r0["stats"][op]["calls"] > 0
+
+
+# --- loss on: observed per-operation rates ---------------------------------------------
+RATES = {"attn_fwd": 0.02, "attn_bwd": 0.05, "mlp_fwd": 0.10, "mlp_bwd": 0.20}
+BURST = 4.0
+STEPS = 8
+LOSS_BATCH, LOSS_SEQ = 16, 128
+
+
+def _specs(kind: str):
+    specs = {}
+    for op, rate in RATES.items():
+        if kind == "bernoulli":
+            m = LossModel("bernoulli", p=rate)
+        else:
+            r = 1 / BURST
+            m = LossModel("gilbert_elliott", p=rate * r / (1 - rate), r=r, k=1.0, h=0.0)
+        specs[op] = LinkSpec(model=m, fill="zero", where="per_sender", seed=11)
+    return specs
+
+
+def _loss_worker(rank, world, pg, kind, variant):
+    tp = TPGroup(pg, rank, world, _specs(kind))
+    model, _ = build_tp_model(MODEL, VOCAB, LOSS_SEQ, 3, tp, variant, n_layers=LAYERS)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randint(0, VOCAB, (LOSS_BATCH, LOSS_SEQ), generator=g)
+        loss = lm_loss(model, x, x)
+        loss.backward()
+        losses.append(float(loss))
+    return {"stats": tp.stats(), "losses": losses}
+
+
+def _bound(model: LossModel, n: int, sigmas: float = 6.0) -> float:
+    """``sigmas`` standard deviations of the observed rate over ``n`` packets of one stream.
+    Loss indicators of a Gilbert–Elliott chain with k = 1, h = 0 are the chain's bad state,
+    autocorrelated with λ = 1 - p - r: the variance of their mean is π(1-π)/n · (1+λ)/(1-λ)
+    (Bernoulli: λ = 0). 6σ: a false failure has probability < 1e-8 (normal tail; the seeds
+    are fixed anyway, so the outcome is reproducible)."""
+    pi = model.loss_rate()
+    lam = 0.0 if model.kind == "bernoulli" else 1.0 - model.p - model.r
+    return sigmas * math.sqrt(pi * (1 - pi) / n * (1 + lam) / (1 - lam))
+
+
+@pytest.mark.parametrize("kind,variant", [("bernoulli", "megatron"), ("gilbert_elliott", "naive")])
+def test_observed_loss_rate_per_operation_matches_the_stationary_rate(tmp_path, kind, variant):
+    ranks = spawn_group(_loss_worker, 2, str(tmp_path), args=(kind, variant), timeout=timedelta(seconds=120))
+    specs = _specs(kind)
+    for op, rate in RATES.items():
+        m = specs[op].model
+        assert m.loss_rate() == pytest.approx(rate)
+        for rank in (0, 1):
+            st = ranks[rank]["stats"][op]["loss"]
+            n = st["packets_sent"]
+            # enough packets for the bound to separate neighbouring rates of RATES
+            assert n >= 20000, (op, n)
+            bound = _bound(m, n)
+            assert bound < 0.6 * min(abs(rate - o) for o in RATES.values() if o != rate), (op, bound)
+            assert abs(st["observed_loss_rate"] - rate) <= bound, (kind, variant, op, rank, st["observed_loss_rate"], bound)
+            if kind == "gilbert_elliott":
+                assert st["observed_mean_burst"] == pytest.approx(BURST, rel=0.25), (op, st["observed_mean_burst"])
+                assert len(st["burst_histogram"]) > 3
+    # independent streams per rank and per operation: different packets lost
+    for op in RATES:
+        h0 = ranks[0]["stats"][op]["loss"]["burst_histogram"]
+        h1 = ranks[1]["stats"][op]["loss"]["burst_histogram"]
+        assert h0 != h1, op
+    hists = [ranks[0]["stats"][op]["loss"]["burst_histogram"] for op in RATES]
+    assert len({str(h) for h in hists}) == len(hists)
+    # per_sender with zero fill: both ranks computed the same (lossy) losses
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def test_the_same_seed_gives_the_same_losses(tmp_path):
+    a = spawn_group(_loss_worker, 2, str(tmp_path / "a"), args=("bernoulli", "megatron"))
+    b = spawn_group(_loss_worker, 2, str(tmp_path / "b"), args=("bernoulli", "megatron"))
+    assert a[0]["losses"] == b[0]["losses"]
+    assert a[0]["stats"] == b[0]["stats"]
