@@ -28,9 +28,10 @@ from hier_localsgd.lossy import LinkSpec, spec_from_config
 from hier_localsgd.managers import parse_address
 from hier_localsgd.phases import Phase
 from hier_localsgd.timeouts import Timeouts
+from hier_localsgd.tp_sweep import TPSweepConfig, validate_group, validate_tp_sweep
 
 MODES = ("hier", "flat", "ddp")
-TRAINING_COMMANDS = ("train", "demo", "chaos", "sweep", "bench")  # validate() checks their data input
+TRAINING_COMMANDS = ("train", "demo", "chaos", "sweep", "bench", "tp-sweep")  # validate() checks their data input
 LAUNCHING_COMMANDS = ("demo", "chaos", "sweep", "bench")  # start a LocalJob (launcher.py)
 DATA_KINDS = ("markov", "text", "parquet")
 LIGHTHOUSE_ROLES = ("all", "global", "cluster")
@@ -111,6 +112,25 @@ class LinkConfig:
 class LinksConfig:
     inner: LinkConfig = field(default_factory=LinkConfig)
     outer: LinkConfig = field(default_factory=LinkConfig)  # also the flat and ddp baselines' links
+
+
+@dataclass
+class TPLinksConfig:
+    """group.parallel=tp: the emulated link of each TP operation (tp.py), as links.<level>."""
+
+    attn_fwd: LinkConfig = field(default_factory=LinkConfig)
+    attn_bwd: LinkConfig = field(default_factory=LinkConfig)
+    mlp_fwd: LinkConfig = field(default_factory=LinkConfig)
+    mlp_bwd: LinkConfig = field(default_factory=LinkConfig)
+
+
+@dataclass
+class GroupConfig:
+    """Inside a replica group of topology.ranks_per_replica ranks."""
+
+    parallel: str = "dp"  # dp: every rank a whole replica on its own data | tp: the model split over the ranks (tp.py)
+    tp_variant: str = "megatron"  # megatron | naive
+    tp_links: TPLinksConfig = field(default_factory=TPLinksConfig)
 
 
 @dataclass
@@ -253,6 +273,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     links: LinksConfig = field(default_factory=LinksConfig)
+    group: GroupConfig = field(default_factory=GroupConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -264,6 +285,7 @@ class Config:
     bench: BenchConfig = field(default_factory=BenchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)  # `hier-localsgd plan` (plan.py)
+    tp_sweep: TPSweepConfig = field(default_factory=TPSweepConfig)  # `hier-localsgd tp-sweep` (tp_sweep.py)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)  # `hier-localsgd simulate` (simulate.py)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
@@ -278,6 +300,17 @@ class Config:
             f"links.{level}", lc.loss, lc.p, lc.r, lc.k, lc.h, lc.netem, lc.fill, lc.where,
             lc.payload_bytes, lc.latency_ms, lc.bandwidth_gbps, lc.seed,
         )
+
+    def tp_link_specs(self) -> Dict[str, LinkSpec]:
+        """group.tp_links as validated link specs, by TP operation."""
+        out = {}
+        for op in ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd"):
+            lc: LinkConfig = getattr(self.group.tp_links, op)
+            out[op] = spec_from_config(
+                f"group.tp_links.{op}", lc.loss, lc.p, lc.r, lc.k, lc.h, lc.netem, lc.fill, lc.where,
+                lc.payload_bytes, lc.latency_ms, lc.bandwidth_gbps, lc.seed,
+            )
+        return out
 
     def fault_list(self) -> List[Fault]:
         return [Fault.from_mapping(i, f) for i, f in enumerate(self.faults)]
@@ -561,6 +594,11 @@ def validate(cfg: Config, command: str = "train") -> None:
             cfg.link_spec(level)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+    try:
+        validate_group(cfg, command)
+        validate_tp_sweep(cfg.tp_sweep)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     try:
         cfg.timeouts_obj()
     except ValueError as e:

@@ -99,6 +99,7 @@ class TPGroup:
         self.tensor_bytes: Dict[str, int] = defaultdict(int)
         self.sent_bytes: Dict[str, float] = defaultdict(float)  # ring model, this rank
         self._prev: Dict[str, List[torch.Tensor]] = {}  # all-gather stale fill, per site
+        self._replays: Dict[str, LinkEmulation] = {}
         self.enabled = True  # False: every collective is skipped (single-rank evaluation)
 
     # -- collectives --------------------------------------------------------------------
@@ -138,9 +139,11 @@ class TPGroup:
     def all_gather(self, t: torch.Tensor, op: str, site: str) -> torch.Tensor:
         """Concatenates every rank's ``t`` along the last dimension, through ``op``'s link.
 
-        A lost packet of a peer's shard is zero, or (``stale``) the value ``site``
-        received there on its previous call (zero on the first). ``per_sender``: every
-        receiver replays the sender's stream (same seed words), so all agree."""
+        A lost packet of a shard is zero, or (``stale``) the value ``site`` held there
+        after its previous call (zero on the first). ``per_sender``: a sender's lost packet
+        is lost in every rank's copy, its own included (every receiver replays the
+        sender's stream: same seed words), so all ranks agree; ``per_receiver``: each
+        receiver loses each peer's packets independently and keeps its own shard."""
         n = t.numel() * t.element_size()
         self.calls[op] += 1
         self.tensor_bytes[op] += n
@@ -155,11 +158,17 @@ class TPGroup:
         if emu is not None and emu.spec.model.enabled:
             per, npk = emu.packets(t.numel(), t.element_size())
             prev = self._prev.get(site)
+            per_sender = emu.spec.where == "per_sender"
             for j in range(self.world):
-                if j == self.rank:
-                    continue
                 sender = self.ids[j]
-                stream = emu.stream(sender) if emu.spec.where == "per_sender" else emu.stream(sender, self.ids[self.rank])
+                if j == self.rank:
+                    if not per_sender:
+                        continue  # a receiver's own shard never crosses the link
+                    stream = emu.stream(sender)
+                elif per_sender:
+                    stream = self._replay(op).stream(sender)
+                else:
+                    stream = emu.stream(sender, self.ids[self.rank])
                 lost = torch.from_numpy(stream.sample(npk))
                 if not bool(lost.any()):
                     continue
@@ -175,6 +184,17 @@ class TPGroup:
         if emu is not None:
             emu.pad(started, emu.spec.allgather_time(n, self.world))
         return torch.cat(parts, dim=-1)
+
+    def _replay(self, op: str) -> LinkEmulation:
+        """Copies of the other senders' streams (same seed words, so the same fates), sampled
+        by this receiver so that a per_sender loss in an all-gather hits every rank's copy
+        alike; not counted (each sender counts its own packets)."""
+        rep = self._replays.get(op)
+        if rep is None:
+            emu = self.emu[op]
+            assert emu is not None
+            rep = self._replays[op] = LinkEmulation(emu.spec, emu.level)
+        return rep
 
     # -- statistics ---------------------------------------------------------------------
     def stats(self) -> Dict[str, Dict[str, Any]]:
@@ -471,3 +491,26 @@ def spawn_group(fn: Callable[..., Any], world: int, work_dir: str, args: Tuple[A
         os.remove(store_path)
     mp.spawn(_spawn_entry, args=(fn, world, store_path, work_dir, timeout.total_seconds(), args), nprocs=world, join=True)
     return [torch.load(os.path.join(work_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+# ----------------------------------------------------------------------------- composition
+def group_tp(cfg: Any, pg: Any, rank: int, world: int) -> TPGroup:
+    """The TP group of this replica group's ranks (``group.parallel=tp``), its links from
+    ``group.tp_links``. Loss-stream ids are global ranks (group index × G + rank), so
+    replica groups draw independent losses."""
+    t = cfg.topology
+    index = cfg.run.cluster * t.replicas_per_cluster + cfg.run.replica
+    return TPGroup(pg, rank, world, cfg.tp_link_specs(), ids=[index * world + r for r in range(world)])
+
+
+def consistent_checksums(checksums: Dict[str, str], tp: bool) -> bool:
+    """Whether the final checksums of a job agree: one value over every process, or, with
+    tensor-parallel groups (each rank a different shard), one value per group rank — keys
+    ``c<C>r<R>`` (rank 0) and ``c<C>r<R>g<k>``."""
+    if not tp:
+        return len(set(checksums.values())) == 1
+    by_rank: Dict[str, set] = defaultdict(set)
+    for key, value in checksums.items():
+        _, _, g = key.partition("g")
+        by_rank[g or "0"].add(value)
+    return bool(by_rank) and all(len(v) == 1 for v in by_rank.values())

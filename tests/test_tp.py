@@ -1,5 +1,6 @@
 """Tensor parallelism (hier_localsgd/tp.py): real 2-process gloo groups on loopback."""
 
+import json
 import math
 from datetime import timedelta
 
@@ -149,3 +150,30 @@ def test_the_same_seed_gives_the_same_losses(tmp_path):
     b = spawn_group(_loss_worker, 2, str(tmp_path / "b"), args=("bernoulli", "megatron"))
     assert a[0]["losses"] == b[0]["losses"]
     assert a[0]["stats"] == b[0]["stats"]
+
+
+# --- the tp-sweep experiment, quick mode ------------------------------------------------
+def test_tp_sweep_quick_writes_tables_with_measured_rates_and_planner_bytes(tmp_path):
+    from hier_localsgd.cli import main
+
+    out = tmp_path / "sweep"
+    assert main(["tp-sweep", "tp_sweep.quick=true", f"tp_sweep.out={out}", f"run.dir={tmp_path}"]) == 0
+    summary = json.loads((out / "tp_sweep.json").read_text())
+    rows = summary["rows"]
+    # 1 lossless + 1 rate x 2 models x 2 operations
+    assert [(r["model"], r["op"]) for r in rows] == [("none", "none")] + [(m, o) for m in ("bernoulli", "gilbert_elliott") for o in ("mlp_fwd", "all")]
+    base = rows[0]
+    assert base["excess_ratio"] == pytest.approx(1.0) and base["tolerated"] and base["observed_loss_rate"] is None
+    for r in rows:
+        assert r["ranks_agree"], r  # per_sender + zero fill: both ranks hold the same replicated state
+        assert r["bytes_per_step_measured"] == pytest.approx(r["bytes_per_step_predicted"], rel=1e-9)
+        assert math.isfinite(r["final_eval_loss"])
+    for r in rows[1:]:
+        m = LossModel("bernoulli", p=0.1) if r["model"] == "bernoulli" else LossModel("gilbert_elliott", p=0.1 * 0.25 / 0.9, r=0.25)
+        assert r["packets"] > 500
+        assert abs(r["observed_loss_rate"] - 0.1) <= _bound(m, r["packets"]), r
+        assert r["final_eval_loss"] != base["final_eval_loss"]  # the losses changed training
+    md = (out / "tp_sweep.md").read_text()
+    assert "| tp | mlp_fwd | bernoulli | 0.1 |" in md and "Highest tolerated loss rate" in md and "tp_sweep.quick=true" in md
+    assert set(summary["answers"]["max_tolerated_rate"]) == {"tp/mlp_fwd", "tp/all"}
+    assert (out / "tp_sweep.png").stat().st_size > 1000  # matplotlib is a dependency
