@@ -619,8 +619,19 @@ def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
         "fits_memory": {m: {"no_checkpointing": modes[m]["memory"]["peak"] <= mem_limit, "checkpointing": modes[m]["memory"]["peak_checkpointed"] <= mem_limit} for m in MODES},
         "recommendation": {"target_comm_fraction": s.target_comm_fraction, **recommend_h(st, step_s, s.target_comm_fraction, s.inner_share)},
         "scaling": {**chinchilla_optimum(cfg.scaling), "constants": asdict(cfg.scaling)},
+        # if the G ranks of a group split the model by tensors instead (group.parallel=tp, tp.py)
+        "tensor_parallel": tp_volumes(d, tokens_rank, tp.ranks_per_replica),
         "config": asdict(cfg),
     }
+
+
+def tp_volumes(d: ModelDims, tokens: int, g: int) -> Dict[str, Any]:
+    """TP bytes per rank, per layer and step, for both layouts (tp.tp_comm_volume); {} for G = 1."""
+    if g < 2:
+        return {}
+    from hier_localsgd.tp import VARIANTS, tp_comm_volume
+
+    return {v: tp_comm_volume(d, tokens, g, v) for v in VARIANTS}
 
 
 # ----------------------------------------------------------------------------- report
@@ -718,6 +729,10 @@ def human(p: Dict[str, Any]) -> str:
             ],
         ),
     ]
+    for variant, vol in p.get("tensor_parallel", {}).items():
+        out.append(f"tensor parallel over the group's {tp['ranks_per_replica']} ranks ({variant}): {fmt_bytes(vol['per_step']['total'])} per rank "
+                   f"and step, {fmt_bytes(sum(vol['per_layer'].values()))} per layer ("
+                   + ", ".join(f"{op} {fmt_bytes(b)}" for op, b in vol["per_layer"].items()) + ")")
     rec = p["recommendation"]
     if rec.get("h_inner"):
         out += [

@@ -38,7 +38,9 @@ process groups (rank k of every replica group forms ring k, as torchft arranges)
 slow links still carry one model per cluster per outer round. Both levels' state is
 per slice; after every commit or rollback the group all-gathers the committed slices
 into the full committed model (the rollback target). With G = 1 the slice is the whole
-vector and the gather is a copy.
+vector and the gather is a copy. With tensor-parallel groups (``group_shards``, tp.py) rank
+k's flat vector is its own shard of the model: it syncs all of it over ring k, and the
+gather is a copy too.
 
 Failure semantics. Once a quorum has formed every member runs every collective of
 the round, in order, even after an error (errors only decide the commit vote), so

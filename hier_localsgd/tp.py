@@ -383,21 +383,23 @@ def shard_llama3(model: nn.Module, tp: TPGroup, variant: str) -> TPShards:
 
 
 def build_tp_model(name: str, vocab_size: int, seq_len: int, seed: int, tp: TPGroup, variant: str,
-                   n_layers: int = 0, dim: int = 0) -> Tuple[nn.Module, TPShards]:
-    """Builds the full ``llama3_<flavor>`` model from ``seed`` (optionally with fewer layers
-    or another width) and shards it for ``tp``'s rank."""
-    model = build_llama3(name, vocab_size, seq_len, seed, n_layers=n_layers, dim=dim)
+                   n_layers: int = 0, dim: int = 0, exact_vocab: bool = False) -> Tuple[nn.Module, TPShards]:
+    """Builds the full ``llama3_<flavor>`` model from ``seed`` (optionally smaller: see
+    :func:`build_llama3`) and shards it for ``tp``'s rank."""
+    model = build_llama3(name, vocab_size, seq_len, seed, n_layers=n_layers, dim=dim, exact_vocab=exact_vocab)
     return model, shard_llama3(model, tp, variant)
 
 
-def build_llama3(name: str, vocab_size: int, seq_len: int, seed: int, n_layers: int = 0, dim: int = 0) -> nn.Module:
+def build_llama3(name: str, vocab_size: int, seq_len: int, seed: int, n_layers: int = 0, dim: int = 0,
+                 exact_vocab: bool = False) -> nn.Module:
     """:func:`hier_localsgd.model.build_model` for a ``llama3_<flavor>``, with ``n_layers`` /
-    ``dim`` overriding the flavor's when non-zero (a smaller transformer for sweeps)."""
+    ``dim`` overriding the flavor's when non-zero and, with ``exact_vocab``, the data's
+    vocabulary instead of the flavor's larger one (a smaller transformer for sweeps)."""
     from hier_localsgd.model import LLAMA3_PREFIX, build_model
 
     if not name.startswith(LLAMA3_PREFIX):
         raise ValueError(f"model.name={name!r}: tensor parallelism shards a llama3_<flavor> model")
-    if not n_layers and not dim:
+    if not n_layers and not dim and not exact_vocab:
         return build_model(name, vocab_size, seq_len, 0, seed)
     from torchtitan.models.llama3 import Transformer, llama3_args
 
@@ -410,7 +412,7 @@ def build_llama3(name: str, vocab_size: int, seq_len: int, seed: int, n_layers: 
     if dim:
         args.dim = dim
     args.max_seq_len = seq_len
-    args.vocab_size = max(args.vocab_size, vocab_size)
+    args.vocab_size = vocab_size if exact_vocab else max(args.vocab_size, vocab_size)
     torch.manual_seed(seed)
     model = Transformer(args)
     with torch.no_grad():

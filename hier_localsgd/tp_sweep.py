@@ -1,7 +1,7 @@
 """``hier-localsgd tp-sweep``: which tensor-parallel operations tolerate how much loss.
 
-Trains the TP workload (torchtitan Llama3 debugmodel, ``tp_sweep.layers`` layers, on the
-Markov corpus, whose entropy floor makes *excess loss* = eval loss − floor meaningful) in
+Trains the TP workload (torchtitan Llama3 debugmodel with ``tp_sweep.layers`` layers and the
+corpus's 128-token vocabulary, on the Markov corpus, whose entropy floor makes *excess loss* = eval loss − floor meaningful) in
 one TP group of ``tp_sweep.degree`` spawned gloo processes, once per cell of
 
     loss rate (tp_sweep.rates) × loss model (bernoulli, gilbert_elliott) × operation
@@ -64,7 +64,7 @@ class TPSweepConfig:
     degree: int = 2  # TP degree (processes)
     model: str = "llama3_debugmodel"
     layers: int = 2  # transformer layers (0: the flavor's)
-    steps: int = 150
+    steps: int = 100
     batch_size: int = 8
     seq_len: int = 64
     lr: float = 3e-3
@@ -215,10 +215,10 @@ def _worker(rank: int, world: int, pg: Any, sw: TPSweepConfig, cells: List[Dict[
         specs = cell_specs(sw, cell)
         if cell["arm"] == "tp":
             tp = TPGroup(pg, rank, world, specs)
-            model, _ = build_tp_model(sw.model, data.vocab_size, sw.seq_len, sw.seed, tp, sw.variant, n_layers=sw.layers)
+            model, _ = build_tp_model(sw.model, data.vocab_size, sw.seq_len, sw.seed, tp, sw.variant, n_layers=sw.layers, exact_vocab=True)
         else:
             tp = TPGroup(pg, rank, world, specs)  # the gradient all-reduce rides attn_fwd's link
-            model = build_llama3(sw.model, data.vocab_size, sw.seq_len, sw.seed, n_layers=sw.layers)
+            model = build_llama3(sw.model, data.vocab_size, sw.seq_len, sw.seed, n_layers=sw.layers, exact_vocab=True)
         opt = torch.optim.AdamW(model.parameters(), lr=sw.lr, betas=(0.9, 0.95), weight_decay=0.1)
         params = [p for p in model.parameters()]
         train_loss = float("nan")
@@ -419,8 +419,8 @@ def plot(summary: Dict[str, Any], path: Path) -> bool:
 
 def run_tp_sweep(cfg: Any, overrides: List[str]) -> int:
     """Runs the sweep of ``cfg.tp_sweep`` and writes its report; returns an exit code."""
-    from hier_localsgd.plan import ModelDims
-    from hier_localsgd.tp import build_llama3, spawn_group
+    from hier_localsgd.plan import PlanModelConfig, resolve_model
+    from hier_localsgd.tp import spawn_group
 
     sw = effective(cfg.tp_sweep)
     out = Path(sw.out or os.path.join(cfg.run.dir, "tp_sweep"))
@@ -431,10 +431,7 @@ def run_tp_sweep(cfg: Any, overrides: List[str]) -> int:
     logger.info("tp-sweep: %d cells, %s, degree %d, %d steps each; progress in %s", len(cells), sw.variant, sw.degree, sw.steps, progress)
     t0 = time.time()
     ranks = spawn_group(_worker, sw.degree, str(out / "work"), args=(sw, cells, str(progress)), timeout=timedelta(seconds=sw.timeout_s))
-    m = build_llama3(sw.model, 128, sw.seq_len, sw.seed, n_layers=sw.layers)
-    a = m.layers["0"].attention
-    dims = ModelDims(sw.model, a.wo.weight.shape[0], len(m.layers), a.n_heads, a.n_kv_heads,
-                     m.layers["0"].feed_forward.w1.weight.shape[0], m.tok_embeddings.num_embeddings)
+    dims = resolve_model(PlanModelConfig(flavor=sw.model, n_layers=sw.layers, vocab_size=128), "tp_sweep.model")
     summary = summarize(sw, ranks, dims)
     summary["wall_s"] = time.time() - t0
     command = "hier-localsgd tp-sweep " + " ".join(overrides)

@@ -177,3 +177,69 @@ def test_tp_sweep_quick_writes_tables_with_measured_rates_and_planner_bytes(tmp_
     assert "| tp | mlp_fwd | bernoulli | 0.1 |" in md and "Highest tolerated loss rate" in md and "tp_sweep.quick=true" in md
     assert set(summary["answers"]["max_tolerated_rate"]) == {"tp/mlp_fwd", "tp/all"}
     assert (out / "tp_sweep.png").stat().st_size > 1000  # matplotlib is a dependency
+
+
+# --- composition with the hierarchy (real lighthouses, torchrun groups) -----------------
+TP_JOB = ["model=llama3_debugmodel", "topology.ranks_per_replica=2", "group.parallel=tp", "sync.inner.every=5",
+          "sync.outer.every=2", "train.batch_size=4", "train.seq_len=32", "train.eval_batches=2", "train.lr=3e-3"]
+
+
+@pytest.mark.slow
+def test_tp_groups_train_in_the_hierarchy_each_rank_syncing_its_own_shard(tmp_path):
+    from harness import logs_tail, run_job
+
+    from hier_localsgd.link import ring_allreduce_bytes
+    from hier_localsgd.status import read_json, replica_dir
+
+    run = run_job(tmp_path, [*TP_JOB, "topology.clusters=2", "topology.replicas_per_cluster=1", "train.steps=20",
+                             "group.tp_links.mlp_fwd.loss=bernoulli", "group.tp_links.mlp_fwd.p=0.01"], timeout_s=400)
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    s = run.summary
+    # every group's rank k holds the same shard at the end; ranks 0 and 1 hold different ones
+    assert s["consistent"] is True and len(s["checksums"]) == 4, s["checksums"]
+    assert s["checksums"]["c0r0"] == s["checksums"]["c1r0"] != s["checksums"]["c0r0g1"] == s["checksums"]["c1r0g1"]
+    r0 = read_json(replica_dir(run.job.run_dir, 0, 0) / "result.json")
+    r1 = read_json(replica_dir(run.job.run_dir, 0, 0, 1) / "result.json")
+    # TP ranks train on the same batches: one (replicated) loss
+    assert r0["train_loss"] == r1["train_loss"] and r0["eval_loss"] < r0["eval_loss_start"]
+    assert r0["tp"]["mlp_fwd"]["loss"]["packets_lost"] > 0 and "loss" not in r0["tp"]["attn_fwd"]
+    # each rank syncs its whole shard (half the sharded weights) over its own ring
+    assert r0["model_bytes"] == r1["model_bytes"] and r0["model_params"] < 6_163_712
+    rounds = s["outer_rounds_committed"]
+    assert s["bytes_sent"]["outer"]["payload"] == pytest.approx(rounds * 2 * ring_allreduce_bytes(r0["model_bytes"], 2) * 2, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_dead_tp_rank_takes_its_group_down_and_the_group_restarts_and_heals(tmp_path):
+    import os
+    import signal
+    import time
+
+    from harness import logs_tail, run_job, when_step
+
+    from hier_localsgd.status import read_json, replica_dir
+
+    killed = {}
+
+    def kill_rank1(job):
+        pid = (read_json(replica_dir(job.run_dir, 0, 1, 1) / "status.json") or {}).get("pid")
+        if pid:
+            killed["pid"], killed["t"] = pid, time.time()
+            os.kill(pid, signal.SIGKILL)
+
+    run = run_job(tmp_path, [*TP_JOB, "topology.clusters=1", "topology.replicas_per_cluster=2", "sync.min_clusters=1",
+                             "lighthouse.cluster_addrs=[http://127.0.0.1:29511]", "train.min_step_time_s=0.2", "train.steps=150"],
+                  during=when_step((0, 1), 12, kill_rank1), timeout_s=500)
+    assert killed, "never killed rank 1"
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    # the surviving rank 0 went down with its group (its TP collective failed, or torchrun
+    # stopped it), torchrun restarted both ranks, and the group healed from the other group
+    group_log = (run.job.run_dir / "logs" / "c0r1.log").read_text()
+    down = max(group_log.find("exiting with code"), group_log.find("received SIGTERM"))
+    restarted = group_log.find("inner manager c0_r0001 up", down)
+    assert 0 <= down < restarted, group_log[-3000:]
+    heals = [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > killed["t"]]
+    assert heals and heals[0]["step"] > 12
+    s = run.summary
+    assert s["consistent"] is True and len(s["checksums"]) == 4, s["checksums"]
+    assert s["checksums"]["c0r0"] != s["checksums"]["c0r0g1"]
