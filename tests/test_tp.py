@@ -243,3 +243,51 @@ def test_a_dead_tp_rank_takes_its_group_down_and_the_group_restarts_and_heals(tm
     s = run.summary
     assert s["consistent"] is True and len(s["checksums"]) == 4, s["checksums"]
     assert s["checksums"]["c0r0"] != s["checksums"]["c0r0g1"]
+
+
+# --- configuration and planner (no processes) -------------------------------------------
+@pytest.mark.parametrize("overrides,field", [
+    (["group.parallel=pp"], "group.parallel: 'pp'"),
+    (["group.tp_variant=zigzag"], "group.tp_variant: 'zigzag'"),
+    (["group.parallel=tp"], "group.parallel: tp needs topology.ranks_per_replica >= 2"),
+    (["group.parallel=tp", "topology.ranks_per_replica=2", "model=tiny"], "group.parallel: tp shards a llama3_<flavor> model"),
+    (["group.tp_variant=naive", "group.tp_links.attn_fwd.fill=rescale"], "group.tp_links.attn_fwd.fill: rescale applies to all-reduces only"),
+    (["group.tp_links.mlp_bwd.loss=bernoulli", "group.tp_links.mlp_bwd.p=1.5"], "group.tp_links.mlp_bwd.p: 1.5"),
+    (["group.tp_links.attn_bwd.netem=loss sometimes"], "group.tp_links.attn_bwd.netem: cannot parse"),
+    (["tp_sweep.ops=[attn_fwd,qkv]"], "tp_sweep.ops[1]: unknown operation 'qkv'"),
+    (["tp_sweep.variant=naive", "tp_sweep.fill=rescale"], "tp_sweep.fill: rescale applies to all-reduces only"),
+])
+def test_bad_tp_settings_fail_in_one_line_naming_the_field(overrides, field):
+    from hier_localsgd.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides)
+    msg = str(e.value)
+    assert msg.startswith(field) and "\n" not in msg, msg
+
+
+def test_tp_links_accept_netem_syntax_per_operation():
+    from hier_localsgd.config import load_config
+
+    cfg = load_config(["group.parallel=tp", "topology.ranks_per_replica=2", "group.tp_links.mlp_fwd.netem=loss gemodel 1% 25%"])
+    specs = cfg.tp_link_specs()
+    assert specs["mlp_fwd"].model.kind == "gilbert_elliott" and specs["mlp_fwd"].model.mean_burst() == pytest.approx(4.0)
+    assert not specs["attn_fwd"].active
+
+
+def test_planner_reports_tp_volume_for_both_variants():
+    from hier_localsgd.plan import PlanConfig, human, make_plan
+
+    cfg = PlanConfig()
+    cfg.topology.ranks_per_replica = 2
+    p = make_plan(cfg)
+    tp = p["tensor_parallel"]
+    d = p["model"]
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    # megatron: 4 all-reduces of the activation per layer, each sending (G-1)/G x 2 x its size
+    assert tp["megatron"]["per_layer"]["attn_fwd"] == tokens * d["dim"] * 4
+    assert tp["megatron"]["per_step"]["total"] == 4 * tokens * d["dim"] * 4 * d["n_layers"]
+    assert tp["naive"]["per_step"]["total"] > tp["megatron"]["per_step"]["total"]
+    assert "tensor parallel over the group's 2 ranks (naive)" in human(p)
+    cfg.topology.ranks_per_replica = 1
+    assert make_plan(cfg)["tensor_parallel"] == {}
