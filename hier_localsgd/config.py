@@ -295,22 +295,12 @@ class Config:
         return Timeouts.from_seconds(OmegaConf.to_container(OmegaConf.structured(self.timeouts)))  # type: ignore[arg-type]
 
     def link_spec(self, level: str) -> LinkSpec:
-        lc: LinkConfig = getattr(self.links, level)
-        return spec_from_config(
-            f"links.{level}", lc.loss, lc.p, lc.r, lc.k, lc.h, lc.netem, lc.fill, lc.where,
-            lc.payload_bytes, lc.latency_ms, lc.bandwidth_gbps, lc.seed,
-        )
+        return _link_spec(f"links.{level}", getattr(self.links, level))
 
     def tp_link_specs(self) -> Dict[str, LinkSpec]:
         """group.tp_links as validated link specs, by TP operation."""
-        out = {}
-        for op in ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd"):
-            lc: LinkConfig = getattr(self.group.tp_links, op)
-            out[op] = spec_from_config(
-                f"group.tp_links.{op}", lc.loss, lc.p, lc.r, lc.k, lc.h, lc.netem, lc.fill, lc.where,
-                lc.payload_bytes, lc.latency_ms, lc.bandwidth_gbps, lc.seed,
-            )
-        return out
+        return {op: _link_spec(f"group.tp_links.{op}", getattr(self.group.tp_links, op))
+                for op in ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")}
 
     def fault_list(self) -> List[Fault]:
         return [Fault.from_mapping(i, f) for i, f in enumerate(self.faults)]
@@ -323,6 +313,13 @@ class Config:
     def num_shards(self) -> int:
         t = self.topology
         return t.clusters * t.replicas_per_cluster * t.ranks_per_replica
+
+
+def _link_spec(path: str, lc: LinkConfig) -> LinkSpec:
+    return spec_from_config(
+        path, lc.loss, lc.p, lc.r, lc.k, lc.h, lc.netem, lc.fill, lc.where,
+        lc.payload_bytes, lc.latency_ms, lc.bandwidth_gbps, lc.seed,
+    )
 
 
 def config_dir() -> Path:
