@@ -29,7 +29,8 @@ highest tolerated rate — final excess loss within ``tp_sweep.tolerance`` (5 %)
 lossless run's — and bursty vs uniform at the same rate) and ``tp_sweep.png`` when
 matplotlib is installed.
 
-``tp_sweep.quick=true``: 2 rates, 2 operations, a few steps, for tests (< 60 s).
+``tp_sweep.large=true``: loss rates up to 50 %. ``tp_sweep.quick=true``: 2 rates, 2
+operations, a few steps, for tests (< 60 s on an idle 2-core machine).
 
 Failure semantics: a rank that raises ends the sweep (the other's collectives fail
 within ``tp_sweep.timeout_s``); nothing partial is written as final.
@@ -73,6 +74,7 @@ class TPSweepConfig:
     tolerance: float = 0.05  # tolerated: excess loss <= (1 + tolerance) x lossless excess
     dp: bool = False  # also train data-parallel with a lossy gradient all-reduce (same rates/models)
     dp_fill: str = "rescale"
+    large: bool = False  # a larger grid: loss rates up to 50 % (LARGE_RATES)
     quick: bool = False  # tests: a small grid and a few steps (< 60 s)
     out: str = ""  # "" = <run.dir>/tp_sweep
     timeout_s: float = 120.0  # per collective
@@ -159,8 +161,15 @@ def model_fields(kind: str, rate: float, burst: float) -> Dict[str, Any]:
     return out
 
 
+LARGE_RATES = [0.0, 0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5]
+
+
 def effective(sw: TPSweepConfig) -> TPSweepConfig:
-    """``sw`` with the quick preset applied."""
+    """``sw`` with the quick or large preset applied."""
+    if sw.large and not sw.quick:
+        big = TPSweepConfig(**{**asdict(sw)})
+        big.rates = list(LARGE_RATES)
+        return big
     if not sw.quick:
         return sw
     q = TPSweepConfig(**{**asdict(sw)})
