@@ -100,7 +100,6 @@ class TPGroup:
         self.sent_bytes: Dict[str, float] = defaultdict(float)  # ring model, this rank
         self._prev: Dict[str, List[torch.Tensor]] = {}  # all-gather stale fill, per site
         self._replays: Dict[str, LinkEmulation] = {}
-        self.enabled = True  # False: every collective is skipped (single-rank evaluation)
 
     # -- collectives --------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
@@ -223,8 +222,7 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
         g = grad.contiguous().clone()
-        if ctx.tp.enabled:
-            ctx.tp.all_reduce(g, ctx.op)
+        ctx.tp.all_reduce(g, ctx.op)
         return g, None, None
 
 
@@ -234,8 +232,7 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: TPGroup, op: str) -> torch.Tensor:  # type: ignore[override]
         y = x.contiguous().clone()
-        if tp.enabled:
-            tp.all_reduce(y, op)
+        tp.all_reduce(y, op)
         return y
 
     @staticmethod
@@ -251,14 +248,10 @@ class GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: TPGroup, op: str, site: str) -> torch.Tensor:  # type: ignore[override]
         ctx.tp, ctx.width = tp, x.shape[-1]
-        if not tp.enabled:
-            return x
         return tp.all_gather(x, op, site)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None]:  # type: ignore[override]
-        if not ctx.tp.enabled:
-            return grad, None, None, None
         k, w = ctx.tp.rank, ctx.width
         return grad[..., k * w : (k + 1) * w].contiguous(), None, None, None
 
