@@ -414,8 +414,7 @@ def plot(summary: Dict[str, Any], path: Path) -> bool:
             if pts:
                 ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=f"{arm}/{op}")
         ax.axhline(1 + sw["tolerance"], color="grey", linestyle="--", linewidth=0.8)
-        ax.set_xscale("symlog", linthresh=0.1)
-        ax.set_yscale("log")
+        ax.set_xscale("log")
         ax.set_xlabel("loss rate (%)")
         ax.set_ylabel("final excess loss / lossless")
         ax.set_title(kind)
