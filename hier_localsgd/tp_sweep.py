@@ -30,7 +30,7 @@ lossless run's — and bursty vs uniform at the same rate) and ``tp_sweep.png`` 
 matplotlib is installed.
 
 ``tp_sweep.large=true``: loss rates up to 50 %. ``tp_sweep.quick=true``: 2 rates, 2
-operations, a few steps, for tests (< 60 s on an idle 2-core machine).
+operations, a few steps, for tests (aimed at < 60 s on an idle 2-core machine).
 
 Failure semantics: a rank that raises ends the sweep (the other's collectives fail
 within ``tp_sweep.timeout_s``); nothing partial is written as final.
@@ -75,7 +75,7 @@ class TPSweepConfig:
     dp: bool = False  # also train data-parallel with a lossy gradient all-reduce (same rates/models)
     dp_fill: str = "rescale"
     large: bool = False  # a larger grid: loss rates up to 50 % (LARGE_RATES)
-    quick: bool = False  # tests: a small grid and a few steps (< 60 s)
+    quick: bool = False  # tests: a small grid and a few steps (aimed at < 60 s)
     out: str = ""  # "" = <run.dir>/tp_sweep
     timeout_s: float = 120.0  # per collective
 
