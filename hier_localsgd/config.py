@@ -24,7 +24,7 @@ from hier_localsgd.faults import Fault
 from hier_localsgd.plan import PlanConfig
 from hier_localsgd.simulate import SimulateConfig
 from hier_localsgd.level import ALGORITHMS
-from hier_localsgd.lossy import LinkSpec, spec_from_config
+from hier_localsgd.lossy import LinkSpec, check_sweep_grid, spec_from_config
 from hier_localsgd.managers import parse_address
 from hier_localsgd.phases import Phase
 from hier_localsgd.timeouts import Timeouts
@@ -528,12 +528,10 @@ def validate(cfg: Config, command: str = "train") -> None:
         if getattr(ch, fname) <= 0:
             err(f"chaos.{fname}", f"{getattr(ch, fname)} — must be positive (seconds)")
     sw = cfg.sweep
-    for i, r in enumerate(sw.rates):
-        if not 0 <= r < 1:
-            err(f"sweep.rates[{i}]", f"{r} — a loss rate must be in [0, 1)")
-    for i, m in enumerate(sw.models):
-        if m not in ("bernoulli", "gilbert_elliott"):
-            err(f"sweep.models[{i}]", f"unknown loss model {m!r} (expected bernoulli or gilbert_elliott)")
+    try:
+        check_sweep_grid("sweep", sw.rates, sw.models)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     for i, f in enumerate(sw.fills):
         if f not in ("zero", "stale", "rescale"):
             err(f"sweep.fills[{i}]", f"unknown fill {f!r} (expected zero, stale or rescale)")

@@ -414,6 +414,17 @@ def spec_from_config(path: str, loss: str, p: float, r: float, k: float, h: floa
     return spec
 
 
+def check_sweep_grid(prefix: str, rates: List[float], models: List[str]) -> None:
+    """A loss sweep's rates and models (``sweep.*``, ``tp_sweep.*``); raises ValueError naming
+    the field, e.g. ``sweep.rates[2]``."""
+    for i, r in enumerate(rates):
+        if not 0 <= r < 1:
+            raise ValueError(f"{prefix}.rates[{i}]: {r} — a loss rate must be in [0, 1)")
+    for i, m in enumerate(models):
+        if m not in ("bernoulli", "gilbert_elliott"):
+            raise ValueError(f"{prefix}.models[{i}]: unknown loss model {m!r} (expected bernoulli or gilbert_elliott)")
+
+
 def describe(spec: Optional[LinkSpec]) -> str:
     if spec is None or not spec.active:
         return "reliable, unthrottled"

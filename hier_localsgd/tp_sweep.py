@@ -105,18 +105,13 @@ def validate_group(cfg: Any, command: str) -> None:
 
 def validate_tp_sweep(sw: TPSweepConfig) -> None:
     """Checks ``tp_sweep.*``; raises ValueError naming the field."""
-    from hier_localsgd.lossy import FILLS, WHERE
+    from hier_localsgd.lossy import FILLS, WHERE, check_sweep_grid
     from hier_localsgd.tp import VARIANTS
 
     def err(name: str, msg: str) -> None:
         raise ValueError(f"tp_sweep.{name}: {msg}")
 
-    for i, r in enumerate(sw.rates):
-        if not 0 <= r < 1:
-            err(f"rates[{i}]", f"{r} — a loss rate must be in [0, 1)")
-    for i, m in enumerate(sw.models):
-        if m not in ("bernoulli", "gilbert_elliott"):
-            err(f"models[{i}]", f"unknown loss model {m!r} (expected bernoulli or gilbert_elliott)")
+    check_sweep_grid("tp_sweep", sw.rates, sw.models)
     for i, op in enumerate(sw.ops):
         if op not in SWEEP_OPS:
             err(f"ops[{i}]", f"unknown operation {op!r} (expected one of {SWEEP_OPS})")
