@@ -6,6 +6,7 @@
     hier-localsgd dashboard  [overrides...]   the live page of a run directory
     hier-localsgd chaos      [overrides...]   the same while killing processes; a recovery report
     hier-localsgd sweep      [overrides...]   lossy slow links: final loss vs loss rate per mode
+    hier-localsgd tp-sweep   [overrides...]   lossy tensor parallelism: loss rate x model x TP operation
     hier-localsgd bench      [overrides...]   ddp vs flat vs hier on emulated LAN/WAN links
     hier-localsgd plan       [overrides...]   cost planner: params, FLOPs, memory, sync time per level
     hier-localsgd simulate   [overrides...]   scale simulator: goodput under failures
@@ -38,6 +39,7 @@ COMMANDS = {
     "dashboard": "serve the live dashboard of a run directory (dashboard.run_dir, default run.dir)",
     "chaos": "like demo, while SIGKILLing processes on a seeded schedule; report the recovery",
     "sweep": "loss rates x loss models x fills x modes on the slow links: table and plot of final loss",
+    "tp-sweep": "lossy tensor parallelism: final loss per loss rate x loss model x TP operation (tp_sweep.*)",
     "bench": "ddp vs flat DiLoCo vs hier on emulated LAN/WAN: bytes, time to target, sync time vs bound",
     "plan": "predict parameters, FLOPs, memory and sync time per level; compute-optimal N and D (plan.*)",
     "simulate": "discrete-event simulation of a large deployment with failures: goodput (simulate.*)",
@@ -178,6 +180,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hier_localsgd.experiments.sweep import run_sweep
 
         return run_sweep(cfg, args.overrides)
+    if args.command == "tp-sweep":
+        setup_logging(cfg.run.log_level, "tp-sweep")
+        from hier_localsgd.experiments.tp_sweep import run_tp_sweep
+
+        return run_tp_sweep(cfg, args.overrides)
     if args.command == "bench":
         setup_logging(cfg.run.log_level, "bench")
         from hier_localsgd.experiments.bench import run_bench

@@ -27,7 +27,7 @@ from hier_localsgd.core.faults import Fault
 from hier_localsgd.core.runtime import RunConfig
 from hier_localsgd.core.timeouts import Timeouts, TimeoutsConfig
 from hier_localsgd.emulation.lossy import LinkSpec, LinksConfig
-from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig
+from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig, TPSweepConfig, check_tp_sweep
 from hier_localsgd.launch.lighthouse import LighthouseConfig
 from hier_localsgd.schema import ConfigError, fail
 from hier_localsgd.sync.types import SyncConfig, TopologyConfig
@@ -36,11 +36,11 @@ from hier_localsgd.tools.plan.config import PlanConfig
 from hier_localsgd.tools.simulate.config import SimulateConfig
 from hier_localsgd.train.data import DataConfig
 from hier_localsgd.train.model import ModelConfig
-from hier_localsgd.train.sections import TrainConfig
+from hier_localsgd.train.sections import GroupConfig, TrainConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "validate", "to_overrides", "dump"]
 
-TRAINING_COMMANDS = ("train", "demo", "chaos", "sweep", "bench")  # validate() checks their data input
+TRAINING_COMMANDS = ("train", "demo", "chaos", "sweep", "bench", "tp-sweep")  # validate() checks their data input
 LAUNCHING_COMMANDS = ("demo", "chaos", "sweep", "bench")  # start a LocalJob (launch/local.py)
 
 
@@ -50,6 +50,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     links: LinksConfig = field(default_factory=LinksConfig)
+    group: GroupConfig = field(default_factory=GroupConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -62,6 +63,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)  # `hier-localsgd plan` (tools/plan/)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)  # `hier-localsgd simulate` (tools/simulate/)
+    tp_sweep: TPSweepConfig = field(default_factory=TPSweepConfig)  # `hier-localsgd tp-sweep` (experiments/tp_sweep.py)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -71,6 +73,10 @@ class Config:
 
     def link_spec(self, level: str) -> LinkSpec:
         return getattr(self.links, level).spec(f"links.{level}")
+
+    def tp_link_specs(self) -> Dict[str, LinkSpec]:
+        """group.tp_links as validated link specs, by TP operation."""
+        return self.group.tp_links.specs()
 
     def fault_list(self) -> List[Fault]:
         return [Fault.from_mapping(i, f) for i, f in enumerate(self.faults)]
@@ -181,6 +187,11 @@ def validate(cfg: Config, command: str = "train") -> None:
     cfg.sweep.check()
     cfg.checkpoint.check(s.mode)
     cfg.bench.check()
+    cfg.group.check(t.ranks_per_replica, cfg.model.name, command)
+    try:
+        check_tp_sweep(cfg.tp_sweep)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
     if command == "chaos" and s.mode not in ("hier", "flat"):
         fail("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")

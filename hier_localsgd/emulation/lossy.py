@@ -61,7 +61,9 @@ from hier_localsgd import costs
 LOSS_MODELS = ("none", "bernoulli", "gilbert_elliott")
 FILLS = ("zero", "stale", "rescale")
 WHERE = ("per_sender", "per_receiver")
-_LEVEL_CODES = {"inner": 1, "outer": 2, "flat": 3, "ddp": 4}
+_LEVEL_CODES = {"inner": 1, "outer": 2, "flat": 3, "ddp": 4,
+                # tensor parallelism (tp.py): one stream family per operation and direction
+                "tp_attn_fwd": 11, "tp_attn_bwd": 12, "tp_mlp_fwd": 13, "tp_mlp_bwd": 14}
 
 
 @dataclass(frozen=True)
@@ -420,6 +422,17 @@ class LinkConfig:
 class LinksConfig:
     inner: LinkConfig = field(default_factory=LinkConfig)
     outer: LinkConfig = field(default_factory=LinkConfig)  # also the flat and ddp baselines' links
+
+
+def check_sweep_grid(prefix: str, rates: List[float], models: List[str]) -> None:
+    """A loss sweep's rates and models (``sweep.*``, ``tp_sweep.*``); raises ValueError naming
+    the field, e.g. ``sweep.rates[2]``."""
+    for i, r in enumerate(rates):
+        if not 0 <= r < 1:
+            raise ValueError(f"{prefix}.rates[{i}]: {r} — a loss rate must be in [0, 1)")
+    for i, m in enumerate(models):
+        if m not in ("bernoulli", "gilbert_elliott"):
+            raise ValueError(f"{prefix}.models[{i}]: unknown loss model {m!r} (expected bernoulli or gilbert_elliott)")
 
 
 def describe(spec: Optional[LinkSpec]) -> str:

@@ -1,4 +1,4 @@
-"""The config sections of the experiment drivers (demo, chaos, sweep, bench), with their checks.
+"""The config sections of the experiment drivers (demo, chaos, sweep, bench, tp-sweep), with their checks.
 
 Only dataclasses and the names they are checked against, so that the root config
 (hier_localsgd/config.py) can compose them although the drivers themselves sit above
@@ -138,3 +138,73 @@ class BenchConfig:
         for name in ("lan_latency_ms", "wan_latency_ms", "target_margin", "target_loss", "h_inner", "h_outer"):
             if getattr(self, name) < 0:
                 fail(f"bench.{name}", f"{getattr(self, name)} — must be at least 0")
+
+
+SWEEP_OPS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd", "all")
+
+
+@dataclass
+class TPSweepConfig:
+    rates: List[float] = field(default_factory=lambda: [0.0, 0.001, 0.01, 0.05, 0.1])
+    models: List[str] = field(default_factory=lambda: ["bernoulli", "gilbert_elliott"])
+    ops: List[str] = field(default_factory=lambda: list(SWEEP_OPS))
+    burst: float = 4.0  # gilbert_elliott mean burst (packets)
+    variant: str = "megatron"  # megatron | naive
+    fill: str = "zero"  # the TP links' fill: zero | stale | rescale (rescale: all-reduces only)
+    where: str = "per_sender"  # per_sender (ranks stay identical) | per_receiver
+    degree: int = 2  # TP degree (processes)
+    model: str = "llama3_debugmodel"
+    layers: int = 2  # transformer layers (0: the flavor's)
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 3e-3
+    eval_batches: int = 8
+    seed: int = 0  # weights and loss streams
+    tolerance: float = 0.05  # tolerated: excess loss <= (1 + tolerance) x lossless excess
+    dp: bool = False  # also train data-parallel with a lossy gradient all-reduce (same rates/models)
+    dp_fill: str = "rescale"
+    large: bool = False  # a larger grid: loss rates up to 50 % (LARGE_RATES)
+    quick: bool = False  # tests: a small grid and a few steps (aimed at < 60 s)
+    out: str = ""  # "" = <run.dir>/tp_sweep
+    timeout_s: float = 120.0  # per collective
+
+
+def check_tp_sweep(sw: "TPSweepConfig") -> None:
+    """Checks ``tp_sweep.*``; raises ValueError naming the field."""
+    from hier_localsgd.emulation.lossy import FILLS, WHERE, check_sweep_grid
+    from hier_localsgd.train.tp import VARIANTS
+
+    def err(name: str, msg: str) -> None:
+        raise ValueError(f"tp_sweep.{name}: {msg}")
+
+    check_sweep_grid("tp_sweep", sw.rates, sw.models)
+    for i, op in enumerate(sw.ops):
+        if op not in SWEEP_OPS:
+            err(f"ops[{i}]", f"unknown operation {op!r} (expected one of {SWEEP_OPS})")
+    if sw.burst < 1:
+        err("burst", f"{sw.burst} — a mean burst is at least 1 packet")
+    if sw.variant not in VARIANTS:
+        err("variant", f"{sw.variant!r} — expected one of {VARIANTS}")
+    for name in ("fill", "dp_fill"):
+        if getattr(sw, name) not in FILLS:
+            err(name, f"{getattr(sw, name)!r} — expected one of {FILLS}")
+    if sw.variant == "naive" and sw.fill == "rescale":
+        err("fill", "rescale applies to all-reduces only; the naive variant all-gathers in the forward")
+    if sw.where not in WHERE:
+        err("where", f"{sw.where!r} — expected one of {WHERE}")
+    for name in ("degree", "steps", "batch_size", "eval_batches"):
+        if getattr(sw, name) < 1:
+            err(name, f"{getattr(sw, name)} — must be at least 1")
+    if sw.degree < 2:
+        err("degree", f"{sw.degree} — tensor parallelism needs at least 2 ranks")
+    if sw.dp and sw.batch_size % sw.degree:
+        err("batch_size", f"{sw.batch_size} — tp_sweep.dp splits the batch over {sw.degree} ranks")
+    if sw.seq_len < 2:
+        err("seq_len", f"{sw.seq_len} — must be at least 2")
+    if sw.layers < 0:
+        err("layers", f"{sw.layers} — 0 (the flavor's) or more")
+    if sw.lr <= 0 or sw.timeout_s <= 0 or sw.tolerance < 0:
+        err("lr" if sw.lr <= 0 else "timeout_s" if sw.timeout_s <= 0 else "tolerance", "must be positive")
+    if not sw.model.startswith("llama3_"):
+        err("model", f"{sw.model!r} — tensor parallelism shards a llama3_<flavor> model")

@@ -2,7 +2,9 @@
 
 Computed only from what each process wrote (its result.json and status): in particular
 ``consistent`` is true only if every replica group reported the same checksum of its
-final parameters, taken after the last outer sync. :func:`human` renders it.
+final parameters, taken after the last outer sync (with group.parallel=tp: every group's
+rank k the same, per k — the ranks of a group hold different shards). :func:`human`
+renders it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from hier_localsgd.config import Config
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.status import read_json, replica_dir
 from hier_localsgd.launch.local import LocalJob
+from hier_localsgd.train.tp import consistent_checksums
 
 
 def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
@@ -95,7 +98,7 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         "links": links,
         "slow_link_payload_bytes_per_outer_round": (outer_payload / outer_rounds) if outer_payload and outer_rounds else None,
         "slow_link_payload_bytes_per_outer_round_expected": expected_outer,
-        "consistent": len(got) == len(keys) and not ranks_missing and len(set(checksums.values())) == 1,
+        "consistent": len(got) == len(keys) and not ranks_missing and consistent_checksums(checksums, cfg.group.parallel == "tp"),
         "checksums": checksums,
         "exit_codes": {f"c{c}r{r}": code for (c, r), code in codes.items()},
         "missing_results": [f"c{c}r{r}" for (c, r) in keys if (c, r) not in got] + ranks_missing,

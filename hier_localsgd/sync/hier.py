@@ -38,7 +38,9 @@ process groups (rank k of every replica group forms ring k, as torchft arranges)
 slow links still carry one model per cluster per outer round. Both levels' state is
 per slice; after every commit or rollback the group all-gathers the committed slices
 into the full committed model (the rollback target). With G = 1 the slice is the whole
-vector and the gather is a copy.
+vector and the gather is a copy. With tensor-parallel groups (``group_shards``, tp.py) rank
+k's flat vector is its own shard of the model: it syncs all of it over ring k, and the
+gather is a copy too.
 
 Failure semantics. Once a quorum has formed every member runs every collective of
 the round, in order, even after an error (errors only decide the commit vote), so
@@ -154,6 +156,9 @@ class HierSettings:
     outer_link: Optional[LinkSpec] = None
     group_rank: int = 0
     group_world_size: int = 1
+    # group.parallel=tp: every rank holds its own shard of the model (tp.py) and syncs all
+    # of it with the same rank of the other groups; no slicing, no group all-gather.
+    group_shards: bool = False
     # Lighthouse outages (outage.py): each quorum request waits at most quorum_slice (the
     # lighthouse heartbeat timeout) before the lighthouse is probed; a level whose
     # lighthouse has not answered for outage_limit ends the process.
@@ -214,6 +219,8 @@ class HierarchicalSync:
 
         # This rank's slice of the flat vector (all of it with one rank per group).
         g, k = settings.group_world_size, settings.group_rank
+        if settings.group_shards:
+            g, k = 1, 0  # the flat vector already is this rank's shard
         self._slice_len = (flat.numel + g - 1) // g
         self.part = slice(min(flat.numel, k * self._slice_len), min(flat.numel, (k + 1) * self._slice_len))
         self.group, self.group_store = group, group_store  # group_store is already per attempt (trainer.py)
@@ -752,7 +759,7 @@ class HierarchicalSync:
         One rank per group: a copy. Several: an all-gather over the group's own process
         group (never an FT group: ranks of one group share no FT group, I1)."""
         g = self.s.group_world_size
-        if g == 1:
+        if g == 1 or self.s.group_shards:
             self._committed.copy_(self.inner.backup)
         else:
             import torch.distributed as dist

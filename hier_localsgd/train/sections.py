@@ -6,9 +6,11 @@ included) does not import torchft through the training loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Dict
 
-from hier_localsgd.schema import fail
+from hier_localsgd.emulation.lossy import LinkConfig, LinkSpec
+from hier_localsgd.schema import ConfigError, fail
 from hier_localsgd.sync.types import SyncConfig
 
 
@@ -45,3 +47,50 @@ class TrainConfig:
                 fail("train.steps", f"{self.steps} must be a multiple of sync.inner.every*sync.outer.every={period} so the run ends on an outer sync")
         elif s.mode == "flat" and self.steps % s.flat.every:
             fail("train.steps", f"{self.steps} must be a multiple of sync.flat.every={s.flat.every} so the run ends on a sync")
+
+
+TP_OPS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")  # the TP collectives with a link each (train/tp.py)
+
+
+@dataclass
+class TPLinksConfig:
+    """group.parallel=tp: the emulated link of each TP operation (train/tp.py), as links.<level>."""
+
+    attn_fwd: LinkConfig = field(default_factory=LinkConfig)
+    attn_bwd: LinkConfig = field(default_factory=LinkConfig)
+    mlp_fwd: LinkConfig = field(default_factory=LinkConfig)
+    mlp_bwd: LinkConfig = field(default_factory=LinkConfig)
+
+    def specs(self) -> Dict[str, LinkSpec]:
+        """The validated link spec of each TP operation."""
+        return {op: getattr(self, op).spec(f"group.tp_links.{op}") for op in TP_OPS}
+
+
+@dataclass
+class GroupConfig:
+    """Inside a replica group of topology.ranks_per_replica ranks."""
+
+    parallel: str = "dp"  # dp: every rank a whole replica on its own data | tp: the model split over the ranks (train/tp.py)
+    tp_variant: str = "megatron"  # megatron | naive
+    tp_links: TPLinksConfig = field(default_factory=TPLinksConfig)
+
+    def check(self, ranks_per_replica: int, model_name: str, command: str) -> None:
+        """Checks ``group.*`` (and the TP links) against the topology and model; one line naming the field."""
+        from hier_localsgd.train.tp import PARALLEL, VARIANTS
+
+        if self.parallel not in PARALLEL:
+            fail("group.parallel", f"{self.parallel!r} — expected one of {PARALLEL}")
+        if self.tp_variant not in VARIANTS:
+            fail("group.tp_variant", f"{self.tp_variant!r} — expected one of {VARIANTS}")
+        try:
+            specs = self.tp_links.specs()
+        except ValueError as e:  # the message starts with the field's path
+            raise ConfigError(str(e)) from e
+        for op, spec in specs.items():
+            if self.tp_variant == "naive" and op.endswith("_fwd") and spec.fill == "rescale":
+                fail(f"group.tp_links.{op}.fill", "rescale applies to all-reduces only; tp_variant=naive all-gathers in the forward (use zero or stale)")
+        if self.parallel == "tp":
+            if command == "train" and ranks_per_replica < 2:
+                fail("group.parallel", f"tp needs topology.ranks_per_replica >= 2 (got {ranks_per_replica})")
+            if not model_name.startswith("llama3_"):
+                fail("group.parallel", f"tp shards a llama3_<flavor> model (model.name={model_name!r})")

@@ -172,6 +172,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outer_link=cfg.link_spec("outer"),
             group_rank=grp.rank,
             group_world_size=grp.size,
+            group_shards=cfg.group.parallel == "tp",
             quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
             outage_limit=timedelta(seconds=s.outage_limit_s),
             outer_delay=s.outer.delay,
@@ -286,8 +287,14 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     rt.on_exit(lambda code, reason: tb.close())
 
     # -- data, model, inner optimizer -------------------------------------------
-    data = build_data(cfg, grp.rank)
+    tp = None  # group.parallel=tp: this rank's TP group, model shard and TP links (tp.py)
+    data = build_data(cfg, 0 if cfg.group.parallel == "tp" else grp.rank)  # TP ranks share their group's batches
     model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
+    if cfg.group.parallel == "tp":
+        from hier_localsgd.train.tp import group_tp, shard_llama3
+
+        tp = group_tp(cfg, grp.pg, grp.rank, grp.size)
+        shard_llama3(model, tp, cfg.group.tp_variant)
     # Gradients as one flat buffer for the ddp baseline, which all-reduces it across replica groups.
     flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
@@ -295,7 +302,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     # group (bucketed gradient averaging overlapped with backward), never across the
     # fault-tolerant dimension.
     fwd: torch.nn.Module = model
-    if grp.pg is not None:
+    if grp.pg is not None and tp is None:
         from torch.nn.parallel import DistributedDataParallel
 
         fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False)
@@ -373,7 +380,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
             links = sync.link_stats()
-            pub.update(loss=loss_val, loss_step=c.step, link=links)
+            pub.update(loss=loss_val, loss_step=c.step, link=links, **({"tp": tp.stats()} if tp is not None else {}))
             pub.event("loss", step=c.step, loss=loss_val)
             work = _work(sync)
             tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
@@ -406,6 +413,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         "model_params": flat.numel,
         "model_bytes": flat.nbytes,
         "link": sync.link_stats(),
+        **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
         "work": _work(sync),
         "local_step_s": trimmed_mean(local_step_times),
         "local_steps_timed": len(local_step_times),

@@ -170,6 +170,15 @@ def step_time(cfg: PlanConfig, flops_per_step_rank: float) -> float:
     return flops_per_step_rank / (h.peak_tflops * 1e12 * h.mfu)
 
 
+def tp_volumes(d: ModelDims, tokens: int, g: int) -> Dict[str, Any]:
+    """TP bytes per rank, per layer and step, for both layouts (train/tp.tp_comm_volume); {} for G = 1."""
+    if g < 2:
+        return {}
+    from hier_localsgd.train.tp import VARIANTS, tp_comm_volume
+
+    return {v: tp_comm_volume(d, tokens, g, v) for v in VARIANTS}
+
+
 def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
     """Every figure of the plan, as a JSON-ready dict."""
     d = validate_plan(cfg)
@@ -224,6 +233,8 @@ def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
         "fits_memory": {m: {"no_checkpointing": modes[m]["memory"]["peak"] <= mem_limit, "checkpointing": modes[m]["memory"]["peak_checkpointed"] <= mem_limit} for m in REPORT_ORDER},
         "recommendation": {"target_comm_fraction": s.target_comm_fraction, **recommend_h(st, step_s, s.target_comm_fraction, s.inner_share)},
         "scaling": {**chinchilla_optimum(cfg.scaling), "constants": asdict(cfg.scaling)},
+        # if the G ranks of a group split the model by tensors instead (group.parallel=tp, train/tp.py)
+        "tensor_parallel": tp_volumes(d, tokens_rank, tp.ranks_per_replica),
         "config": asdict(cfg),
     }
 

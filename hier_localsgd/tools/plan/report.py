@@ -105,6 +105,10 @@ def human(p: Dict[str, Any]) -> str:
             ],
         ),
     ]
+    for variant, vol in p.get("tensor_parallel", {}).items():
+        out.append(f"tensor parallel over the group's {tp['ranks_per_replica']} ranks ({variant}): {fmt_bytes(vol['per_step']['total'])} per rank "
+                   f"and step, {fmt_bytes(sum(vol['per_layer'].values()))} per layer ("
+                   + ", ".join(f"{op} {fmt_bytes(b)}" for op, b in vol["per_layer"].items()) + ")")
     rec = p["recommendation"]
     if rec.get("h_inner"):
         out += [
