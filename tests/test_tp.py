@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 from datetime import timedelta
 
 import pytest
@@ -293,3 +294,38 @@ def test_planner_reports_tp_volume_for_both_variants():
     assert "tensor parallel over the group's 2 ranks (naive)" in human(p)
     cfg.topology.ranks_per_replica = 1
     assert make_plan(cfg)["tensor_parallel"] == {}
+
+
+LAT_S, BW_BPS = 0.004, 4e6  # mlp_fwd's emulated link: 4 ms one way, 32 Mbit/s
+
+
+def _time_worker(rank, world, pg, variant):
+    """One training step with only ``mlp_fwd`` slowed (latency + bandwidth, no loss)."""
+    tp = TPGroup(pg, rank, world, {"mlp_fwd": LinkSpec(latency_s=LAT_S, bandwidth_Bps=BW_BPS)})
+    model, _ = build_tp_model(MODEL, VOCAB, LOSS_SEQ, 3, tp, variant, n_layers=LAYERS)
+    x = torch.randint(0, VOCAB, (LOSS_BATCH, LOSS_SEQ), generator=torch.Generator().manual_seed(1))
+    t0 = time.perf_counter()
+    lm_loss(model, x, x).backward()
+    return {"stats": tp.stats(), "wall_s": time.perf_counter() - t0}
+
+
+@pytest.mark.parametrize("variant", ["megatron", "naive"])
+def test_latency_and_bandwidth_are_emulated_per_operation(tmp_path, variant):
+    """Only the operation given a slow link is slowed: its collectives are padded to the
+    emulator's α–β bound for the bytes they carried (megatron all-reduces, naive
+    all-gathers), the step lasts at least that long, and the other operations carry no
+    emulation at all."""
+    from hier_localsgd.emulation.lossy import LinkSpec as Spec
+
+    ranks = spawn_group(_time_worker, 2, str(tmp_path), args=(variant,), timeout=timedelta(seconds=120))
+    spec = Spec(latency_s=LAT_S, bandwidth_Bps=BW_BPS)
+    for r in ranks:
+        st = r["stats"]
+        assert all("loss" not in st[op] for op in OPS if op != "mlp_fwd"), st
+        mlp = st["mlp_fwd"]
+        calls, nbytes = mlp["calls"], mlp["tensor_bytes"]
+        assert calls >= LAYERS, mlp  # at least one collective per layer's MLP forward
+        f = spec.allreduce_time if variant == "megatron" else spec.allgather_time
+        bound = calls * f(0, 2) + (f(nbytes, 2) - f(0, 2))  # the bound is affine in the bytes: summed over calls
+        assert mlp["loss"]["emulated_time_s"] == pytest.approx(bound, rel=1e-9)
+        assert r["wall_s"] >= bound
