@@ -329,3 +329,40 @@ def test_latency_and_bandwidth_are_emulated_per_operation(tmp_path, variant):
         bound = calls * f(0, 2) + (f(nbytes, 2) - f(0, 2))  # the bound is affine in the bytes: summed over calls
         assert mlp["loss"]["emulated_time_s"] == pytest.approx(bound, rel=1e-9)
         assert r["wall_s"] >= bound
+
+
+PER = 1472 // 4  # fp32 values per packet (LinkSpec's default payload)
+
+
+def _stale_worker(rank, world, pg, where):
+    """Two all-gathers through one lossy ``stale`` link at the same site."""
+    spec = LinkSpec(model=LossModel("bernoulli", p=0.5), fill="stale", where=where, seed=3)
+    tp = TPGroup(pg, rank, world, {"mlp_fwd": spec})
+    n = PER * 64
+    first = tp.all_gather(torch.full((n,), 1.0 + rank), "mlp_fwd", "site")
+    second = tp.all_gather(torch.full((n,), 10.0 + rank), "mlp_fwd", "site")
+    return {"first": first, "second": second}
+
+
+@pytest.mark.parametrize("where", ["per_sender", "per_receiver"])
+def test_a_lost_all_gather_packet_keeps_the_sites_previous_value_with_the_stale_fill(tmp_path, where):
+    """Each packet of every shard is either this call's (arrived) or what the site held
+    there after its previous call (lost): the first call's value, itself 0 where that was
+    lost (nothing earlier). per_sender: every rank's copy alike; per_receiver: a rank's own
+    shard never crosses the link, and the ranks' copies differ."""
+    ranks = spawn_group(_stale_worker, 2, str(tmp_path), args=(where,), timeout=timedelta(seconds=120))
+    n = PER * 64
+    for me, r in enumerate(ranks):
+        for j in range(2):
+            first = r["first"][j * n:(j + 1) * n].view(64, PER)
+            second = r["second"][j * n:(j + 1) * n].view(64, PER)
+            arrived = (second == 10.0 + j).all(dim=1)
+            stale = (second == first).all(dim=1)
+            assert bool((arrived | stale).all()), (me, j)  # nothing else: whole packets, this call's or the previous
+            if where == "per_receiver" and j == me:
+                assert bool(arrived.all())  # its own shard
+                continue
+            assert 10 <= int((~arrived).sum()) <= 54, (me, j, int((~arrived).sum()))  # p = 0.5 over 64 packets
+            assert bool(((second == 1.0 + j).all(dim=1)).any())  # a packet lost now that had arrived before
+    same = torch.equal(ranks[0]["second"], ranks[1]["second"])
+    assert same is (where == "per_sender")
