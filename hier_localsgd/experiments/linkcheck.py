@@ -54,11 +54,6 @@ class LinkCheckError(RuntimeError):
     """A worker failed or timed out; the message carries its stderr tail."""
 
 
-def ring_bytes(nbytes: int, world: int) -> float:
-    """What each process sends in a ring all-reduce of ``nbytes`` (the links' count: costs.py)."""
-    return costs.ring_allreduce_bytes(nbytes, world)
-
-
 def ring_bound_s(nbytes: int, world: int, rate_bits_per_s: float) -> float:
     """The ring all-reduce's bandwidth bound at ``rate_bits_per_s`` (costs.py's model, α = 0)."""
     return costs.allreduce_time(nbytes, world, 0.0, rate_bits_per_s / 8)
@@ -157,7 +152,7 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
                 else:
                     net.unshape(c)
             m = Measurement(clusters, rate_mbit, nbytes, mode, bound_s=ring_bound_s(nbytes, clusters, rate),
-                            analytic_bytes=ring_bytes(nbytes, clusters))
+                            analytic_bytes=costs.ring_allreduce_bytes(nbytes, clusters))
             results = _run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0)
             for i in range(reps):
                 m.times_s.append(max(r["times_s"][i] for r in results))
