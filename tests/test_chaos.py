@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from hier_localsgd.experiments.chaos import Timeline, account_work, evidence
+from hier_localsgd.experiments.chaos_evidence import Timeline, account_work, evidence
 
 T0 = 1000.0
 ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -146,7 +146,9 @@ def test_a_heal_counts_only_at_a_step_above_zero():
     assert r["kills"][0]["time_to_next_commit_s"] == pytest.approx(T0 + 7.5 - (T0 + 7.0))  # c0r0's inner commit at step 30
 
 
-def test_a_kill_is_matched_with_its_own_restart_not_a_later_one():
+def test_a_kill_is_matched_with_its_own_restarts_not_a_later_kills():
+    """A restart that exits on its own before healing is followed by the supervisor's next
+    restart, which still answers the kill; a restart after a *later kill* answers that kill."""
     f = Fake()
     f.train((0, 0), T0, T0 + 20, leader=True)
     f.train((0, 1), T0, T0 + 5)
@@ -154,11 +156,26 @@ def test_a_kill_is_matched_with_its_own_restart_not_a_later_one():
     f.start((0, 1), T0 + 7.0, restart=True)
     f.exit((0, 1), T0 + 8.0, 1, steps_run=0)  # dies on its own before healing
     f.start((0, 1), T0 + 9.0, restart=True)
-    f.commit((0, 1), T0 + 9.5, 35, "c0s35")  # this one heals
     r = f.evidence()
-    assert r["kills"][0]["time_to_heal_s"] == {"c0r1": None} and r["recovered"] == 0
+    assert r["kills"][0]["time_to_heal_s"] == {"c0r1": None} and r["recovered"] == 0  # nothing healed yet
+    f.commit((0, 1), T0 + 9.5, 35, "c0s35")  # the second restart heals
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c0r1": pytest.approx(2.5)} and r["recovered"] == 1  # from the first restart
     assert [x["cause"] for x in r["self_exits"]] == ["exit 1"]
-    assert [(x["cause"], x["time_to_heal_s"]) for x in r["restarts"]] == [("non_leader", None), ("exit 1", pytest.approx(0.5))]
+    assert [(x["cause"], x["time_to_heal_s"], x["incarnations_to_heal"]) for x in r["restarts"]] == [
+        ("non_leader", pytest.approx(2.5), 2), ("exit 1", pytest.approx(0.5), 1)]
+
+    g = Fake()
+    g.train((0, 0), T0, T0 + 20, leader=True)
+    g.train((0, 1), T0, T0 + 5)
+    g.kill(T0 + 5.0, "non_leader", {(0, 1): dict(steps_run=20)})
+    g.start((0, 1), T0 + 7.0, restart=True)
+    g.kill(T0 + 8.0, "non_leader", {(0, 1): dict(steps_run=0)})  # killed again before healing
+    g.start((0, 1), T0 + 9.0, restart=True)
+    g.commit((0, 1), T0 + 9.5, 35, "c0s35")
+    r = g.evidence()
+    assert [k["time_to_heal_s"] for k in r["kills"]] == [{"c0r1": None}, {"c0r1": pytest.approx(0.5)}]
+    assert r["recovered"] == 1
 
 
 def test_inner_committed_work_lost_with_a_whole_cluster_is_discarded():

@@ -38,6 +38,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.costs import ring_allreduce_bytes
+from hier_localsgd.core.addresses import probe_store
 from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
 
@@ -198,6 +199,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         group_world_size: Optional[int] = None,
         global_ranks: Optional[List[int]] = None,
     ) -> None:
+        self.violation = None  # each quorum's group is judged afresh
         if self._distinct_clusters:
             gws = group_world_size or 1
             try:
@@ -222,6 +224,10 @@ class LinkProcessGroup(ProcessGroupWrapper):
             # wrapper's own _create_pg, which is not implemented, and every later quorum fails.
             self._pg = ProcessGroupGloo(timeout=self._timeout)
         self._retire_pending = False
+        # A store whose host died after the quorum formed: fail now (torchft records the
+        # error; the round's collectives fail at once and its commit vote fails), not
+        # after c10d's connect retries (addresses.probe_store).
+        probe_store(store_addr, self._timeout)
         super().configure(
             store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
         )

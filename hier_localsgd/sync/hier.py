@@ -51,7 +51,10 @@ An outer commit is final: a leader whose outer commit succeeded adopts the new
 global model even if its cluster's inner commit then fails; the guard or torchft's
 healing brings the cluster along next round. ``max_quorum_failures`` consecutive
 quorum failures of one level end the process (:class:`FatalSyncError`), as does any
-invariant violation.
+invariant violation inside a process. A quorum whose outer group would break I1 (two
+members of one cluster: for a moment while leadership moves) is refused before any
+collective runs in it and counts as a failed quorum (managers.GroupRefused): it ends
+the process only if it persists.
 """
 
 from __future__ import annotations
