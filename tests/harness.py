@@ -222,6 +222,7 @@ def run_job(
     order: Optional[Sequence[Tuple[int, int]]] = None,
     stagger_s: float = 0.0,
     gate: bool = True,
+    warm_spares: bool = False,
 ) -> JobRun:
     """Runs a whole job to completion as real processes and collects what they published.
 
@@ -231,7 +232,7 @@ def run_job(
     overrides = [*FAST_JOB, *overrides, f"run.dir={run_dir}"]
     cfg = load_config(overrides, validate_for="demo")
     t0 = _time.time()
-    job = LocalJob(cfg, overrides)
+    job = LocalJob(cfg, overrides, warm_spares=warm_spares)
     with job:
         job.start_lighthouses()
         job.start_all(order=order, stagger_s=stagger_s, gate=gate)

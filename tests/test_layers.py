@@ -30,7 +30,7 @@ LAYERS: List[Tuple[str, Sequence[str]]] = [
     ("experiment sections", ("hier_localsgd.experiments.sections", "hier_localsgd.experiments.chaos_faults")),
     ("config", ("hier_localsgd.config",)),
     ("experiments", ("hier_localsgd.experiments",)),
-    ("cli", ("hier_localsgd.cli", "hier_localsgd.__main__")),
+    ("cli", ("hier_localsgd.cli", "hier_localsgd.__main__", "hier_localsgd.spare")),  # entry points
 ]
 
 Edge = Tuple[str, str, int]  # importer, imported, line

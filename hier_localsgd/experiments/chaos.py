@@ -325,7 +325,7 @@ def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float, base
 
 
 def _run(cfg: Config, overrides: List[str], subdir: str, chaos: bool) -> Tuple[LocalJob, Optional[ChaosMonkey], float]:
-    job = LocalJob(cfg, overrides, free_ports=True, run_dir_override=Path(cfg.run.dir) / subdir)
+    job = LocalJob(cfg, overrides, free_ports=True, run_dir_override=Path(cfg.run.dir) / subdir, warm_spares=cfg.chaos.warm_spare)
     monkey = ChaosMonkey(job, cfg) if chaos else None
     t0 = time.time()
     try:

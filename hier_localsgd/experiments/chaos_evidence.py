@@ -104,6 +104,7 @@ class Incarnation:
     last_status: Optional[Dict[str, Any]] = None
     holds_from: Optional[float] = None  # when it came to hold its cluster's model (None: never)
     until: float = float("inf")  # the next incarnation's start: its events end here
+    warm: bool = False  # a restart run in a warm spare (LocalJob.warm_spares)
 
     @property
     def death(self) -> Optional[float]:
@@ -145,7 +146,7 @@ class Timeline:
                 continue  # a lighthouse's record (key: its role) or a network's (key: its cluster), not a replica group's
             key = tuple(h["key"])
             if h["event"] in ("start", "restart"):
-                self.incs.setdefault(key, []).append(Incarnation(key, h.get("pid"), h["t"], h["event"] == "restart"))
+                self.incs.setdefault(key, []).append(Incarnation(key, h.get("pid"), h["t"], h["event"] == "restart", warm=bool(h.get("warm"))))
                 continue
             inc = self._by_pid(key, h.get("pid"))
             if inc is None:
@@ -440,7 +441,7 @@ def evidence(
             healed[key] = dt
             restarts.append({"target": name(key), "cause": o.cause, "outage_t": o.t - t0, "lost_cluster": key[0] in lost,
                              "t": None if restart is None else restart.start - t0, "time_to_heal_s": dt,
-                             "incarnations_to_heal": tries})
+                             "incarnations_to_heal": tries, "warm": bool(restart is not None and restart.warm)})
         if o.kill is not None:
             k = {kk: v for kk, v in o.kill.items() if kk not in ("t_abs", "pids")}
             k["lost_clusters"] = lost

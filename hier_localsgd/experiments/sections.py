@@ -47,6 +47,7 @@ class ChaosConfig:
     partition_s: float = 10.0  # how long a partitioned cluster stays cut off
     compare_flat: bool = False  # run the same schedule against sync.mode=flat and compare
     draw: str = "random"  # random: each fault's kind drawn with the seed; cycle: kinds in order
+    warm_spare: bool = True  # restarts run in a process with the training stack already imported (spare.py)
 
     def check(self) -> None:
         for i, role in enumerate(self.roles):
