@@ -43,6 +43,8 @@ Key = Tuple[int, int]
 
 logger = logging.getLogger(__name__)
 
+SPARE_RESPAWN_S = 10.0  # after a restart took the spare, the next one starts this much later
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -105,7 +107,8 @@ class LocalJob:
         warm_spares: run restarts in a warm spare (``hier_localsgd/spare.py``): a process
             started ahead with the training stack imported, so a restarted group joins in
             well under a second instead of after its imports. Single-rank groups outside
-            network namespaces only; the history's ``restart`` records say ``warm``.
+            network namespaces only; the history's ``restart`` records say ``spare`` (one was
+            used) and ``warm`` (it had finished its imports by then).
     """
 
     cfg: Config
@@ -123,6 +126,7 @@ class LocalJob:
     # stack imported) where one can: single-rank groups outside network namespaces.
     warm_spares: bool = False
     _spare: Optional[subprocess.Popen] = None
+    _spare_due: float = 0.0  # when the next spare may start
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
@@ -245,11 +249,17 @@ class LocalJob:
         if prev is not None:
             proc.restarts = prev.restarts + 1
         self.replicas[(cluster, replica)] = proc
-        warm = {"warm": proc.name.endswith("(spare)")} if prev is not None else {}
+        how = {}
+        if prev is not None:
+            spare = proc.name.partition("(")[2].rstrip(")")  # "", "spare" or "spare ready"
+            # warm: the spare had finished its imports when it got the restart
+            how = {"spare": bool(spare), "warm": spare == "spare ready"}
+            if spare:
+                # The next spare starts a little later: importing beside a restart that is
+                # starting up would slow both on a small machine.
+                self._spare_due = time.time() + SPARE_RESPAWN_S
         proc.name = name
-        self._record({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid, **warm})
-        if warm.get("warm"):
-            self.ensure_spare()  # ready for the next restart
+        self._record({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid, **how})
         return proc
 
     # -- warm spares ------------------------------------------------------------------
@@ -257,8 +267,8 @@ class LocalJob:
         return self.warm_spares and self.netns is None and self.cfg.topology.ranks_per_replica == 1
 
     def ensure_spare(self) -> None:
-        """Starts a spare unless one is waiting (it imports while the job trains)."""
-        if not self._spares_apply() or (self._spare is not None and self._spare.poll() is None):
+        """Starts a spare unless one is waiting or it is too early (it imports while the job trains)."""
+        if not self._spares_apply() or (self._spare is not None and self._spare.poll() is None) or time.time() < self._spare_due:
             return
         f = open(self.run_dir / "logs" / "spare.log", "ab")
         self._spare = subprocess.Popen([self.python, "-m", "hier_localsgd.spare"], stdin=subprocess.PIPE, stdout=f,
@@ -275,6 +285,7 @@ class LocalJob:
 
     def _from_spare(self, name: str, argv: List[str]) -> Optional[Proc]:
         """Hands ``argv`` (``hier_localsgd`` arguments) to the waiting spare; None if there is none."""
+        ready = self.spare_ready()
         spare, self._spare = self._spare, None
         if spare is None or spare.poll() is not None or spare.stdin is None:
             return None
@@ -284,7 +295,7 @@ class LocalJob:
             spare.stdin.close()
         except OSError:
             return None  # it died just now: start cold
-        return Proc(name=f"{name}(spare)", popen=spare, started=time.time(), log=log)
+        return Proc(name=f"{name}(spare ready)" if ready else f"{name}(spare)", popen=spare, started=time.time(), log=log)
 
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None
@@ -425,6 +436,8 @@ class LocalJob:
             for key in [k for k, t in due.items() if t <= now]:
                 del due[key]
                 self.start_replica(*key)
+            if restart and not due:
+                self.ensure_spare()
             if not due and all(p.popen.poll() is not None for p in self.replicas.values()):
                 break
             if tick is not None:
