@@ -17,6 +17,7 @@ import torch
 from harness import ThreadedHier, local_steps
 from hier_localsgd.config import ConfigError, load_config
 from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
+from hier_localsgd.core.faults import Fault
 from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.costs import ring_allreduce_bytes
 
@@ -39,12 +40,14 @@ Snap = Tuple[int, bool, torch.Tensor, torch.Tensor, torch.Tensor]  # step, leade
 
 
 @lru_cache(maxsize=None)
-def run(compression: str, leave_at: int = 0, delay: int = 0):
-    """One threaded job; ``leave_at``: c0r0 (cluster 0's leader) stops after that step."""
+def run(compression: str, leave_at: int = 0, delay: int = 0, fail_at: int = 0):
+    """One threaded job; ``leave_at``: c0r0 (cluster 0's leader) stops after that step;
+    ``fail_at``: c0r0's OUTER_REDUCE fails at that step (an injected link failure)."""
+    faults = [Fault(cluster=0, replica=0, step=fail_at, action="fail", phase="OUTER_REDUCE")] if fail_at else []
     seen: Dict[Tuple[int, int], List[Snap]] = {}
     reps = {}
     h = ThreadedHier(C, R, H_IN, H_OUT, inner=LOCALSGD, outer=LOCALSGD, numel=N, outer_compression=compression,
-                     compression_block=BLOCK, outer_delay=delay, final_step=STEPS if delay else 0)
+                     compression_block=BLOCK, outer_delay=delay, final_step=STEPS if delay else 0, faults=faults)
 
     def record(rep):
         comp = rep.sync.comp
@@ -142,6 +145,32 @@ def test_the_residual_survives_a_leader_change():
     torch.testing.assert_close(finals[0] - ref[(0, 1)][-1][2], _final_residual_sum(seen, keys), rtol=0, atol=2e-6)
 
 
+def test_a_failed_compressed_outer_round_keeps_the_residual_and_nobody_waits_for_a_timeout():
+    """c0r0's outer reduce reports a failure at step 4 (the collectives ran on the wire):
+    its outer commit fails, so its residual stays the one committed at step 2 (a rollback,
+    not the staged one); cluster 1 commits; nobody runs into a deadline (the failed member
+    still joined the all-gather); cluster 0 heals its outer level at step 6 and the job
+    ends on one model, within about a step of fp32 and its residuals."""
+    seen, reps = run("int8", fail_at=4)
+    ref, _ = run("none", fail_at=4)
+    assert [e["step"] for e in reps[(0, 0)].kinds("rollback", level="outer")] == [4]
+    assert [e["step"] for e in reps[(1, 0)].kinds("commit", level="outer")] == list(range(2, STEPS + 1, 2))
+    r2 = _at(seen, (0, 0), 2)[3]
+    assert float(r2.abs().max()) > 0
+    for r in range(R):
+        assert torch.equal(_at(seen, (0, r), 4)[3], r2)
+    assert not [e for rep in reps.values() for e in rep.kinds("timeout")]
+    finals = [s[-1][2] for s in seen.values()]
+    assert all(torch.equal(f, finals[0]) for f in finals)
+    # Cluster 1 committed the round with cluster 0's contribution in it (the reduce ran on
+    # the wire) while cluster 0's vote failed and kept its old residual: that residual
+    # reaches the global model twice and the round's new error is lost. The identity is
+    # then off by at most about one step, once (docs/compression.md).
+    off = finals[0] - ref[(0, 0)][-1][2] - _final_residual_sum(seen, seen.keys())
+    assert float(off.abs().max()) > 1e-5
+    assert bool((off.abs() <= _one_step_bound()).all())
+
+
 def test_overlapped_int8_outer_rounds_stay_consistent_and_keep_the_identity():
     seen, reps = run("int8", delay=1)
     ref, _ = run("none", delay=1)
@@ -160,6 +189,26 @@ def test_overlapped_int8_outer_rounds_stay_consistent_and_keep_the_identity():
     assert all(torch.equal(f, finals[0]) for f in finals)
     got, want = seen[(0, 0)][-1][2], ref[(0, 0)][-1][2]
     torch.testing.assert_close(got - want, _final_residual_sum(seen, seen.keys()), rtol=0, atol=2e-6)
+
+
+def test_a_heal_and_a_checkpoint_carry_the_residual():
+    """What a donor serves a healing replica group (torchft's transport sends this state
+    dict) and a durable checkpoint both carry the cluster's committed residual; a state
+    without one (an older checkpoint) resets it to zeros."""
+    import copy
+
+    _, reps = run("int8")
+    donor, healer = reps[(1, 0)].sync, reps[(0, 1)].sync
+    assert not torch.equal(donor.comp.residual, healer.comp.residual)  # different clusters
+    healer._load_inner_state(copy.deepcopy(donor._inner_state_dict()))
+    assert torch.equal(healer.comp.residual, donor.comp.residual)
+    snap = copy.deepcopy(donor.snapshot())
+    healer.comp.load(torch.zeros(N))
+    healer.restore(snap)
+    assert torch.equal(healer.comp.residual, donor.comp.residual)
+    del snap["outer_compression"]
+    healer.restore(snap)
+    assert not bool(healer.comp.residual.any())
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,8 @@ class SyncConfig:
             fail("sync.mode", f"unknown mode {self.mode!r} (expected one of {MODES})")
         for name in ("inner", "outer", "flat"):
             getattr(self, name).check(f"sync.{name}")
+        if self.mode != "hier" and self.outer.compression != NONE:
+            fail("sync.outer.compression", f"{self.outer.compression!r} — compresses the hierarchy's outer reduce; needs sync.mode=hier (got {self.mode!r})")
         if not 1 <= self.min_replicas <= t.replicas_per_cluster:
             fail("sync.min_replicas", f"{self.min_replicas} — must be in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
         if not 1 <= self.min_clusters <= t.clusters:
