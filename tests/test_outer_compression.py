@@ -110,6 +110,18 @@ def test_int8_outer_rounds_keep_replicas_identical_and_match_fp32_within_the_res
     assert bool(((got - want).abs() <= _one_step_bound()).all())
 
 
+def test_fp8_outer_rounds_keep_replicas_identical_and_the_identity():
+    seen, _ = run("fp8")
+    ref, _ = run("none")
+    for step in range(H_IN * H_OUT, STEPS + 1, H_IN * H_OUT):
+        models = [_at(seen, k, step)[2] for k in seen]
+        assert all(torch.equal(m, models[0]) for m in models), f"replicas differ at step {step}"
+    got, want = seen[(0, 0)][-1][2], ref[(0, 0)][-1][2]
+    rho = _final_residual_sum(seen, seen.keys())
+    assert float(rho.abs().max()) > 0
+    torch.testing.assert_close(got - want, rho, rtol=0, atol=2e-6)
+
+
 def test_int8_slow_link_bytes_are_the_compressed_bytes():
     _, reps = run("int8")
     _, ref = run("none")

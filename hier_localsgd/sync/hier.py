@@ -653,10 +653,9 @@ class HierarchicalSync:
             return _OuterResult(status, None, c.outer_round, c.step)
         params = result.params if self._leader and result is not None else prior.clone()
         assert params is not None
-        if not self.inner_comm.broadcast(params, 0, PAYLOAD):
-            return _OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        residual = self._broadcast_residual(self._stage_comp)
-        if self.comp is not None and residual is None:
+        params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
+        residual = self._broadcast_residual(self._stage_comp)  # issued even if the model's failed (matched collectives)
+        if not params_ok or (self.comp is not None and residual is None):
             return _OuterResult(Status.ABORT, None, c.outer_round, c.step)
         return _OuterResult(status, params, int(header[1]), int(header[2]), float(header[3]), merge=True, residual=residual)
 
