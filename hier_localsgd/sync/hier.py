@@ -81,7 +81,7 @@ from hier_localsgd.core.addresses import LighthouseUnreachable
 from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.core.peers import QuorumWatch
-from hier_localsgd.sync.compression import NONE as NO_COMPRESSION, OuterCompression, build as build_compression
+from hier_localsgd.sync.compression import DEFAULT_BLOCK, NONE as NO_COMPRESSION, OuterCompression, build as build_compression
 from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round, merge_keep_local
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.timeouts import Timeouts
@@ -172,7 +172,7 @@ class HierSettings:
     final_step: int = 0
     # Compressed outer reduce (compression.py): none | int8 | fp8, elements per block.
     outer_compression: str = NO_COMPRESSION
-    outer_compression_block: int = 256
+    outer_compression_block: int = DEFAULT_BLOCK
 
 
 @dataclass
