@@ -30,6 +30,7 @@ from hier_localsgd.emulation.lossy import LinkSpec, LinksConfig
 from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig, TPSweepConfig, check_tp_sweep
 from hier_localsgd.launch.lighthouse import LighthouseConfig
 from hier_localsgd.schema import ConfigError, fail
+from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 from hier_localsgd.sync.types import SyncConfig, TopologyConfig
 from hier_localsgd.tools.dashboard.config import DashboardConfig
 from hier_localsgd.tools.plan.config import PlanConfig
@@ -215,6 +216,11 @@ def validate(cfg: Config, command: str = "train") -> None:
             build()
         except ValueError as e:
             raise ConfigError(str(e)) from e
+
+    # The compressed outer reduce moves packed bytes (codes and block scales): a lost
+    # packet can only arrive as zeros (core/link.py), so no stale or rescale fill.
+    if s.mode == "hier" and s.outer.compression != NO_COMPRESSION and cfg.link_spec("outer").model.enabled and cfg.links.outer.fill != "zero":
+        fail("links.outer.fill", f"{cfg.links.outer.fill!r} — with sync.outer.compression={s.outer.compression} lost packets of the compressed payload can only be zero-filled (links.outer.fill=zero)")
 
 
 def dump(cfg: Config) -> str:

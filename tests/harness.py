@@ -72,8 +72,11 @@ class ThreadedHier:
         outer_link: Optional[LinkSpec] = None,
         outer_delay: int = 0,
         final_step: int = 0,
+        outer_compression: str = "none",
+        compression_block: int = 256,
     ) -> None:
         self.C, self.R = clusters, replicas
+        self.outer_compression, self.compression_block = outer_compression, compression_block
         self.outer_delay, self.final_step = outer_delay, final_step
         kw = dict(join_timeout_ms=20000, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
         self.global_lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters or clusters, **kw)
@@ -108,6 +111,8 @@ class ThreadedHier:
             outer_link=self.outer_link,
             outer_delay=self.outer_delay,
             final_step=self.final_step,
+            outer_compression=self.outer_compression,
+            outer_compression_block=self.compression_block,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

@@ -16,7 +16,8 @@ from hier_localsgd.experiments.chaos_faults import KINDS
 from hier_localsgd.schema import fail
 from hier_localsgd.sync.types import MODES
 
-ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "hier", "hier_overlap")  # bench.py
+# bench.py; hier_int8 / hier_overlap_int8: hier / hier_overlap with sync.outer.compression=int8
+ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "hier", "hier_overlap", "hier_int8", "hier_overlap_int8")
 
 
 @dataclass

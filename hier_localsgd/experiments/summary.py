@@ -13,7 +13,9 @@ import json
 from typing import Any, Dict, Optional
 
 from hier_localsgd.config import Config
+from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.costs import ring_allreduce_bytes
+from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 from hier_localsgd.core.status import read_json, replica_dir
 from hier_localsgd.launch.local import LocalJob
 from hier_localsgd.train.tp import consistent_checksums
@@ -71,6 +73,10 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
                 checksums[f"c{c}r{r_}g{g}"] = res["checksum"]
     C = cfg.topology.clusters
     expected_outer = ring_allreduce_bytes(model_bytes, C) * C if model_bytes else None
+    comp = cfg.sync.outer.compression
+    if model_bytes and comp != NO_COMPRESSION:
+        # the compressed outer reduce: all-to-all + all-gather of packed codes and scales
+        expected_outer = compressed_allreduce_bytes(model_bytes // 4, C, comp, cfg.sync.outer.compression_block) * C
     outer_payload = levels.get("outer", {}).get("payload")
 
     return {
@@ -80,7 +86,7 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
             "ranks_per_replica": cfg.topology.ranks_per_replica,
             "mode": cfg.sync.mode,
             "inner": {"algorithm": cfg.sync.inner.algorithm, "every": cfg.sync.inner.every},
-            "outer": {"algorithm": cfg.sync.outer.algorithm, "every": cfg.sync.outer.every},
+            "outer": {"algorithm": cfg.sync.outer.algorithm, "every": cfg.sync.outer.every, "compression": cfg.sync.outer.compression},
         },
         "model": cfg.model.name,
         "model_params": next((r["model_params"] for r in got.values()), None),
@@ -140,7 +146,8 @@ def human(summary: Dict[str, Any]) -> str:
     if summary.get("slow_link_payload_bytes_per_outer_round"):
         lines.append(
             f"  slow-link payload per outer round: {mb(summary['slow_link_payload_bytes_per_outer_round'])} "
-            f"(one model per cluster x ring factor = {mb(summary['slow_link_payload_bytes_per_outer_round_expected'])})"
+            f"({'one model' if summary['topology']['outer'].get('compression', 'none') == 'none' else summary['topology']['outer']['compression'] + '-compressed model'} "
+            f"per cluster x ring factor = {mb(summary['slow_link_payload_bytes_per_outer_round_expected'])})"
         )
     lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes)")
     bad = {k: v for k, v in summary["exit_codes"].items() if v != 0}
