@@ -220,6 +220,7 @@ class HierarchicalSync:
         self.flat = flat
         self.opt = inner_optimizer
         self.tracker = tracker
+        tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
         self.events = events
         self.faults = faults or FaultPlan([], identity.cluster, identity.replica)
         self.counters = Counters()
@@ -261,6 +262,8 @@ class HierarchicalSync:
         self.stage: Optional[OuterStage] = (
             OuterStage(str(identity), listener=lambda phase: tracker.set_extra(outer_stage=phase)) if self._overlap else None
         )
+        if self.stage is not None:
+            self.stage.tracker.budgets = timeouts
         # Every member: the committed model the last launched outer round started from (θ_s).
         self._snap: Optional[torch.Tensor] = flat.data[self.part].detach().clone() if self._overlap else None
         self._snap_step = 0
@@ -338,7 +341,7 @@ class HierarchicalSync:
         if self.counters.step % self.s.h_inner == 0:
             self.round()
             return True
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
         return False
 
     def work_counters(self) -> Dict[str, int]:
@@ -365,8 +368,8 @@ class HierarchicalSync:
     # ------------------------------------------------------------------ one round
     def round(self, join: bool = False) -> bool:
         """Runs one sync round; returns whether this replica committed it."""
-        t, tr, c = self.t, self.tracker, self.counters
-        tr.enter(Phase.INNER_QUORUM, t.inner_quorum, reason="join" if join else "")
+        tr, c = self.tracker, self.counters
+        tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
             q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=(c.step << 32) + c.inner_round)
@@ -375,7 +378,7 @@ class HierarchicalSync:
             self._outage("inner", e)
             if self._leader and self.is_outer_round() and self.s.group_world_size == 1 and not join:
                 self._outer_without_cluster()
-            tr.enter(Phase.LOCAL, t.local_step, reason="cluster lighthouse not answering: round skipped")
+            tr.enter(Phase.LOCAL, reason="cluster lighthouse not answering: round skipped")
             return False
         except QuorumFailed as e:
             self._quorum_failed("inner", e)
@@ -389,7 +392,7 @@ class HierarchicalSync:
             self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self._set_leader(q.rank == 0)
 
-        tr.enter(Phase.INNER_REDUCE, t.inner_reduce)
+        tr.enter(Phase.INNER_REDUCE)
         self._fault_point(Phase.INNER_REDUCE)
         weight = 0.0 if (join or q.healed or self.inner_mgr.errored() is not None) else 1.0
         plan = self._consistency(
@@ -412,18 +415,18 @@ class HierarchicalSync:
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid.
                 result = self._outer_round(staged.backup, contribute=inner_ok, inner_ok=inner_ok)
-            tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, self._leader))
+            tr.enter(Phase.BROADCAST, leader=self._leader)
             self._fault_point(Phase.BROADCAST)
             result = self._broadcast(result, prior=staged.backup)
         elif self._overlap and self.is_apply_round():
             # Every member knows this round by its step: the header tells whether a global
             # model follows (overlap.py).
-            tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, False))
+            tr.enter(Phase.BROADCAST, leader=False)
             self._fault_point(Phase.BROADCAST)
             result = self._collect_outer() if self._leader else None
             result = self._broadcast_global(result, prior=staged.backup)
 
-        tr.enter(Phase.INNER_COMMIT, t.inner_commit)
+        tr.enter(Phase.INNER_COMMIT)
         try:
             ok = self.inner_mgr.should_commit(tr.remaining())
         except RuntimeError as e:  # torchft raises after max_retries consecutive failures
@@ -500,7 +503,7 @@ class HierarchicalSync:
         level (``lvl``, committed here, adopted at the apply round), of the compression
         state (``comp``) and the counters at the launch (``view``); it then touches no
         state the training thread uses."""
-        t, c = self.t, self.counters
+        c = self.counters
         tr = self.tracker if tr is None else tr
         lvl = self.outer if lvl is None else lvl
         comp = self.comp if comp is None else comp
@@ -508,7 +511,7 @@ class HierarchicalSync:
         fallback = _OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
         if tr is not self.tracker and not self._leader:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
-        tr.enter(Phase.OUTER_QUORUM, t.outer_quorum)
+        tr.enter(Phase.OUTER_QUORUM)
         self._fault_point(Phase.OUTER_QUORUM, cur_step)
         self._outer_healed = None
         health = self.health["outer"]
@@ -535,7 +538,7 @@ class HierarchicalSync:
         if q.healed:
             self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
 
-        tr.enter(Phase.OUTER_REDUCE, t.outer_reduce)
+        tr.enter(Phase.OUTER_REDUCE)
         self._fault_point(Phase.OUTER_REDUCE, cur_step)
         view_round, view_step = self._outer_healed or (cur_round, cur_step)
         # A cluster that just healed to a newer global model measured its work from
@@ -550,7 +553,7 @@ class HierarchicalSync:
         view_round, view_step = self._outer_healed or (view_round, view_step)
         staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp)
 
-        tr.enter(Phase.OUTER_COMMIT, t.outer_commit)
+        tr.enter(Phase.OUTER_COMMIT)
         try:
             ok = mgr.should_commit(tr.remaining())
         except RuntimeError as e:
@@ -781,7 +784,7 @@ class HierarchicalSync:
             cluster_weight=result.cluster_weight if result is not None and result.status == Status.OUTER_COMMITTED else None,
             total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self._committed),
         )
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
         return True
 
     def _adopt_outer(self, result: _OuterResult, now: torch.Tensor) -> None:
@@ -834,7 +837,7 @@ class HierarchicalSync:
         self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
         self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
         self.events("rollback", level="inner", reason=reason, step=self.counters.step)
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
 
     def _quorum_failed(self, level: str, e: Exception) -> None:
         self._quorum_failures[level] += 1
