@@ -62,13 +62,18 @@ def h_values(sync: SyncConfig) -> Dict[str, int]:
     return {"inner": sync.inner.every, "outer": sync.outer.every, "flat": sync.flat.every}
 
 
+def hier_sync_per_step(inner_s: float, outer_s: float, broadcast_s: float, h_inner: int, h_outer: int) -> float:
+    """hier's exposed sync seconds per local step: ``inner/H_inner + (outer + broadcast)/(H_inner H_outer)``."""
+    return inner_s / h_inner + (outer_s + broadcast_s) / (h_inner * h_outer)
+
+
 def sync_per_step(st: SyncTimes, mode: str, h_inner: int, h_outer: int, h_flat_: int, ddp_overlap: float = 0.0) -> float:
     """Average exposed sync seconds per local step of one mode."""
     if mode == "ddp":
         return st.ddp_s * (1.0 - ddp_overlap)
     if mode == "flat":
         return st.flat_s / h_flat_
-    return st.inner_s / h_inner + (st.outer_allreduce_s + st.broadcast_s) / (h_inner * h_outer)
+    return hier_sync_per_step(st.inner_s, st.outer_allreduce_s, st.broadcast_s, h_inner, h_outer)
 
 
 def comm_fraction(step_s: float, sync_s: float) -> float:

@@ -9,6 +9,7 @@ from hier_localsgd import costs
 from hier_localsgd.core.faults import ROLES
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.tools.deployment import check_shared, links
+from hier_localsgd.tools.plan.network import hier_sync_per_step
 from hier_localsgd.tools.plan.model import dtype_bytes, flops_per_token, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.planner import check_plan_section, step_time, sync_bytes
 from hier_localsgd.tools.simulate.config import FAILURE_MODELS, SimulateConfig
@@ -77,10 +78,10 @@ class SimParams:
         return self.h_inner * self.h_outer if self.mode == "hier" else self.h_inner
 
     def no_failure_sync_per_step(self) -> float:
-        """Exposed sync seconds per step without failures (tools/plan/planner.py's formula)."""
+        """Exposed sync seconds per step without failures (the planner's formula, tools/plan/network.py)."""
         if self.mode == "hier":
-            return self.inner_time(self.replicas) / self.h_inner + (self.outer_time(self.clusters) + self.broadcast_time(self.replicas)) / self.period
-        return self.inner_time(self.replicas) / self.h_inner
+            return hier_sync_per_step(self.inner_time(self.replicas), self.outer_time(self.clusters), self.broadcast_time(self.replicas), self.h_inner, self.h_outer)
+        return self.inner_time(self.replicas) / self.h_inner  # one level (flat, ddp: H_inner = 1)
 
 
 def _parse_kills(kills: Sequence[str], clusters: int, replicas: int) -> Tuple[Tuple[float, int, int, int], ...]:
