@@ -84,10 +84,8 @@ def test_no_failures_goodput_is_one_minus_sync_overhead(mode):
 
 
 def test_no_failures_at_scale_is_fast_and_exact():
-    cfg = loaded([*ISSUE6, "topology.clusters=64", "topology.replicas_per_cluster=16", "topology.ranks_per_replica=8", "plan.sharding=fsdp",
-                  "sync.inner.every=100", "sync.outer.every=20", "sync.min_clusters=1", "plan.train.sync_dtype=bfloat16",
-                  "simulate.params=8030261248", "plan.hardware.step_time_s=1.2", "simulate.failures.model=none", "simulate.sensitivity=[]",
-                  "simulate.duration_s=86400"])
+    cfg = loaded([*report.LARGE_DEPLOYMENT, "simulate.params=8030261248", "plan.hardware.step_time_s=1.2",
+                  "simulate.failures.model=none", "simulate.sensitivity=[]"])
     t0 = time.time()
     r = one_run(cfg)  # 64 x 16 for 24 simulated hours
     elapsed = time.time() - t0

@@ -289,6 +289,18 @@ def run_simulate(cfg: "Config", out_dir: str) -> int:
 # As command-line overrides (docs/planner.md prints them): load with
 # ``load_config(OVERRIDES + more, validate_for="simulate")``, or pass them to ``hier-localsgd simulate``.
 
+# The issue #6 networks (LAN 10 Gbit/s 0.1 ms, WAN 1 Gbit/s 20 ms) as the links sections.
+ISSUE6_LINKS: List[str] = ["links.inner.bandwidth_gbps=10", "links.inner.latency_ms=0.1", "links.outer.bandwidth_gbps=1", "links.outer.latency_ms=20"]
+
+# The large deployment of docs/planner.md: 64 clusters x 16 replica groups x 8 ranks (fsdp),
+# Llama3 8B at 8192 tokens per rank and step on H100-class ranks, H 100/20 (plan's
+# recommendation for ~5 % here), bf16 syncs, the issue #6 networks, 24 simulated hours.
+LARGE_DEPLOYMENT: List[str] = [
+    "topology.clusters=64", "topology.replicas_per_cluster=16", "topology.ranks_per_replica=8", "plan.sharding=fsdp",
+    "plan.model.flavor=8B", "train.batch_size=1", "train.seq_len=8192", "plan.train.sync_dtype=bfloat16",
+    "sync.inner.every=100", "sync.outer.every=20", "sync.min_clusters=1", *ISSUE6_LINKS, "simulate.duration_s=86400",
+]
+
 # The chaos command's measured run (docs/benchmarks.md) as a simulation:
 # ``hier-localsgd chaos train.steps=600 sync.min_clusters=1 chaos.kill_every_s=30``:
 # 2 clusters x 2 replica groups, debugmodel, 600 steps, H_inner 10, H_outer 3, kills of
@@ -298,8 +310,7 @@ def run_simulate(cfg: "Config", out_dir: str) -> int:
 CHAOS_VALIDATION: List[str] = [
     "topology.clusters=2", "topology.replicas_per_cluster=2", "topology.ranks_per_replica=1",
     "sync.mode=hier", "sync.inner.every=10", "sync.outer.every=3", "sync.min_clusters=1",
-    "links.inner.bandwidth_gbps=10", "links.inner.latency_ms=0.1", "links.outer.bandwidth_gbps=1", "links.outer.latency_ms=20",
-    "train.batch_size=4", "train.seq_len=64",
+    *ISSUE6_LINKS, "train.batch_size=4", "train.seq_len=64",
     "plan.sharding=replicate", "plan.hardware.step_time_s=0.34", "plan.train.sync_dtype=float32",
     "simulate.params=6163712",  # torchtitan's Llama3 debugmodel
     "simulate.failures.model=chaos", "simulate.failures.kill_every_s=30", "simulate.failures.stop_kills_at=0.8",
