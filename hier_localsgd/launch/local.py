@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hier_localsgd.core.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
-from hier_localsgd.core.status import read_json, replica_dir
+from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -70,7 +70,7 @@ class Proc:
     restarts: int = 0
 
 
-RUN_OUTPUTS = ("replicas", "logs", "tensorboard", "job_events.jsonl", "summary.json")
+RUN_OUTPUTS = ("replicas", "logs", "tensorboard", JOB_EVENTS_FILE, "summary.json")
 
 
 def archive_previous_run(run_dir: Path) -> Optional[Path]:
@@ -133,7 +133,7 @@ class LocalJob:
         if not self.cfg.checkpoint.resume:
             archive_previous_run(self.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.events_path = self.run_dir / "job_events.jsonl"
+        self.events_path = self.run_dir / JOB_EVENTS_FILE
         self.gate_path.unlink(missing_ok=True)
         if self.cfg.run.netns:
             self._make_network()

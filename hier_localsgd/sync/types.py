@@ -22,14 +22,16 @@ class TopologyConfig:
     replicas_per_cluster: int = 2
     ranks_per_replica: int = 1
 
-    def check(self, mode: str) -> None:
+    def check(self, mode: str, runs: bool = True) -> None:
+        """``runs=False`` (plan, simulate: a model of a deployment) skips what only this
+        trainer restricts: several ranks per replica group need ``hier`` here."""
         if self.clusters < 1:
             fail("topology.clusters", f"{self.clusters} — need at least one cluster (empty topology)")
         if self.replicas_per_cluster < 1:
             fail("topology.replicas_per_cluster", f"{self.replicas_per_cluster} — need at least one replica group per cluster (empty topology)")
         if self.ranks_per_replica < 1:
             fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — need at least one rank per replica group")
-        if self.ranks_per_replica > 1 and mode != "hier":
+        if runs and self.ranks_per_replica > 1 and mode != "hier":
             fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — several ranks per replica group need sync.mode=hier (got {mode!r})")
 
 
