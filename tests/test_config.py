@@ -134,3 +134,21 @@ def test_run_netns_where_namespaces_are_unavailable_fails_in_one_line_naming_the
         assert str(e.value) == "run.netns: network namespaces are unavailable here: network namespaces need root (running as uid 1000)"
     # The processes a job starts inside the namespaces do not check (they create nothing).
     assert load_config(["model=tiny", "run.netns=true"], validate_for="train").run.netns is True
+
+
+def test_configs_yaml_and_the_dataclass_defaults_agree():
+    """configs/config.yaml restates defaults for readers; a Config built in Python (tests,
+    tools) must be the same one the CLI loads, or the two drift apart unseen."""
+    from dataclasses import asdict
+
+    from hier_localsgd.config import Config, load_config
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    loaded, built = flat(asdict(load_config([]))), flat(asdict(Config()))
+    assert len(loaded) > 100  # the walk reached the nested sections
+    assert {k: (loaded.get(k), built.get(k)) for k in set(loaded) | set(built) if loaded.get(k) != built.get(k)} == {}

@@ -84,7 +84,7 @@ class LevelConfig:
 @dataclass
 class SyncConfig:
     mode: str = "hier"
-    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10))
+    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd"))  # as configs/config.yaml
     outer: LevelConfig = field(default_factory=lambda: LevelConfig(every=3))
     flat: LevelConfig = field(default_factory=lambda: LevelConfig(every=30))
     min_replicas: int = 1
