@@ -15,7 +15,7 @@ from hier_localsgd.core.faults import Fault
 from hier_localsgd.core.invariants import InvariantViolation
 from hier_localsgd.core.managers import GroupRefused
 from hier_localsgd.core.level import LevelAlgorithm
-from hier_localsgd.sync.hier import FatalSyncError
+from hier_localsgd.sync.common import FatalSyncError
 
 C, R, H_IN, H_OUT = 2, 2, 1, 2
 

@@ -42,7 +42,7 @@ from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.core.managers import LevelManager, QuorumFailed
 from hier_localsgd.core.phases import Phase, PhaseTracker
-from hier_localsgd.sync.hier import Counters, EventSink, FatalSyncError, Identity
+from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity
 from hier_localsgd.core.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)

@@ -60,7 +60,6 @@ the process only if it persists.
 from __future__ import annotations
 
 import copy
-import enum
 import logging
 import os
 import signal
@@ -75,7 +74,7 @@ from torch.optim import Optimizer
 from hier_localsgd.core import guard
 from hier_localsgd.core.comm import LevelComm, is_timeout
 from hier_localsgd.core.faults import FaultPlan, InjectedFault
-from hier_localsgd.core.flat import FlatParams, checksum, checksum_int
+from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
 from hier_localsgd.core.level import Level, LevelAlgorithm, Staged
 from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
@@ -85,59 +84,15 @@ from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.core.peers import QuorumWatch
 from hier_localsgd.sync.compression import DEFAULT_BLOCK, NONE as NO_COMPRESSION, OuterCompression, build as build_compression
-from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round, merge_keep_local
+from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round
 from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.sync.committed import CommittedState
+from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status
+from hier_localsgd.sync.outer_round import OuterRound
 from hier_localsgd.core.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
-EventSink = Callable[..., None]
-
-
-class FatalSyncError(RuntimeError):
-    """The sync cannot continue (repeated quorum failures); the process must exit."""
-
-
-class JobFinished(RuntimeError):
-    """The job ended without this replica group (another group finished every step while
-    this one was away): nobody is left to sync with. The process exits 0 with the message."""
-
-
-class Status(enum.IntEnum):
-    """What the leader's broadcast carries."""
-
-    ABORT = 0  # the leader's round failed: nothing to adopt
-    INNER_ONLY = 1  # the cluster model (outer level failed or skipped)
-    OUTER_COMMITTED = 2  # the new global model
-
-
-@dataclass
-class Counters:
-    """Replicated counters. ``step`` is advanced by the training loop of every replica (I5)."""
-
-    step: int = 0  # local steps taken: the training position
-    inner_round: int = 0  # inner rounds committed
-    outer_round: int = 0  # outer rounds committed
-
-
-@dataclass(frozen=True)
-class Identity:
-    cluster: int
-    replica: int
-
-    @property
-    def inner_replica_id(self) -> str:
-        # Sorted by the lighthouse: zero padding makes lexical order numeric order,
-        # so the leader is the live replica group with the lowest index.
-        return f"c{self.cluster}_r{self.replica:04d}"
-
-    @property
-    def outer_replica_id(self) -> str:
-        # Trailing digits = cluster id: the outer link checks they are distinct (I1).
-        return f"cluster{self.cluster:04d}"
-
-    def __str__(self) -> str:
-        return f"c{self.cluster}r{self.replica}"
 
 
 @dataclass(frozen=True)
@@ -178,18 +133,7 @@ class HierSettings:
     outer_compression_block: int = DEFAULT_BLOCK
 
 
-@dataclass
-class _OuterResult:
-    status: Status
-    params: Optional[torch.Tensor]
-    outer_round: int
-    step: int
-    cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
-    merge: bool = False  # overlapped: params is the global model, merged with the progress since the snapshot
-    residual: Optional[torch.Tensor] = None  # compressed: the leader's committed residual, as received
-
-
-class HierarchicalSync:
+class HierarchicalSync(OuterRound, CommittedState):
     """Runs the hierarchical sync for one replica group (see the module docstring).
 
     The training loop calls :meth:`start` once, then :meth:`after_optimizer_step`
@@ -402,7 +346,7 @@ class HierarchicalSync:
         )
         staged = self._reduce(self.inner, self.inner_comm, self.flat.data[self.part], plan, q.rank)
 
-        result: Optional[_OuterResult] = None
+        result: Optional[OuterResult] = None
         # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
         # no-op at both levels; stepping the outer optimizer on a zero pseudo-gradient
         # would still move the model by its momentum. Every member knows the total.
@@ -491,221 +435,11 @@ class HierarchicalSync:
         grad.div_(plan.total_weight)
         return level.stage(grad)
 
-    def _outer_round(
-        self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool,
-        tr: Optional[PhaseTracker] = None, lvl: Optional[Level] = None, view: Optional[tuple[int, int]] = None,
-        comp: Optional[OuterCompression] = None,
-    ) -> _OuterResult:
-        """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT.
-
-        Blocking (defaults): on the round's tracker, the outer level and the current
-        counters. Overlapped (overlap.py): on the stage's tracker, a copy of the outer
-        level (``lvl``, committed here, adopted at the apply round), of the compression
-        state (``comp``) and the counters at the launch (``view``); it then touches no
-        state the training thread uses."""
-        c = self.counters
-        tr = self.tracker if tr is None else tr
-        lvl = self.outer if lvl is None else lvl
-        comp = self.comp if comp is None else comp
-        cur_round, cur_step = view or (c.outer_round, c.step)
-        fallback = _OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
-        if tr is not self.tracker and not self._leader:
-            return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
-        tr.enter(Phase.OUTER_QUORUM)
-        self._fault_point(Phase.OUTER_QUORUM, cur_step)
-        self._outer_healed = None
-        health = self.health["outer"]
-        try:
-            if self.outer_mgr is None:
-                health.before_quorum()
-                if not health.probe():  # a new Manager would wait timeouts.connect for it
-                    raise LighthouseOutage(health.message("no cluster Manager yet"))
-            mgr, comm = self._ensure_outer(tr)
-            comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
-            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
-        except LighthouseOutage as e:
-            # The clusters train and sync inside themselves until the global lighthouse returns.
-            self._outage("outer", e)
-            self.events("rollback", level="outer", reason=str(e), step=cur_step)
-            return fallback
-        except (QuorumFailed, LighthouseUnreachable) as e:
-            self._quorum_failed("outer", e)
-            self.events("rollback", level="outer", reason=str(e), step=cur_step)
-            return fallback
-        self._lighthouse_ok("outer")
-        self._quorum_failures["outer"] = 0
-        self.tracker.set_extra(outer=mgr.describe(q.size))
-        if q.healed:
-            self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
-
-        tr.enter(Phase.OUTER_REDUCE)
-        self._fault_point(Phase.OUTER_REDUCE, cur_step)
-        view_round, view_step = self._outer_healed or (cur_round, cur_step)
-        # A cluster that just healed to a newer global model measured its work from
-        # an older one: it contributes weight 0 this round.
-        moved = self._outer_healed is not None and view_round != cur_round
-        weight = 1.0 if contribute and not moved and mgr.errored() is None else 0.0
-        plan = self._consistency(
-            comm, q, "outer",
-            guard.Fingerprint(lvl.fingerprint(), view_round, 0, view_step, weight),
-            tensors=lvl.state_tensors(),
-        )
-        view_round, view_step = self._outer_healed or (view_round, view_step)
-        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp)
-
-        tr.enter(Phase.OUTER_COMMIT)
-        try:
-            ok = mgr.should_commit(tr.remaining())
-        except RuntimeError as e:
-            if comp is not None:
-                comp.rollback()
-            raise FatalSyncError(f"outer commits keep failing: {e}") from e
-        if not ok:
-            if comp is not None:
-                comp.rollback()
-            self.events("rollback", level="outer", reason="outer commit vote failed", step=cur_step)
-            return _OuterResult(fallback.status, cluster_model, view_round, view_step)
-        lvl.commit(staged)
-        if comp is not None:
-            comp.commit()
-        new_round = view_round + (1 if plan.total_weight > 0 else 0)
-        self.tracker.mark_commit("outer", new_round)
-        self.events(
-            "commit", level="outer", outer_round=new_round, step=view_step,
-            participants=q.size, total_weight=plan.total_weight, checksum=checksum(lvl.backup),
-        )
-        return _OuterResult(Status.OUTER_COMMITTED, lvl.backup.clone(), new_round, view_step, plan.weights[q.rank])
 
     # ------------------------------------------------------------------ overlapped outer sync
-    def _launch_outer(self, contribute: bool) -> None:
-        """After the inner commit of an outer round (overlap.py): every member keeps the
-        committed model as the snapshot; the leader starts the outer round behind training."""
-        assert self._snap is not None and self.stage is not None
-        c = self.counters
-        self._snap.copy_(self.inner.backup)
-        self._snap_step = c.step
-        self._snap_since_outer = self._since_outer
-        if not self._leader:
-            return
-        self._drop_stage("a new outer round")  # one never applied (its apply round was skipped)
-        lvl = Level("outer", self.s.outer, self.outer.backup)
-        lvl.load_state_dict(self.outer.state_dict())
-        view = (c.outer_round, c.step)
-        self._stage_outer, self._outer_target, self._outer_view = lvl, lvl, view
-        comp = self._stage_comp = None if self.comp is None else self.comp.copy()
-        model = self._snap.clone()
-        self.stage.launch(lambda tr: self._outer_round(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp))
-        self.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=self.s.outer_delay)
 
-    def _collect_outer(self) -> _OuterResult:
-        """The leader, at the apply round: the stage's result, waiting at most while the
-        stage is inside its deadlines (and the round's BROADCAST budget lasts)."""
-        assert self.stage is not None
-        c, st = self.counters, self.stage
-        none = _OuterResult(Status.INNER_ONLY, None, c.outer_round, c.step)
-        if not st.busy:
-            return none
-        end = self.tracker.deadline() or (time.time() + self.t.broadcast_wait.total_seconds())
-        end -= self.t.broadcast.total_seconds()  # leave the broadcast its own time
-        res: Optional[_OuterResult] = None
-        while True:
-            finished, res = st.collect(min(timedelta(seconds=0.5), st.wait_budget()))
-            if finished:
-                break
-            dl = st.tracker.deadline()
-            now = time.time()
-            if now >= end or (dl is not None and now > dl + 1.0):
-                self.events("timeout", level="outer", op="stage", phase=st.tracker.phase.value, deadline=dl, step=c.step)
-                self._drop_stage("the outer stage ran past its deadline", abort=True)
-                return none
-        lvl = self._stage_outer
-        self._outer_target, self._outer_view = self.outer, None
-        if res is None or res.status != Status.OUTER_COMMITTED or res.params is None:
-            self._stage_outer, self._stage_comp = None, None
-            return none
-        # Keep the stage's level until _apply adopts it (its momentum, with the global model).
-        self._stage_outer = lvl
-        step = c.step + (res.step - self._snap_step)  # a healed-to newer view moves the step as well
-        return _OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True)
 
-    def _drop_stage(self, why: str, abort: bool = False) -> None:
-        """Forgets an outer stage in flight or never applied; ``abort``: shut the cluster
-        Manager down first (its process group aborts, so the stage's waits end)."""
-        if self.stage is None or not self.stage.busy:
-            return
-        if abort and self.outer_mgr is not None:
-            self.outer_mgr.shutdown()
-            self.outer_mgr, self.outer_comm = None, None
-            self.tracker.set_extra(outer=None)
-        logger.warning("%s dropping the outer stage: %s", self.id, why)
-        self.stage.abandon()
-        self._stage_outer, self._outer_target, self._outer_view = None, self.outer, None
-        self._stage_comp = None
-        self.events("rollback", level="outer", reason=f"outer stage dropped: {why}", step=self.counters.step)
-
-    def _broadcast_global(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
-        """BROADCAST at an apply round: a header, then the global model only if the
-        header says the outer round committed (every member reads the header first)."""
-        c = self.counters
-        header = torch.zeros(4, dtype=torch.float64)
-        if self._leader:
-            assert result is not None
-            header[:] = torch.tensor([int(result.status), result.outer_round, result.step, result.cluster_weight], dtype=torch.float64)
-        header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
-        if not header_ok:  # the group is broken: the commit vote fails
-            return _OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        status = Status(int(header[0]))
-        if status != Status.OUTER_COMMITTED:
-            return _OuterResult(status, None, c.outer_round, c.step)
-        params = result.params if self._leader and result is not None else prior.clone()
-        assert params is not None
-        params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
-        residual = self._broadcast_residual(self._stage_comp)  # issued even if the model's failed (matched collectives)
-        if not params_ok or (self.comp is not None and residual is None):
-            return _OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        return _OuterResult(status, params, int(header[1]), int(header[2]), float(header[3]), merge=True, residual=residual)
-
-    def _broadcast_residual(self, stage: Optional[OuterCompression] = None) -> Optional[torch.Tensor]:
-        """Compressed outer reduce: the leader sends the cluster's committed residual
-        (``stage``'s at an overlapped apply round) after the model, as reliable control
-        traffic, so every member holds it (compression.py). Returns what this member
-        received (the leader: its own), or None if there is none or the broadcast failed."""
-        if self.comp is None:
-            return None
-        if self._leader:
-            buf = (stage or self.comp).residual.clone()
-        else:
-            buf = torch.empty_like(self.comp.residual)
-        return buf if self.inner_comm.broadcast(buf, 0, CONTROL) else None
-
-    def _outer_without_cluster(self) -> None:
-        """The leader's outer round while its cluster lighthouse is out (one rank per group).
-
-        The other clusters must not wait at their outer quorum for a cluster that cannot
-        sync inside: the leader contributes its own model as the cluster's (its local
-        progress since the last inner commit) and adopts the global result. Its cluster
-        peers, who cannot hear a broadcast, are brought along by the consistency guard when
-        their lighthouse returns: they are behind the leader's outer round, so they carry
-        weight 0 in that round and are resynced from it (guard.py). With several ranks per
-        group the ranks could see the outage at different rounds, so they skip instead.
-        """
-        c = self.counters
-        if self.stage is not None and self.stage.busy:
-            return  # the cluster's own outer round is still in flight
-        result = self._outer_round(self.flat.data[self.part].clone(), contribute=True, inner_ok=True)
-        if result.status != Status.OUTER_COMMITTED or result.params is None:
-            return
-        self.inner.set_backup(result.params)
-        c.outer_round, c.step = result.outer_round, result.step
-        # The leader's steps since its last inner commit reached the global model.
-        self.work["steps_since_commit"] = 0
-        self._since_outer = 0
-        self.tracker.set_extra(**self.work_counters())
-        self._publish_committed()  # the model becomes the new global model
-        self._opt_backup = copy.deepcopy(self.opt.state_dict())
-        self.tracker.set_counters(step=c.step, outer_round=c.outer_round)
-
-    def _broadcast(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
+    def _broadcast(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
         """BROADCAST: the leader (inner rank 0) sends status + model to its cluster.
 
         Both broadcasts run on every member unless the header *says* ABORT: a
@@ -725,17 +459,17 @@ class HierarchicalSync:
         outer_round, step = int(header[1]), int(header[2])
         if status == Status.ABORT:
             self.inner_mgr.report_error(RuntimeError("the leader aborted this round"))
-            return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
+            return OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
         # A receiver starts from its own cluster model: what a lossy link's stale fill keeps.
         params = result.params if self._leader and result is not None else prior.clone()
         assert params is not None
         params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
         residual = self._broadcast_residual()  # issued whenever the model broadcast is
         if not (header_ok and params_ok) or status is None or (self.comp is not None and residual is None):
-            return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
-        return _OuterResult(status, params, outer_round, step, float(header[3]), residual=residual)
+            return OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
+        return OuterResult(status, params, outer_round, step, float(header[3]), residual=residual)
 
-    def _apply(self, ok: bool, staged: Staged, result: Optional[_OuterResult], plan: guard.GuardPlan) -> bool:
+    def _apply(self, ok: bool, staged: Staged, result: Optional[OuterResult], plan: guard.GuardPlan) -> bool:
         """INNER_COMMIT's outcome: adopt the staged state, or roll back."""
         c = self.counters
         outer_final = self._leader and result is not None and result.status == Status.OUTER_COMMITTED
@@ -787,57 +521,6 @@ class HierarchicalSync:
         self.tracker.enter(Phase.LOCAL)
         return True
 
-    def _adopt_outer(self, result: _OuterResult, now: torch.Tensor) -> None:
-        """A committed outer result becomes the cluster's model: the global model itself, or
-        (overlapped) merged with the progress since the snapshot; the outer backup is the
-        global model, and a leader takes its stage's outer level (momentum) along."""
-        assert result.params is not None
-        c = self.counters
-        if result.merge:
-            assert self._snap is not None
-            self.inner.set_backup(merge_keep_local(result.params, self._snap, now))
-            if self._leader and self._stage_outer is not None:
-                self.outer.load_state_dict(self._stage_outer.state_dict())
-            if self._leader and self._stage_comp is not None and self.comp is not None:
-                self.comp.load(self._stage_comp.residual)
-            self._stage_outer, self._stage_comp = None, None
-        else:
-            self.inner.set_backup(result.params)
-        self.outer.set_backup(result.params)
-        c.outer_round, c.step = result.outer_round, result.step
-
-    def _discard_local_work(self) -> None:
-        self.work["steps_discarded"] += self.work["steps_since_commit"]
-        self.work["steps_since_commit"] = 0
-
-    def _publish_committed(self) -> None:
-        """The full committed model from every rank's committed slice; the model becomes it.
-
-        One rank per group: a copy. Several: an all-gather over the group's own process
-        group (never an FT group: ranks of one group share no FT group, I1)."""
-        g = self.s.group_world_size
-        if g == 1 or self.s.group_shards:
-            self._committed.copy_(self.inner.backup)
-        else:
-            import torch.distributed as dist
-
-            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype)
-            mine[: self.part.stop - self.part.start] = self.inner.backup
-            parts = [torch.empty_like(mine) for _ in range(g)]
-            dist.all_gather(parts, mine, group=self.group)
-            self._committed.copy_(torch.cat(parts)[: self._committed.numel()])
-        self.flat.load_(self._committed)
-
-    def _rollback(self, reason: str) -> None:
-        self._discard_local_work()
-        self.tracker.set_extra(**self.work_counters())
-        self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
-        # the committed slice may have moved this round (resync, or a final outer commit)
-        self._publish_committed()
-        self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
-        self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
-        self.events("rollback", level="inner", reason=reason, step=self.counters.step)
-        self.tracker.enter(Phase.LOCAL)
 
     def _quorum_failed(self, level: str, e: Exception) -> None:
         self._quorum_failures[level] += 1
@@ -922,89 +605,9 @@ class HierarchicalSync:
             store_key=store_key,
         )
 
-    def _ensure_outer(self, tracker: Optional[PhaseTracker] = None) -> tuple[LevelManager, LevelComm]:
-        if self.outer_mgr is None or self.outer_comm is None:
-            t = self.t
-            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
-            link.share_stats(self.outer_stats)  # one account (and loss streams) across leadership changes
-            self.outer_link = link
-            self.outer_mgr = self._manager("outer", link, f"store/outer/{self._outer_epoch}")  # one store per leadership term
-            self._outer_epoch += 1
-            self.outer_comm = LevelComm(self.outer_mgr, link, tracker or self.tracker, self._gate, self.events,
-                                        watch=QuorumWatch(self.s.global_lighthouse, self.s.quorum_slice))
-        return self.outer_mgr, self.outer_comm
 
     # ------------------------------------------------------------------ state
-    def _inner_hash(self) -> int:
-        return checksum_int(*self._inner_tensors())
 
-    def _inner_tensors(self) -> List[torch.Tensor]:
-        """The cluster's replicated committed tensors (the inner guard compares and resyncs them)."""
-        return (self.inner.state_tensors() + [self.outer.backup] + ([self._snap] if self._snap is not None else [])
-                + ([self.comp.residual] if self.comp is not None else []))
-
-    def _inner_state_dict(self) -> Dict[str, object]:
-        """What a donor serves a healing peer of its cluster: committed state only."""
-        c = self.counters
-        return {
-            "model": self._committed.clone(),
-            "inner": self.inner.state_dict(),
-            "outer_backup": self.outer.backup.clone(),
-            "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
-            "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
-            "outer_snapshot": None if self._snap is None else {"model": self._snap.clone(), "step": self._snap_step},
-            "outer_compression": None if self.comp is None else self.comp.state_dict(),
-        }
-
-    def _load_inner_state(self, sd: Dict[str, object]) -> None:
-        self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
-        self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
-        self._opt_backup = copy.deepcopy(sd["optimizer"])
-        self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
-        counters = sd["counters"]
-        assert isinstance(counters, dict)
-        self.counters.step = int(counters["step"])
-        self.counters.inner_round = int(counters["inner_round"])
-        self.counters.outer_round = int(counters["outer_round"])
-        snap = sd.get("outer_snapshot")
-        if self._snap is not None and isinstance(snap, dict):
-            self._snap.copy_(snap["model"])  # the merge at the next apply round needs it
-            self._snap_step = int(snap["step"])
-        if self.comp is not None:
-            self.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
-        self._committed.copy_(sd["model"])  # type: ignore[arg-type]
-        self.flat.load_(self._committed)
-        self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
-        logger.info("%s healed from a peer of its cluster: %s", self.id, counters)
-
-    def snapshot(self) -> Dict[str, object]:
-        """The committed state for a durable checkpoint (clones; call right after a commit)."""
-        sd = self._inner_state_dict()
-        sd["optimizer"] = copy.deepcopy(self._opt_backup)
-        sd["outer"] = self.outer.state_dict()
-        return sd
-
-    def restore(self, sd: Dict[str, object]) -> None:
-        """Loads a checkpoint's state (before the join round of a resumed job)."""
-        self._load_inner_state(sd)
-        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
-        self._since_outer = 0
-
-    def _outer_state_dict(self) -> Dict[str, object]:
-        """What a leader serves another cluster's healing leader (overlapped: the stage's
-        outer level and launch counters, the state its outer round runs on)."""
-        outer_round, step = self._outer_view or (self.counters.outer_round, self.counters.step)
-        return {
-            "outer": self._outer_target.state_dict(),
-            "counters": {"outer_round": outer_round, "step": step},
-        }
-
-    def _load_outer_state(self, sd: Dict[str, object]) -> None:
-        self._outer_target.load_state_dict(sd["outer"])  # type: ignore[arg-type]
-        counters = sd["counters"]
-        assert isinstance(counters, dict)
-        self._outer_healed = (int(counters["outer_round"]), int(counters["step"]))
-        logger.info("%s healed its outer level from another cluster: %s", self.id, counters)
 
     # ------------------------------------------------------------------ faults
     def _fault_point(self, phase: Phase, step: Optional[int] = None) -> None:

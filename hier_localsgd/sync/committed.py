@@ -1,0 +1,128 @@
+"""The committed state of a replica group (a mixin of :class:`HierarchicalSync`).
+
+What a round commits and what a failure restores: the model at the last commit, the
+inner optimizer's state, each level's backup and momentum, the counters; the state dicts
+a heal transfers (torchft's checkpoint transport) and a durable checkpoint holds.
+Rollback restores the last commit exactly (staged updates are dropped, never applied).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Dict, List
+
+import torch
+
+from hier_localsgd.core.flat import checksum_int
+from hier_localsgd.core.phases import Phase
+
+logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
+
+
+class CommittedState:
+    """The committed-state methods; state lives on :class:`HierarchicalSync`."""
+
+    def _discard_local_work(self) -> None:
+        self.work["steps_discarded"] += self.work["steps_since_commit"]
+        self.work["steps_since_commit"] = 0
+
+    def _publish_committed(self) -> None:
+        """The full committed model from every rank's committed slice; the model becomes it.
+
+        One rank per group: a copy. Several: an all-gather over the group's own process
+        group (never an FT group: ranks of one group share no FT group, I1)."""
+        g = self.s.group_world_size
+        if g == 1 or self.s.group_shards:
+            self._committed.copy_(self.inner.backup)
+        else:
+            import torch.distributed as dist
+
+            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype)
+            mine[: self.part.stop - self.part.start] = self.inner.backup
+            parts = [torch.empty_like(mine) for _ in range(g)]
+            dist.all_gather(parts, mine, group=self.group)
+            self._committed.copy_(torch.cat(parts)[: self._committed.numel()])
+        self.flat.load_(self._committed)
+
+    def _rollback(self, reason: str) -> None:
+        self._discard_local_work()
+        self.tracker.set_extra(**self.work_counters())
+        self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
+        # the committed slice may have moved this round (resync, or a final outer commit)
+        self._publish_committed()
+        self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
+        self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
+        self.events("rollback", level="inner", reason=reason, step=self.counters.step)
+        self.tracker.enter(Phase.LOCAL)
+
+    def _inner_hash(self) -> int:
+        return checksum_int(*self._inner_tensors())
+
+    def _inner_tensors(self) -> List[torch.Tensor]:
+        """The cluster's replicated committed tensors (the inner guard compares and resyncs them)."""
+        return (self.inner.state_tensors() + [self.outer.backup] + ([self._snap] if self._snap is not None else [])
+                + ([self.comp.residual] if self.comp is not None else []))
+
+    def _inner_state_dict(self) -> Dict[str, object]:
+        """What a donor serves a healing peer of its cluster: committed state only."""
+        c = self.counters
+        return {
+            "model": self._committed.clone(),
+            "inner": self.inner.state_dict(),
+            "outer_backup": self.outer.backup.clone(),
+            "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
+            "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
+            "outer_snapshot": None if self._snap is None else {"model": self._snap.clone(), "step": self._snap_step},
+            "outer_compression": None if self.comp is None else self.comp.state_dict(),
+        }
+
+    def _load_inner_state(self, sd: Dict[str, object]) -> None:
+        self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
+        self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
+        self._opt_backup = copy.deepcopy(sd["optimizer"])
+        self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
+        counters = sd["counters"]
+        assert isinstance(counters, dict)
+        self.counters.step = int(counters["step"])
+        self.counters.inner_round = int(counters["inner_round"])
+        self.counters.outer_round = int(counters["outer_round"])
+        snap = sd.get("outer_snapshot")
+        if self._snap is not None and isinstance(snap, dict):
+            self._snap.copy_(snap["model"])  # the merge at the next apply round needs it
+            self._snap_step = int(snap["step"])
+        if self.comp is not None:
+            self.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
+        self._committed.copy_(sd["model"])  # type: ignore[arg-type]
+        self.flat.load_(self._committed)
+        self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
+        logger.info("%s healed from a peer of its cluster: %s", self.id, counters)
+
+    def snapshot(self) -> Dict[str, object]:
+        """The committed state for a durable checkpoint (clones; call right after a commit)."""
+        sd = self._inner_state_dict()
+        sd["optimizer"] = copy.deepcopy(self._opt_backup)
+        sd["outer"] = self.outer.state_dict()
+        return sd
+
+    def restore(self, sd: Dict[str, object]) -> None:
+        """Loads a checkpoint's state (before the join round of a resumed job)."""
+        self._load_inner_state(sd)
+        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        self._since_outer = 0
+
+    def _outer_state_dict(self) -> Dict[str, object]:
+        """What a leader serves another cluster's healing leader (overlapped: the stage's
+        outer level and launch counters, the state its outer round runs on)."""
+        outer_round, step = self._outer_view or (self.counters.outer_round, self.counters.step)
+        return {
+            "outer": self._outer_target.state_dict(),
+            "counters": {"outer_round": outer_round, "step": step},
+        }
+
+    def _load_outer_state(self, sd: Dict[str, object]) -> None:
+        self._outer_target.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        counters = sd["counters"]
+        assert isinstance(counters, dict)
+        self._outer_healed = (int(counters["outer_round"]), int(counters["step"]))
+        logger.info("%s healed its outer level from another cluster: %s", self.id, counters)

@@ -1,0 +1,282 @@
+"""The leader's outer level of a hierarchical round (a mixin of :class:`HierarchicalSync`).
+
+OUTER_QUORUM -> OUTER_REDUCE -> OUTER_COMMIT on the leader's cluster Manager, blocking
+(on the round's tracker) or overlapped (overlap.py: launched at an outer round, collected
+``sync.outer.delay`` inner rounds later), and the broadcast of its result to the cluster.
+Failure semantics are the round's (hier.py): a failed outer level rolls back the outer
+stage only; inner work is never discarded for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from hier_localsgd.core import guard
+from hier_localsgd.core.addresses import LighthouseUnreachable
+from hier_localsgd.core.comm import LevelComm
+from hier_localsgd.core.flat import checksum
+from hier_localsgd.core.level import Level
+from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.managers import LevelManager, QuorumFailed
+from hier_localsgd.core.outage import LighthouseOutage
+from hier_localsgd.core.peers import QuorumWatch
+from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status
+from hier_localsgd.sync.compression import OuterCompression
+from hier_localsgd.sync.overlap import merge_keep_local
+
+logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
+
+
+class OuterRound:
+    """The outer level's methods; state lives on :class:`HierarchicalSync`."""
+
+    def _outer_round(
+        self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool,
+        tr: Optional[PhaseTracker] = None, lvl: Optional[Level] = None, view: Optional[tuple[int, int]] = None,
+        comp: Optional[OuterCompression] = None,
+    ) -> OuterResult:
+        """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT.
+
+        Blocking (defaults): on the round's tracker, the outer level and the current
+        counters. Overlapped (overlap.py): on the stage's tracker, a copy of the outer
+        level (``lvl``, committed here, adopted at the apply round), of the compression
+        state (``comp``) and the counters at the launch (``view``); it then touches no
+        state the training thread uses."""
+        c = self.counters
+        tr = self.tracker if tr is None else tr
+        lvl = self.outer if lvl is None else lvl
+        comp = self.comp if comp is None else comp
+        cur_round, cur_step = view or (c.outer_round, c.step)
+        fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
+        if tr is not self.tracker and not self._leader:
+            return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
+        tr.enter(Phase.OUTER_QUORUM)
+        self._fault_point(Phase.OUTER_QUORUM, cur_step)
+        self._outer_healed = None
+        health = self.health["outer"]
+        try:
+            if self.outer_mgr is None:
+                health.before_quorum()
+                if not health.probe():  # a new Manager would wait timeouts.connect for it
+                    raise LighthouseOutage(health.message("no cluster Manager yet"))
+            mgr, comm = self._ensure_outer(tr)
+            comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
+            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
+        except LighthouseOutage as e:
+            # The clusters train and sync inside themselves until the global lighthouse returns.
+            self._outage("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=cur_step)
+            return fallback
+        except (QuorumFailed, LighthouseUnreachable) as e:
+            self._quorum_failed("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=cur_step)
+            return fallback
+        self._lighthouse_ok("outer")
+        self._quorum_failures["outer"] = 0
+        self.tracker.set_extra(outer=mgr.describe(q.size))
+        if q.healed:
+            self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
+
+        tr.enter(Phase.OUTER_REDUCE)
+        self._fault_point(Phase.OUTER_REDUCE, cur_step)
+        view_round, view_step = self._outer_healed or (cur_round, cur_step)
+        # A cluster that just healed to a newer global model measured its work from
+        # an older one: it contributes weight 0 this round.
+        moved = self._outer_healed is not None and view_round != cur_round
+        weight = 1.0 if contribute and not moved and mgr.errored() is None else 0.0
+        plan = self._consistency(
+            comm, q, "outer",
+            guard.Fingerprint(lvl.fingerprint(), view_round, 0, view_step, weight),
+            tensors=lvl.state_tensors(),
+        )
+        view_round, view_step = self._outer_healed or (view_round, view_step)
+        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp)
+
+        tr.enter(Phase.OUTER_COMMIT)
+        try:
+            ok = mgr.should_commit(tr.remaining())
+        except RuntimeError as e:
+            if comp is not None:
+                comp.rollback()
+            raise FatalSyncError(f"outer commits keep failing: {e}") from e
+        if not ok:
+            if comp is not None:
+                comp.rollback()
+            self.events("rollback", level="outer", reason="outer commit vote failed", step=cur_step)
+            return OuterResult(fallback.status, cluster_model, view_round, view_step)
+        lvl.commit(staged)
+        if comp is not None:
+            comp.commit()
+        new_round = view_round + (1 if plan.total_weight > 0 else 0)
+        self.tracker.mark_commit("outer", new_round)
+        self.events(
+            "commit", level="outer", outer_round=new_round, step=view_step,
+            participants=q.size, total_weight=plan.total_weight, checksum=checksum(lvl.backup),
+        )
+        return OuterResult(Status.OUTER_COMMITTED, lvl.backup.clone(), new_round, view_step, plan.weights[q.rank])
+
+    def _launch_outer(self, contribute: bool) -> None:
+        """After the inner commit of an outer round (overlap.py): every member keeps the
+        committed model as the snapshot; the leader starts the outer round behind training."""
+        assert self._snap is not None and self.stage is not None
+        c = self.counters
+        self._snap.copy_(self.inner.backup)
+        self._snap_step = c.step
+        self._snap_since_outer = self._since_outer
+        if not self._leader:
+            return
+        self._drop_stage("a new outer round")  # one never applied (its apply round was skipped)
+        lvl = Level("outer", self.s.outer, self.outer.backup)
+        lvl.load_state_dict(self.outer.state_dict())
+        view = (c.outer_round, c.step)
+        self._stage_outer, self._outer_target, self._outer_view = lvl, lvl, view
+        comp = self._stage_comp = None if self.comp is None else self.comp.copy()
+        model = self._snap.clone()
+        self.stage.launch(lambda tr: self._outer_round(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp))
+        self.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=self.s.outer_delay)
+
+    def _collect_outer(self) -> OuterResult:
+        """The leader, at the apply round: the stage's result, waiting at most while the
+        stage is inside its deadlines (and the round's BROADCAST budget lasts)."""
+        assert self.stage is not None
+        c, st = self.counters, self.stage
+        none = OuterResult(Status.INNER_ONLY, None, c.outer_round, c.step)
+        if not st.busy:
+            return none
+        end = self.tracker.deadline() or (time.time() + self.t.broadcast_wait.total_seconds())
+        end -= self.t.broadcast.total_seconds()  # leave the broadcast its own time
+        res: Optional[OuterResult] = None
+        while True:
+            finished, res = st.collect(min(timedelta(seconds=0.5), st.wait_budget()))
+            if finished:
+                break
+            dl = st.tracker.deadline()
+            now = time.time()
+            if now >= end or (dl is not None and now > dl + 1.0):
+                self.events("timeout", level="outer", op="stage", phase=st.tracker.phase.value, deadline=dl, step=c.step)
+                self._drop_stage("the outer stage ran past its deadline", abort=True)
+                return none
+        lvl = self._stage_outer
+        self._outer_target, self._outer_view = self.outer, None
+        if res is None or res.status != Status.OUTER_COMMITTED or res.params is None:
+            self._stage_outer, self._stage_comp = None, None
+            return none
+        # Keep the stage's level until _apply adopts it (its momentum, with the global model).
+        self._stage_outer = lvl
+        step = c.step + (res.step - self._snap_step)  # a healed-to newer view moves the step as well
+        return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True)
+
+    def _drop_stage(self, why: str, abort: bool = False) -> None:
+        """Forgets an outer stage in flight or never applied; ``abort``: shut the cluster
+        Manager down first (its process group aborts, so the stage's waits end)."""
+        if self.stage is None or not self.stage.busy:
+            return
+        if abort and self.outer_mgr is not None:
+            self.outer_mgr.shutdown()
+            self.outer_mgr, self.outer_comm = None, None
+            self.tracker.set_extra(outer=None)
+        logger.warning("%s dropping the outer stage: %s", self.id, why)
+        self.stage.abandon()
+        self._stage_outer, self._outer_target, self._outer_view = None, self.outer, None
+        self._stage_comp = None
+        self.events("rollback", level="outer", reason=f"outer stage dropped: {why}", step=self.counters.step)
+
+    def _broadcast_global(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
+        """BROADCAST at an apply round: a header, then the global model only if the
+        header says the outer round committed (every member reads the header first)."""
+        c = self.counters
+        header = torch.zeros(4, dtype=torch.float64)
+        if self._leader:
+            assert result is not None
+            header[:] = torch.tensor([int(result.status), result.outer_round, result.step, result.cluster_weight], dtype=torch.float64)
+        header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
+        if not header_ok:  # the group is broken: the commit vote fails
+            return OuterResult(Status.ABORT, None, c.outer_round, c.step)
+        status = Status(int(header[0]))
+        if status != Status.OUTER_COMMITTED:
+            return OuterResult(status, None, c.outer_round, c.step)
+        params = result.params if self._leader and result is not None else prior.clone()
+        assert params is not None
+        params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
+        residual = self._broadcast_residual(self._stage_comp)  # issued even if the model's failed (matched collectives)
+        if not params_ok or (self.comp is not None and residual is None):
+            return OuterResult(Status.ABORT, None, c.outer_round, c.step)
+        return OuterResult(status, params, int(header[1]), int(header[2]), float(header[3]), merge=True, residual=residual)
+
+    def _broadcast_residual(self, stage: Optional[OuterCompression] = None) -> Optional[torch.Tensor]:
+        """Compressed outer reduce: the leader sends the cluster's committed residual
+        (``stage``'s at an overlapped apply round) after the model, as reliable control
+        traffic, so every member holds it (compression.py). Returns what this member
+        received (the leader: its own), or None if there is none or the broadcast failed."""
+        if self.comp is None:
+            return None
+        if self._leader:
+            buf = (stage or self.comp).residual.clone()
+        else:
+            buf = torch.empty_like(self.comp.residual)
+        return buf if self.inner_comm.broadcast(buf, 0, CONTROL) else None
+
+    def _outer_without_cluster(self) -> None:
+        """The leader's outer round while its cluster lighthouse is out (one rank per group).
+
+        The other clusters must not wait at their outer quorum for a cluster that cannot
+        sync inside: the leader contributes its own model as the cluster's (its local
+        progress since the last inner commit) and adopts the global result. Its cluster
+        peers, who cannot hear a broadcast, are brought along by the consistency guard when
+        their lighthouse returns: they are behind the leader's outer round, so they carry
+        weight 0 in that round and are resynced from it (guard.py). With several ranks per
+        group the ranks could see the outage at different rounds, so they skip instead.
+        """
+        c = self.counters
+        if self.stage is not None and self.stage.busy:
+            return  # the cluster's own outer round is still in flight
+        result = self._outer_round(self.flat.data[self.part].clone(), contribute=True, inner_ok=True)
+        if result.status != Status.OUTER_COMMITTED or result.params is None:
+            return
+        self.inner.set_backup(result.params)
+        c.outer_round, c.step = result.outer_round, result.step
+        # The leader's steps since its last inner commit reached the global model.
+        self.work["steps_since_commit"] = 0
+        self._since_outer = 0
+        self.tracker.set_extra(**self.work_counters())
+        self._publish_committed()  # the model becomes the new global model
+        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self.tracker.set_counters(step=c.step, outer_round=c.outer_round)
+
+    def _adopt_outer(self, result: OuterResult, now: torch.Tensor) -> None:
+        """A committed outer result becomes the cluster's model: the global model itself, or
+        (overlapped) merged with the progress since the snapshot; the outer backup is the
+        global model, and a leader takes its stage's outer level (momentum) along."""
+        assert result.params is not None
+        c = self.counters
+        if result.merge:
+            assert self._snap is not None
+            self.inner.set_backup(merge_keep_local(result.params, self._snap, now))
+            if self._leader and self._stage_outer is not None:
+                self.outer.load_state_dict(self._stage_outer.state_dict())
+            if self._leader and self._stage_comp is not None and self.comp is not None:
+                self.comp.load(self._stage_comp.residual)
+            self._stage_outer, self._stage_comp = None, None
+        else:
+            self.inner.set_backup(result.params)
+        self.outer.set_backup(result.params)
+        c.outer_round, c.step = result.outer_round, result.step
+
+    def _ensure_outer(self, tracker: Optional[PhaseTracker] = None) -> tuple[LevelManager, LevelComm]:
+        if self.outer_mgr is None or self.outer_comm is None:
+            t = self.t
+            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
+            link.share_stats(self.outer_stats)  # one account (and loss streams) across leadership changes
+            self.outer_link = link
+            self.outer_mgr = self._manager("outer", link, f"store/outer/{self._outer_epoch}")  # one store per leadership term
+            self._outer_epoch += 1
+            self.outer_comm = LevelComm(self.outer_mgr, link, tracker or self.tracker, self._gate, self.events,
+                                        watch=QuorumWatch(self.s.global_lighthouse, self.s.quorum_slice))
+        return self.outer_mgr, self.outer_comm
