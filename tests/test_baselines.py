@@ -41,3 +41,18 @@ def test_flat_baseline_is_torchft_diloco_over_every_group_on_a_parquet_corpus(tm
     assert len({tuple(c) for c in commits.values()}) == 1, commits
     assert [s for s, _ in next(iter(commits.values()))] == [5, 10, 15, 20]
     assert [r["work"] for r in results] == [{"steps_run": 20, "steps_discarded": 0, "steps_since_commit": 0, "steps_since_outer": 0}] * 4
+
+
+def test_every_strategy_implements_what_the_loop_calls():
+    """The loop calls a SyncStrategy without getattr fallbacks: every mode has every method."""
+    import inspect
+
+    from hier_localsgd.sync.baselines import DDPSync, FlatSync
+    from hier_localsgd.sync.common import SyncStrategy
+    from hier_localsgd.sync.hier import HierarchicalSync
+
+    wanted = [n for n, v in vars(SyncStrategy).items() if inspect.isfunction(v) or isinstance(v, property)]
+    assert {"start", "after_optimizer_step", "work_counters", "leader", "close"} <= set(wanted)
+    for cls in (HierarchicalSync, FlatSync, DDPSync):
+        missing = [n for n in wanted if not hasattr(cls, n)]
+        assert missing == [], (cls.__name__, missing)

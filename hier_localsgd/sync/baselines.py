@@ -57,6 +57,8 @@ def baseline_replica_id(identity: Identity, replicas_per_cluster: int) -> str:
 class _Baseline:
     level = "baseline"
 
+    leader: bool = False  # a baseline's groups are peers: none leads a cluster
+
     def __init__(
         self,
         identity: Identity,
@@ -135,6 +137,10 @@ class _Baseline:
     def after_optimizer_step(self) -> bool:
         self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
         return True  # ddp: every step synced
+
+    def work_counters(self) -> Dict[str, int]:
+        """ddp keeps no work accounting (every step is one sync); FlatSync counts rounds."""
+        return {}
 
     def link_stats(self) -> Dict[str, Dict[str, object]]:
         return {self.level: self.link.stats.as_dict()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Protocol
 
 import torch
 
@@ -70,3 +70,22 @@ class OuterResult:
     cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
     merge: bool = False  # overlapped: params is the global model, merged with the progress since the snapshot
     residual: Optional[torch.Tensor] = None  # compressed: the leader's committed residual, as received
+
+
+class SyncStrategy(Protocol):
+    """What the training loop calls, every mode alike (hier: HierarchicalSync; flat, ddp:
+    baselines.py). Checkpoints (``snapshot``/``restore``) are the hierarchy's only
+    (``checkpoint.*`` is refused for the baselines)."""
+
+    counters: Counters  # replicated counters; the loop advances ``step`` (I5)
+
+    @property
+    def leader(self) -> bool: ...  # this group leads its cluster (baselines: never)
+
+    def start(self) -> None: ...  # the join round, before any local step
+    def before_forward(self) -> None: ...  # ddp: the step's quorum
+    def before_optimizer_step(self) -> bool: ...  # ddp: gradient all-reduce + commit vote
+    def after_optimizer_step(self) -> bool: ...  # hier/flat: a round at round boundaries
+    def work_counters(self) -> Dict[str, int]: ...  # steps run / discarded (chaos accounting)
+    def link_stats(self) -> Dict[str, Dict[str, object]]: ...
+    def close(self) -> None: ...  # stops heartbeats; idempotent

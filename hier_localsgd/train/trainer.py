@@ -29,6 +29,7 @@ from hier_localsgd.train.model import build_model, evaluate, lm_loss
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime import EXIT_WATCHDOG, LOG_TAG, Runtime
 from hier_localsgd.core.status import ReplicaPublisher, job_finished, read_json, replica_dir
+from hier_localsgd.sync.common import SyncStrategy
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity, JobFinished
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ def wait_for_lighthouse(cfg: Config, identity: Identity, ran_before: bool) -> No
             time.sleep(1.0)
 
 
-def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext()):  # type: ignore[no-untyped-def]
+def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext()) -> SyncStrategy:
     s, t = cfg.sync, cfg.timeouts_obj()
     hostname = cfg.run.hostname or socket.gethostname()
     if s.mode == "hier":
@@ -221,13 +222,6 @@ def wait_for_gate(path: str, timeout_s: float) -> None:
 
 def _bytes_by_level(stats: Dict[str, Any]) -> Dict[str, float]:
     return {level: st["sent_bytes_total"] for level, st in stats.items()}
-
-
-def _work(sync: Any) -> Dict[str, int]:
-    """The strategy's work accounting (hier: steps run, discarded, since the last inner and outer commit)."""
-    if hasattr(sync, "work_counters"):
-        return sync.work_counters()
-    return dict(getattr(sync, "work", {}))
 
 
 def trimmed_mean(xs: list, warmup: int = 3) -> float | None:
@@ -377,14 +371,14 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             ckpt.save_async(c.step, {**sync.snapshot(), "rng": rng_state()})
         loss_val = float(loss.detach())
         # Every step: a killed process's last status says how much work it had done.
-        pub.update(step=c.step, loss=loss_val, loss_step=c.step, **_work(sync))
+        pub.update(step=c.step, loss=loss_val, loss_step=c.step, **sync.work_counters())
 
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
             links = sync.link_stats()
             pub.update(loss=loss_val, loss_step=c.step, link=links, **({"tp": tp.stats()} if tp is not None else {}))
             pub.event("loss", step=c.step, loss=loss_val)
-            work = _work(sync)
+            work = sync.work_counters()
             tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
                    work__steps_discarded=work.get("steps_discarded"),
                    **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
@@ -416,7 +410,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         "model_bytes": flat.nbytes,
         "link": sync.link_stats(),
         **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
-        "work": _work(sync),
+        "work": sync.work_counters(),
         "local_step_s": trimmed_mean(local_step_times),
         "local_steps_timed": len(local_step_times),
         "wall_s": time.time() - t0,
