@@ -163,6 +163,27 @@ def available() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def shaping_available() -> Optional[str]:
+    """None if :meth:`ClusterNetwork.shape` works here (namespaces and the kernel's
+    ``tbf`` qdisc), else a one-line reason. Puts a ``tbf`` on the loopback of a
+    throw-away namespace and removes the namespace. Cached."""
+    why = available()
+    if why is not None:
+        return why
+    if shutil.which("tc") is None:
+        return "no `tc` command on PATH (iproute2)"
+    ns = f"{_new_prefix()}-tbf"
+    try:
+        _cmd(["ip", "netns", "add", ns])
+        _cmd(["tc", "-n", ns, "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", "1mbit", "burst", "32k", "latency", "50ms"])
+    except (NetnsError, OSError) as e:
+        return f"the kernel's tbf qdisc is unavailable: {str(e).splitlines()[0]}"
+    finally:
+        _cmd(["ip", "netns", "del", ns], check=False)
+    return None
+
+
 def _new_prefix() -> str:
     """``hln<pid><letter>``: unique per process, and per network within the process
     (the first letter whose namespaces do not exist, counting on from the last)."""
@@ -403,6 +424,11 @@ class ClusterNetwork:
         self._index(cluster)
         _cmd(["tc", "-n", self.namespace(cluster), "qdisc", "del", "dev", self.cluster_iface(cluster), "root"], check=False)
         _cmd(["tc", "-n", self.hub, "qdisc", "del", "dev", self.hub_iface(cluster), "root"], check=False)
+
+    def uplink_bytes(self) -> Dict[int, Tuple[int, int]]:
+        """Cluster -> (rx_bytes, tx_bytes) of its uplink's cluster-side end: everything the
+        cluster received from and sent to the hub and the other clusters (headers included)."""
+        return {c: self.counters(c)[self.cluster_iface(c)] for c in range(self.clusters)}
 
     def qdiscs(self, where: Where) -> str:
         """``tc qdisc show`` inside ``where`` (for checks and reports)."""
