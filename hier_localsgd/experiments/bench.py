@@ -87,7 +87,6 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
     kernel = b.links == "kernel"  # the WAN's rate is tbf's (run_arm shapes it), not user space's
     common = [
         *w["over"], f"train.steps={steps}", f"sync.inner.every={h_in}", f"sync.outer.every={h_out}",
-        f"train.eval_every={period}",
         f"links.inner.bandwidth_gbps={b.lan_gbps}", f"links.inner.latency_ms={b.lan_latency_ms}",
         f"links.outer.bandwidth_gbps={0 if kernel else b.wan_gbps}", f"links.outer.latency_ms={b.wan_latency_ms}",
         *(["run.netns=true"] if kernel else []),
@@ -117,7 +116,9 @@ def _split_bytes(mode: str, result: dict, C: int, R: int) -> Tuple[float, float]
 
 
 def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int) -> List[Dict[str, float]]:
-    """Per eval step: mean eval loss, mean seconds since training started, job-wide slow bytes."""
+    """Per eval step: mean eval loss, the spread of the groups' losses (0 when every group
+    evaluated the same model: the eval set is shared), mean seconds since training started
+    less the evaluations before it, job-wide slow bytes."""
     start = {}
     for k, evs in events.items():
         s = next((e["t"] for e in evs if e["kind"] == "phase" and e["src"] == "START"), None)
@@ -125,9 +126,11 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
             start[k] = s
     by_step: Dict[int, List[Tuple[Tuple[int, int], dict]]] = {}
     for k, evs in events.items():
+        spent = 0.0  # evaluation seconds so far: not training time
         for e in evs:
             if e["kind"] == "eval" and k in start:
-                by_step.setdefault(e["step"], []).append((k, e))
+                spent += e.get("eval_s", 0.0)
+                by_step.setdefault(e["step"], []).append((k, {**e, "t": e["t"] - spent}))
     curve = []
     for step in sorted(by_step):
         pts = by_step[step]
@@ -139,7 +142,8 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
             fake = {"link": {lv: {"sent_bytes_total": v} for lv, v in b.items()}}
             slow += _split_bytes(mode, fake, C, R)[0]
         t = sum(max(0.0, e["t"] - start[k]) for k, e in pts) / len(pts) if step > 0 else 0.0
-        curve.append({"step": step, "loss": sum(e["loss"] for _, e in pts) / len(pts), "t": t, "slow_bytes": slow})
+        losses = [e["loss"] for _, e in pts]
+        curve.append({"step": step, "loss": sum(losses) / len(losses), "spread": max(losses) - min(losses), "t": t, "slow_bytes": slow})
     return curve
 
 
@@ -163,9 +167,26 @@ def _sync_ratio(results: List[dict], level: str, kernel_bound: Optional[Callable
     return {"measured_s": secs / calls, "bound_s": bound / calls, "ratio": secs / bound, "calls": calls}
 
 
+def sync_eval(cfg: Config) -> List[str]:
+    """Evaluation at the arm's own sync points: every outer round (hier; with ``sync.outer.delay``
+    at the merge, D inner rounds later), every flat sync (torchft's ``fragment_sync_delay``
+    merges at the sync step itself), and for ddp (synchronised at every step) on the hier
+    period's grid. At these points the blocking arms' groups hold one model (the curve's
+    ``spread`` shows it); an overlapped hier arm's clusters differ by their progress since
+    the outer round's snapshot."""
+    s = cfg.sync
+    period = s.inner.every * s.outer.every
+    if s.mode == "hier":
+        return [f"train.eval_every={period}", f"train.eval_offset={(s.outer.delay * s.inner.every) % period}"]
+    if s.mode == "flat":
+        return [f"train.eval_every={s.flat.every}", "train.eval_offset=0"]
+    return [f"train.eval_every={period}", "train.eval_offset=0"]
+
+
 def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bps: float = 0.0) -> Dict[str, Any]:
     """One arm as a local job. ``wan_bps`` > 0 (``bench.links=kernel``, with ``run.netns`` in
     ``overrides``): every cluster uplink is shaped by tbf at that rate and its counters are read."""
+    overrides = [*overrides, *sync_eval(load_config(overrides, validate_for="demo"))]
     cfg = load_config(overrides, validate_for="demo")
     C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
     run_dir = out / "runs" / name
@@ -346,6 +367,8 @@ def links_unavailable(cfg: Config) -> Optional[str]:
 
 
 def run_bench(cfg: Config, overrides: List[str]) -> int:
+    """One bench at ``bench.wan_gbps`` with one seed (cli.py runs bench_sweep.py instead when
+    ``bench.sweep_gbps`` names WAN rates). Exit 0, 1 (a run failed), 2 (kernel links unavailable)."""
     out = Path(cfg.bench.out or Path(cfg.run.dir) / "bench")
     out.mkdir(parents=True, exist_ok=True)
     why = links_unavailable(cfg)
