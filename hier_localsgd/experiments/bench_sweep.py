@@ -40,6 +40,8 @@ from typing import Any, Dict, List, Optional
 
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.experiments.bench import KERNEL_NOTE, links_unavailable, plan_arms, run_arm, run_bare
+from hier_localsgd.experiments.bench_chaos import run_chaos_arm
+from hier_localsgd.experiments.bench_chaos import table as chaos_table
 from hier_localsgd.launch.local import child_env
 
 
@@ -201,10 +203,19 @@ def run_sweep(cfg: Config, overrides: List[str]) -> int:
                 r.update(arm=name, wan_gbps=gbps, seed=seed, seeds=list(b.seeds), reached=None if r.get("failed") else reach(r["curve"], target))
                 runs.append(r)
     points = summarize(runs, target, bare_s)
+    chaos = None
+    if b.chaos:  # at the slowest WAN rate given last; bandwidth in user space (bench_chaos.py)
+        g = b.sweep_gbps[-1]
+        print(f"[{time.time() - t0:.0f}s] chaos under load, hier vs flat, WAN {g * 1e3:g} Mbit/s ...", flush=True)
+        try:
+            chaos = run_chaos_arm([*base, f"links.outer.bandwidth_gbps={g}"], out, target, b.chaos_steps)
+        except Exception as e:  # the sweep's figures are kept; the chaos arm reports why it has none
+            chaos = {"error": f"{type(e).__name__}: {e}"}
+        chaos["wan_gbps"] = g
     report = {"mode": b.mode, "links": b.links, "what_is_kernel": KERNEL_NOTE if b.links == "kernel" else None, "steps": steps,
               "seeds": b.seeds, "pilot": pilot, "pilot_seed": b.pilot_seed, "target_loss": target, "bare_step_s": bare_s,
               "fewest_steps_to_target": min((r["reached"]["step"] for r in runs if r.get("reached")), default=None),
-              "points": points, "runs": runs, "wall_s": time.time() - t0}
+              "points": points, "runs": runs, "chaos": chaos, "wall_s": time.time() - t0}
     try:
         report["plots"] = plots(points, runs, out)
     except ImportError as e:  # matplotlib is an optional dependency: the plot data is in sweep.json
@@ -214,8 +225,11 @@ def run_sweep(cfg: Config, overrides: List[str]) -> int:
     head = (f"target {target:.4f} (pilot seed {b.pilot_seed}: {pilot['final_eval_loss']:.4f} + margin); bare loop {bare_s} s/step; "
             f"fewest steps any arm needed: {report['fewest_steps_to_target']}; seeds {b.seeds}; {b.links} links")
     (out / "sweep.json").write_text(json.dumps(report, indent=2))
+    if chaos is not None:
+        md += "\n\n" + (f"chaos under load: failed: {chaos['error']}" if "error" in chaos else chaos_table(chaos, chaos["wan_gbps"]))
     (out / "sweep.md").write_text(head + "\n\n" + md + "\n")
     print(head)
     print(md)
     print(f"bench sweep: {out / 'sweep.md'}, {out / 'sweep.json'}, plots {report['plots']}; {report['wall_s']:.0f} s")
-    return 1 if any(r.get("failed") for r in runs) else 0
+    bad_chaos = chaos is not None and not all((chaos.get(m) or {}).get("ok") for m in ("hier", "flat"))
+    return 1 if any(r.get("failed") for r in runs) or bad_chaos else 0

@@ -130,6 +130,8 @@ class BenchConfig:
     seeds: List[int] = field(default_factory=lambda: [0])  # bench_sweep.py: >= 3 for medians and spread
     sweep_gbps: List[float] = field(default_factory=list)  # non-empty: the sweep over WAN rates (bench_sweep.py)
     pilot_seed: int = 1000  # the pilot run that fixes the sweep's target loss
+    chaos: bool = False  # the sweep also runs hier and flat under one chaos.* fault schedule (bench_chaos.py)
+    chaos_steps: int = 600  # that run's steps per replica group
 
     def check(self) -> None:
         if self.mode not in ("quick", "full"):
@@ -148,6 +150,8 @@ class BenchConfig:
         for i, g in enumerate(self.sweep_gbps):
             if g <= 0:
                 fail(f"bench.sweep_gbps[{i}]", f"{g} — a bandwidth must be positive")
+        if self.chaos_steps < 1:
+            fail("bench.chaos_steps", f"{self.chaos_steps} — must be at least 1")
         if not self.seeds or self.pilot_seed in self.seeds:
             fail("bench.seeds" if not self.seeds else "bench.pilot_seed", "needs a seed, and a pilot seed outside bench.seeds")
 

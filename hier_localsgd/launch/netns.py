@@ -98,6 +98,7 @@ MAX_CLUSTERS = 250  # cluster i is 198.18.0.(i + 2)
 PREFIX_RE = re.compile(r"^hln(\d+)([a-z])$")  # default prefixes: hln<pid><letter>
 _NAME_RE = re.compile(r"^hln(\d+)[a-z]")  # anything named by such a prefix
 IFNAMSIZ = 15
+TBF_BURST_BYTES = 32 * 1024  # shape()'s default bucket: sent at line rate after an idle spell, ahead of the shaped rate
 CLONE_NEWNET = 0x40000000
 
 _lock = threading.Lock()
@@ -406,7 +407,7 @@ class ClusterNetwork:
     def partitioned(self) -> List[int]:
         return sorted(self._partitioned)
 
-    def shape(self, cluster: int, rate_bits_per_s: float, burst_bytes: int = 32 * 1024, latency: timedelta = timedelta(milliseconds=50)) -> None:
+    def shape(self, cluster: int, rate_bits_per_s: float, burst_bytes: int = TBF_BURST_BYTES, latency: timedelta = timedelta(milliseconds=50)) -> None:
         """Shapes cluster ``cluster``'s uplink with ``tbf`` in both directions: the
         cluster side's egress (what it sends) and the hub side's egress (what it
         receives), each at ``rate_bits_per_s`` with a ``burst_bytes`` bucket and at most
