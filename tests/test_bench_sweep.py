@@ -57,6 +57,10 @@ def test_each_arm_is_evaluated_at_its_own_sync_points():
 def test_the_pilot_seed_must_not_be_an_arm_seed():
     with pytest.raises(ConfigError, match="bench.pilot_seed"):
         load_config(["bench.seeds=[0,1000]"], validate_for="demo")
+    with pytest.raises(ConfigError, match="bench.links"):
+        load_config(["bench.links=fiber"], validate_for="demo")
+    with pytest.raises(ConfigError, match=r"bench.sweep_gbps\[1\]"):
+        load_config(["bench.sweep_gbps=[1,0]"], validate_for="demo")
 
 
 @pytest.mark.slow
