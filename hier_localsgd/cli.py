@@ -41,8 +41,8 @@ COMMANDS = {
     "sweep": "loss rates x loss models x fills x modes on the slow links: table and plot of final loss",
     "tp-sweep": "lossy tensor parallelism: final loss per loss rate x loss model x TP operation (tp_sweep.*)",
     "bench": "ddp vs flat DiLoCo vs hier on emulated LAN/WAN: bytes, time to target, sync time vs bound",
-    "plan": "predict parameters, FLOPs, memory and sync time per level; compute-optimal N and D (plan.*)",
-    "simulate": "discrete-event simulation of a large deployment with failures: goodput (simulate.*)",
+    "plan": "predict parameters, FLOPs, memory and sync time per level; compute-optimal N and D (topology, sync, links, train, plan.*)",
+    "simulate": "discrete-event simulation of a deployment with failures: goodput (topology, sync, links, timeouts, plan.*, simulate.*)",
 }
 
 
@@ -156,10 +156,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.command == "plan":
                 from hier_localsgd.tools.plan.report import run_plan
 
-                return run_plan(cfg.plan, out)
+                return run_plan(cfg, out)
             from hier_localsgd.tools.simulate.report import run_simulate
 
-            return run_simulate(cfg.simulate, out)
+            return run_simulate(cfg, out)
         except ValueError as e:  # the message starts with the field, e.g. plan.model.dim
             print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
             return EXIT_CONFIG

@@ -30,10 +30,12 @@ from hier_localsgd.emulation.lossy import LinkSpec, LinksConfig
 from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig, TPSweepConfig, check_tp_sweep
 from hier_localsgd.launch.lighthouse import LighthouseConfig
 from hier_localsgd.schema import ConfigError, fail
+from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 from hier_localsgd.sync.types import SyncConfig, TopologyConfig
 from hier_localsgd.tools.dashboard.config import DashboardConfig
-from hier_localsgd.tools.plan.config import PlanConfig
-from hier_localsgd.tools.simulate.config import SimulateConfig
+from hier_localsgd.tools.deployment import MODEL_COMMANDS, moved_to
+from hier_localsgd.tools.plan.config import MOVED as PLAN_MOVED, PlanConfig
+from hier_localsgd.tools.simulate.config import MOVED as SIMULATE_MOVED, SimulateConfig
 from hier_localsgd.train.data import DataConfig
 from hier_localsgd.train.model import ModelConfig
 from hier_localsgd.train.sections import GroupConfig, TrainConfig
@@ -61,8 +63,8 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)  # `hier-localsgd plan` (tools/plan/)
-    simulate: SimulateConfig = field(default_factory=SimulateConfig)  # `hier-localsgd simulate` (tools/simulate/)
+    plan: PlanConfig = field(default_factory=PlanConfig)  # `hier-localsgd plan`'s own (tools/plan/); the deployment is the shared sections
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)  # `hier-localsgd simulate`'s own (tools/simulate/)
     tp_sweep: TPSweepConfig = field(default_factory=TPSweepConfig)  # `hier-localsgd tp-sweep` (experiments/tp_sweep.py)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: List[Dict[str, Any]] = field(default_factory=list)
@@ -118,6 +120,7 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config", vali
     # The dataclass schema is config.yaml's base: hydra knows every key and type, so
     # overrides of sections config.yaml leaves to their defaults (plan, simulate) work.
     ConfigStore.instance().store(name="hier_localsgd_schema", node=Config)
+    check_moved(overrides)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides))
@@ -128,6 +131,16 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config", vali
         raise ConfigError(_hydra_message(e)) from e
     validate(cfg, validate_for)
     return cfg
+
+
+def check_moved(overrides: Sequence[str]) -> None:
+    """An override of a ``plan.*``/``simulate.*`` field that moved to a shared section
+    (issue #12) fails in one line naming the new field, not hydra's unknown-key error."""
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        new = moved_to(key, PLAN_MOVED) or moved_to(key, SIMULATE_MOVED)
+        if new is not None:
+            raise ConfigError(f"{key}: moved to {new} (plan and simulate read the shared sections; docs/planner.md)")
 
 
 def _hydra_message(e: BaseException) -> str:
@@ -170,12 +183,14 @@ def validate(cfg: Config, command: str = "train") -> None:
     command. ``command``: "train" checks the identity of this process too; "demo",
     "chaos" and "lighthouse" skip the lighthouse address list checks that they fill in.
     The commands that train (:data:`TRAINING_COMMANDS`) also check a text or parquet
-    ``data.path`` itself (:func:`hier_localsgd.train.data.check_input`).
+    ``data.path`` itself (:func:`hier_localsgd.train.data.check_input`). The commands that
+    only model a deployment (``plan``, ``simulate``) skip what only a real run needs.
     """
     t, s = cfg.topology, cfg.sync
-    t.check(s.mode)
+    runs = command not in MODEL_COMMANDS  # plan/simulate model a deployment: tools/deployment.py
+    t.check(s.mode, runs=runs)
     s.check(t)
-    cfg.train.check(s)
+    cfg.train.check(s, runs=runs)
     cfg.data.check(cfg.train.seq_len, cfg.num_shards, read_input=command in TRAINING_COMMANDS)
     cfg.model.check()
     cfg.lighthouse.check(
@@ -215,6 +230,11 @@ def validate(cfg: Config, command: str = "train") -> None:
             build()
         except ValueError as e:
             raise ConfigError(str(e)) from e
+
+    # The compressed outer reduce moves packed bytes (codes and block scales): a lost
+    # packet can only arrive as zeros (core/link.py), so no stale or rescale fill.
+    if s.mode == "hier" and s.outer.compression != NO_COMPRESSION and cfg.link_spec("outer").model.enabled and cfg.links.outer.fill != "zero":
+        fail("links.outer.fill", f"{cfg.links.outer.fill!r} — with sync.outer.compression={s.outer.compression} lost packets of the compressed payload can only be zero-filled (links.outer.fill=zero)")
 
 
 def dump(cfg: Config) -> str:

@@ -72,8 +72,11 @@ class ThreadedHier:
         outer_link: Optional[LinkSpec] = None,
         outer_delay: int = 0,
         final_step: int = 0,
+        outer_compression: str = "none",
+        compression_block: int = 256,
     ) -> None:
         self.C, self.R = clusters, replicas
+        self.outer_compression, self.compression_block = outer_compression, compression_block
         self.outer_delay, self.final_step = outer_delay, final_step
         kw = dict(join_timeout_ms=20000, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
         self.global_lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters or clusters, **kw)
@@ -108,6 +111,8 @@ class ThreadedHier:
             outer_link=self.outer_link,
             outer_delay=self.outer_delay,
             final_step=self.final_step,
+            outer_compression=self.outer_compression,
+            outer_compression_block=self.compression_block,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(
@@ -222,6 +227,7 @@ def run_job(
     order: Optional[Sequence[Tuple[int, int]]] = None,
     stagger_s: float = 0.0,
     gate: bool = True,
+    warm_spares: bool = False,
 ) -> JobRun:
     """Runs a whole job to completion as real processes and collects what they published.
 
@@ -231,7 +237,7 @@ def run_job(
     overrides = [*FAST_JOB, *overrides, f"run.dir={run_dir}"]
     cfg = load_config(overrides, validate_for="demo")
     t0 = _time.time()
-    job = LocalJob(cfg, overrides)
+    job = LocalJob(cfg, overrides, warm_spares=warm_spares)
     with job:
         job.start_lighthouses()
         job.start_all(order=order, stagger_s=stagger_s, gate=gate)

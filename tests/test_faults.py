@@ -57,15 +57,27 @@ def test_sigterm_stops_heartbeat_and_exits_143(tmp_path):
     assert consistent_among(run, [(0, 0), (1, 0), (1, 1)])
 
 
-def test_sigkill_non_leader_is_restarted_and_heals_from_a_peer(tmp_path):
-    killer = when_step((0, 1), 12, lambda job: job.kill((0, 1), signal.SIGKILL))
-    run = run_job(tmp_path, LONG, during=killer, restart=True)
+def test_sigkill_non_leader_is_restarted_in_a_warm_spare_and_heals_from_a_peer(tmp_path):
+    """The launcher hands the restart to a spare that imported the training stack ahead
+    (spare.py); the spare's process becomes c0r1. (Cold restarts, a fresh interpreter:
+    the leader and cluster kills below.)"""
+    kill_at_12 = when_step((0, 1), 12, lambda job: job.kill((0, 1), signal.SIGKILL))
+
+    def killer(job):  # the kill waits for the spare's imports (on a busy machine they take a while)
+        if job.spare_ready():
+            kill_at_12(job)
+
+    killer.fired = kill_at_12.fired  # type: ignore[attr-defined]
+    run = run_job(tmp_path, [*LONG, "train.steps=300"], during=killer, restart=True, warm_spares=True)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     t_kill = killer.fired["t"]
     dt = first_commit_after(run, [(0, 0)], t_kill)
     assert dt is not None and dt <= HB_S + PHASE_S, dt
     restarts = [h for h in run.job.history if h["event"] == "restart"]
     assert [h["key"] for h in restarts] == [(0, 1)]
+    assert restarts[0]["warm"] is True
+    # the restart's pid is the spare's, which had imported everything first
+    assert f"spare: ready (pid {restarts[0]['pid']})" in (run.job.run_dir / "logs" / "spare.log").read_text()
     # The restarted process heals in its join round, before any local step...
     heals = [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > restarts[0]["t"]]
     assert heals and heals[0]["step"] > 0

@@ -13,7 +13,9 @@ import torch
 from harness import ThreadedHier, local_steps
 from hier_localsgd.core.faults import Fault
 from hier_localsgd.core.invariants import InvariantViolation
+from hier_localsgd.core.managers import GroupRefused
 from hier_localsgd.core.level import LevelAlgorithm
+from hier_localsgd.sync.hier import FatalSyncError
 
 C, R, H_IN, H_OUT = 2, 2, 1, 2
 
@@ -172,14 +174,17 @@ def test_guard_resyncs_a_member_whose_state_diverged_with_equal_steps():
 
 
 def test_two_leaders_of_one_cluster_in_the_outer_group_violate_i1():
-    """Two processes both claiming cluster 0 would share the inner and the outer group."""
+    """Two processes both claiming cluster 0 would share the inner and the outer group. Each
+    such outer group is refused before any collective runs in it (a failed quorum, so a
+    momentary split during a leader handover costs one round); one that persists ends the
+    process after sync.max_quorum_failures (3) rounds, the violation named as the cause."""
     h = ThreadedHier(2, 1, H_IN, H_OUT)
     errors = {}
 
     def body(rep):
         try:
-            local_steps(rep, update, 2)
-        except InvariantViolation as e:
+            local_steps(rep, update, 4 * H_IN * H_OUT)
+        except FatalSyncError as e:
             errors[rep.key] = e
 
     # Both replica groups say they are cluster 0 (outer replica id cluster0000) but
@@ -198,4 +203,12 @@ def test_two_leaders_of_one_cluster_in_the_outer_group_violate_i1():
         h.close()
     assert len(errors) == 2, errors
     for e in errors.values():
-        assert e.invariant.startswith("I1") and "cluster(s) [0]" in str(e)
+        assert "quorum failed 3 times in a row" in str(e), e
+        refused = e.__cause__
+        assert isinstance(refused, GroupRefused), refused
+        v = refused.violation
+        assert isinstance(v, InvariantViolation) and v.invariant.startswith("I1") and "cluster(s) [0]" in str(v)
+    for rep in h.replicas.values():
+        assert rep.kinds("commit", level="outer") == []  # no collective ran in a refused group
+        refusals = [e for e in rep.kinds("quorum_failed", level="outer") if "group refused" in e["detail"]]
+        assert len(refusals) == 3, rep.kinds("quorum_failed")

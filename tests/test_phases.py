@@ -119,3 +119,29 @@ def test_group_rank_check_rejects_a_rank_outside_the_group():
         with pytest.raises(InvariantViolation) as e:
             check_group_rank("inner", rank, size)
         assert "I6" in str(e.value) and f"group_rank={rank}" in str(e.value)
+
+
+def test_a_phase_deadline_comes_from_the_budgets_named_once():
+    """enter(phase) arms the phase's own budget from Timeouts (BROADCAST: leader's or member's);
+    an explicit timeout (or None) still wins; no budgets and no timeout is an error."""
+    import time as _t
+    from datetime import timedelta
+
+    import pytest
+
+    from hier_localsgd.core.timeouts import Timeouts
+
+    t = Timeouts(inner_quorum=timedelta(seconds=7), broadcast=timedelta(seconds=11))
+    assert t.broadcast_wait > t.broadcast  # the two BROADCAST budgets differ
+    tr = PhaseTracker("t")
+    with pytest.raises(ValueError, match="without a timeout"):
+        tr.enter(Phase.INNER_QUORUM)
+    tr.budgets = t
+    for phase, leader, want in [(Phase.INNER_QUORUM, True, 7), (Phase.INNER_REDUCE, True, t.inner_reduce.total_seconds()),
+                                (Phase.BROADCAST, True, 11), (Phase.BROADCAST, False, t.broadcast_wait.total_seconds())]:
+        tr2 = PhaseTracker("t2", transitions={p: frozenset(Phase) for p in Phase})
+        tr2.budgets = t
+        tr2.enter(phase, leader=leader)
+        assert tr2.deadline() - _t.time() == pytest.approx(want, abs=1.0), (phase, leader)
+    tr.enter(Phase.INNER_QUORUM, None)
+    assert tr.deadline() is None

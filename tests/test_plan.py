@@ -4,23 +4,38 @@ parameter and FLOP counts against torchtitan's own models."""
 import copy
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from hier_localsgd import costs
+from hier_localsgd.config import Config, ConfigError, load_config
+from hier_localsgd.emulation.lossy import LinkConfig
 from hier_localsgd.tools.plan import config as plan_config, model as plan_model, planner as plan_planner, report as plan_report
-from hier_localsgd.tools.plan.config import NetworkLink, NetworkConfig, PlanConfig, PlanModelConfig, PlanSyncConfig, PlanTopologyConfig, ScalingConfig
+from hier_localsgd.tools.plan.config import PlanConfig, PlanModelConfig, ScalingConfig
 
 DEBUG = PlanModelConfig(flavor="debugmodel")
 LLAMA7B = PlanModelConfig(flavor="llama_7b")
 S_DEBUG = 6_163_712 * 4  # debugmodel in float32: 24,654,848 bytes
+# issue #6's networks: LAN 10 Gbit/s 0.1 ms, WAN 1 Gbit/s 20 ms (links.inner, links.outer)
+ISSUE6 = ["links.inner.bandwidth_gbps=10", "links.inner.latency_ms=0.1", "links.outer.bandwidth_gbps=1", "links.outer.latency_ms=20"]
+
+
+def issue6(**plan) -> Config:
+    """The default deployment (2 x 2 x 1, H 10/3, batch 4 x 64) on issue #6's networks, as the
+    command composes it (configs/config.yaml: inner localsgd, outer diloco)."""
+    cfg = load_config(ISSUE6, validate_for="plan")
+    for k, v in plan.items():
+        setattr(cfg.plan, k, v)
+    return cfg
 
 
 def demo_plan(**hardware) -> dict:
-    cfg = PlanConfig()
-    cfg.hardware.step_time_s = hardware.get("step_time_s", 0.34)
+    cfg = issue6()
+    cfg.plan.hardware.step_time_s = hardware.get("step_time_s", 0.34)
     return plan_planner.make_plan(cfg)
 
 
@@ -116,7 +131,7 @@ def test_flops_per_token_debugmodel():
 
 
 def test_step_time_from_flops():
-    p = plan_planner.make_plan(PlanConfig(hardware=plan_config.HardwareConfig(peak_tflops=100.0, mfu=0.5)))
+    p = plan_planner.make_plan(issue6(hardware=plan_config.HardwareConfig(peak_tflops=100.0, mfu=0.5)))
     # 8,964,145,152 FLOPs / (100e12 x 0.5) = 1.7928e-4 s
     assert p["step_time_s"] == pytest.approx(35_016_192 * 256 / 50e12)
 
@@ -142,7 +157,8 @@ def test_memory_per_rank_debugmodel_by_hand():
 
 
 def test_fsdp_divides_model_sized_memory_by_g():
-    cfg = PlanConfig(topology=PlanTopologyConfig(ranks_per_replica=4, sharding="fsdp"))
+    cfg = issue6(sharding="fsdp")
+    cfg.topology.ranks_per_replica = 4
     m = plan_planner.make_plan(cfg)["modes"]["hier"]["memory"]
     assert m["parameters"] == S_DEBUG / 4 and m["optimizer"] == 2 * S_DEBUG / 4
     assert m["activations"] == 36_175_872  # per-rank batch unchanged
@@ -155,7 +171,8 @@ def test_ring_factor_is_the_link_accounting():
 
 
 def test_ring_and_broadcast_bounds():
-    lan = NetworkLink(10.0, 0.1).alpha_beta()
+    spec = LinkConfig(bandwidth_gbps=10.0, latency_ms=0.1).spec("links.inner")
+    lan = spec.latency_s, spec.bandwidth_Bps
     # 2(n-1)/n S/B + 2(n-1) a = 1.5 x 8e9 / 1e10 + 6 x 1e-4 = 1.2006 s
     assert costs.allreduce_time(1e9, 4, *lan) == pytest.approx(1.2006)
     # (n-1) S/B + a = 3 x 0.8 + 1e-4
@@ -201,8 +218,9 @@ def test_recommendation_by_hand():
 
 
 def test_wider_wan_shrinks_outer_time():
-    cfg = PlanConfig(network=NetworkConfig(wan=NetworkLink(10.0, 20.0)))
-    cfg.hardware.step_time_s = 0.34
+    cfg = issue6()
+    cfg.links.outer.bandwidth_gbps = 10.0
+    cfg.plan.hardware.step_time_s = 0.34
     assert plan_planner.make_plan(cfg)["sync"]["outer_allreduce_s"] == pytest.approx(S_DEBUG * 8 / 1e10 + 0.04)
 
 
@@ -234,22 +252,22 @@ def test_scaling_constants_are_configurable():
 @pytest.mark.parametrize(
     "mutate, prefix",
     [
-        (lambda c: setattr(c.model, "dim", -1), "plan.model.dim: must be positive"),
-        (lambda c: setattr(c.model, "flavor", "13B"), "plan.model.flavor: unknown flavor"),
-        (lambda c: setattr(c.model, "flavor", ""), "plan.model.dim: must be positive"),
-        (lambda c: setattr(c.model, "n_heads", 7), "plan.model.n_heads:"),
-        (lambda c: setattr(c.topology, "clusters", 0), "plan.topology.clusters: must be positive"),
-        (lambda c: setattr(c.topology, "sharding", "zero3"), "plan.topology.sharding: unknown"),
-        (lambda c: setattr(c.network.wan, "bandwidth_gbps", 0.0), "plan.network.wan.bandwidth_gbps: must be positive"),
-        (lambda c: setattr(c.sync, "h_inner", 0), "plan.sync.h_inner: must be at least 1"),
-        (lambda c: setattr(c.sync, "dtype", "int4"), "plan.sync.dtype: unknown dtype"),
-        (lambda c: setattr(c.sync, "target_comm_fraction", 1.5), "plan.sync.target_comm_fraction:"),
-        (lambda c: setattr(c.hardware, "mfu", 0.0), "plan.hardware.mfu:"),
-        (lambda c: setattr(c.scaling, "alpha", 0.0), "plan.scaling.alpha: must be positive"),
+        (lambda c: setattr(c.plan.model, "dim", -1), "plan.model.dim: must be positive"),
+        (lambda c: setattr(c.plan.model, "flavor", "13B"), "plan.model.flavor: unknown flavor"),
+        (lambda c: setattr(c.plan.model, "flavor", ""), "plan.model.dim: must be positive"),
+        (lambda c: setattr(c.plan.model, "n_heads", 7), "plan.model.n_heads:"),
+        (lambda c: setattr(c.topology, "clusters", 0), "topology.clusters: 0"),
+        (lambda c: setattr(c.plan, "sharding", "zero3"), "plan.sharding: unknown"),
+        (lambda c: setattr(c.links.outer, "bandwidth_gbps", -1.0), "links.outer.bandwidth_gbps:"),
+        (lambda c: setattr(c.sync.inner, "every", 0), "sync.inner.every:"),
+        (lambda c: setattr(c.plan.train, "sync_dtype", "int4"), "plan.train.sync_dtype: unknown dtype"),
+        (lambda c: setattr(c.plan, "target_comm_fraction", 1.5), "plan.target_comm_fraction:"),
+        (lambda c: setattr(c.plan.hardware, "mfu", 0.0), "plan.hardware.mfu:"),
+        (lambda c: setattr(c.plan.scaling, "alpha", 0.0), "plan.scaling.alpha: must be positive"),
     ],
 )
 def test_bad_values_name_the_field(mutate, prefix):
-    cfg = PlanConfig()
+    cfg = issue6()
     mutate(cfg)
     with pytest.raises(ValueError) as e:
         plan_planner.make_plan(cfg)
@@ -258,19 +276,105 @@ def test_bad_values_name_the_field(mutate, prefix):
 
 def test_configs_are_omegaconf_structured():
     base = OmegaConf.structured(PlanConfig)
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["model.flavor=llama_7b", "network.wan.bandwidth_gbps=10", "sync.h_inner=20"]))
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["model.flavor=llama_7b", "hardware.step_time_s=0.5", "train.sync_dtype=bf16"]))
     cfg = OmegaConf.to_object(merged)
-    assert isinstance(cfg, PlanConfig) and cfg.model.flavor == "llama_7b" and cfg.sync.h_inner == 20
-    assert isinstance(cfg.network.wan, NetworkLink) and cfg.network.wan.bandwidth_gbps == 10.0
+    assert isinstance(cfg, PlanConfig) and cfg.model.flavor == "llama_7b" and cfg.train.sync_dtype == "bf16"
+    assert cfg.hardware.step_time_s == 0.5
 
 
 def test_run_plan_prints_tables_and_writes_json(tmp_path, capsys):
-    cfg = PlanConfig(model=LLAMA7B, sync=PlanSyncConfig(h_inner=10, h_outer=3))
+    cfg = issue6(model=LLAMA7B)
     cfg.train.seq_len = 2048
     cfg.train.batch_size = 1
     assert plan_report.run_plan(cfg, str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "6,738,415,616" in out and "Compute-optimal" in out and "inner all-reduce" in out
+    assert "unlimited" not in out  # both links given
     data = json.loads((tmp_path / "plan.json").read_text())
     assert data["parameters"]["total"] == 6_738_415_616
     assert data["scaling"]["N_opt"] == pytest.approx(5.6662e9, rel=1e-4)
+    assert data["config"]["links"]["outer"] == {"bandwidth_gbps": 1.0, "latency_ms": 20.0}
+
+
+# ----------------------------------------------------------------------------- one deployment, described once (issue #12)
+def _plan(*overrides: str) -> dict:
+    cfg = load_config([*ISSUE6, "plan.hardware.step_time_s=0.34", *overrides], validate_for="plan")
+    return plan_planner.make_plan(cfg)
+
+
+def test_plan_reads_the_shared_topology_links_and_sync():
+    base = _plan()
+    four = _plan("topology.clusters=4", "sync.min_clusters=1")
+    assert four["config"]["topology"]["clusters"] == 4
+    # outer all-reduce over 4 leaders on the WAN: 2*3/4 S x 8 / 1e9 + 2*3 x 20 ms
+    assert four["sync"]["outer_allreduce_s"] == pytest.approx(1.5 * S_DEBUG * 8 / 1e9 + 0.12)
+    assert four["sync"]["outer_allreduce_s"] > base["sync"]["outer_allreduce_s"]
+    assert four["modes"]["hier"]["slow_link_bytes_per_step"] == pytest.approx(4 * 1.5 * S_DEBUG / 30)
+    # links: a slower WAN latency moves only the WAN-bound syncs
+    slow = _plan("links.outer.latency_ms=50")
+    assert slow["sync"]["outer_allreduce_s"] == pytest.approx(S_DEBUG * 8 / 1e9 + 2 * 0.05)
+    assert slow["sync"]["inner_s"] == base["sync"]["inner_s"]
+    # sync: the H values and algorithms are sync.*'s
+    h = _plan("sync.inner.every=20", "sync.outer.every=5", "sync.flat.every=7", "sync.outer.algorithm=localsgd")
+    assert h["h"] == {"inner": 20, "outer": 5, "flat": 7}
+    st = h["sync"]
+    assert h["modes"]["hier"]["sync_per_step_s"] == pytest.approx(st["inner_s"] / 20 + (st["outer_allreduce_s"] + st["broadcast_s"]) / 100)
+    assert h["modes"]["flat"]["sync_per_step_s"] == pytest.approx(st["flat_s"] / 7)
+    # an outer localsgd level keeps no momentum: one model-sized copy less than diloco
+    assert base["modes"]["hier"]["memory"]["sync_backups"] - h["modes"]["hier"]["memory"]["sync_backups"] == S_DEBUG
+    # train: the batch is train.*'s
+    assert _plan("train.batch_size=2")["flops"]["tokens_per_rank_step"] == 2 * 64
+
+
+def test_shared_defaults_win_links_unset_cost_latency_only():
+    p = plan_planner.make_plan(load_config(["plan.hardware.step_time_s=0.34"], validate_for="plan"))
+    assert p["unlimited_links"] == ["links.inner", "links.outer"]
+    assert p["sync"]["outer_allreduce_s"] == 0.0 and p["modes"]["hier"]["comm_fraction"] == 0.0
+    assert "unlimited" in plan_report.human(p)
+
+
+def test_plan_models_what_the_trainer_cannot_run():
+    # several ranks per group in ddp, and train.steps not a multiple of the outer period: fine to plan
+    p = _plan("sync.mode=ddp", "topology.ranks_per_replica=8", "plan.sharding=fsdp", "sync.inner.every=100", "sync.outer.every=20")
+    assert p["sync"]["sync_bytes"] == S_DEBUG / 8
+    with pytest.raises(ConfigError, match="^topology.ranks_per_replica"):
+        load_config(["model=tiny", "sync.mode=ddp", "topology.ranks_per_replica=8"], validate_for="demo")
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("plan.topology.clusters=4", "topology.clusters"),
+        ("plan.topology.sharding=fsdp", "plan.sharding"),
+        ("plan.network.wan.latency_ms=5", "links.outer.latency_ms"),
+        ("plan.network.round_overhead_s=0.2", "plan.round_overhead_s"),
+        ("plan.sync.h_inner=20", "sync.inner.every"),
+        ("plan.sync.dtype=bf16", "plan.train.sync_dtype"),
+        ("plan.train.seq_len=128", "train.seq_len"),
+        ("simulate.sync.mode=ddp", "sync.mode"),
+        ("simulate.topology.replicas_per_cluster=3", "topology.replicas_per_cluster"),
+        ("simulate.timeouts.join_s=120", "lighthouse.join_timeout_ms"),
+        ("simulate.hardware.step_time_s=1", "plan.hardware.step_time_s"),
+    ],
+)
+def test_a_moved_field_names_its_new_home(old, new):
+    with pytest.raises(ConfigError) as e:
+        load_config([old], validate_for="plan")
+    msg = str(e.value)
+    assert msg.startswith(old.split("=")[0] + ": moved to " + new), msg
+    assert "\n" not in msg
+
+
+def test_the_command_honours_topology_and_names_moved_fields(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hier_localsgd", "plan", *a, f"run.dir={tmp_path}"],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    r = run(*ISSUE6, "topology.clusters=4", "sync.min_clusters=1")
+    assert r.returncode == 0, r.stderr
+    assert "on 4 clusters x 2 replica groups" in r.stdout
+    data = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert data["config"]["topology"]["clusters"] == 4
+    assert data["sync"]["outer_allreduce_s"] == pytest.approx(1.5 * S_DEBUG * 8 / 1e9 + 0.12)
+    r = run("plan.topology.clusters=4")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "plan.topology.clusters: moved to topology.clusters" in lines[0], r.stderr

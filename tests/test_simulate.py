@@ -7,45 +7,46 @@ from dataclasses import asdict
 
 import pytest
 
+from hier_localsgd.config import Config, ConfigError, load_config
 from hier_localsgd.tools.plan import network as plan_network
+from hier_localsgd.tools.plan.planner import sync_bytes
 from hier_localsgd.tools.simulate import engine, params, report
-from hier_localsgd.tools.plan.config import HardwareConfig, NetworkLink, NetworkConfig, PlanTopologyConfig
-from hier_localsgd.tools.simulate.config import FailureConfig, SimSyncConfig, SimTimeoutsConfig, SimulateConfig
+from hier_localsgd.tools.simulate.config import FailureConfig
 
 DEBUG_PARAMS = 6_163_712
+# issue #6's networks: LAN 10 Gbit/s 0.1 ms, WAN 1 Gbit/s 20 ms (links.inner, links.outer)
+ISSUE6 = ["links.inner.bandwidth_gbps=10", "links.inner.latency_ms=0.1", "links.outer.bandwidth_gbps=1", "links.outer.latency_ms=20"]
 
 
-def small(mode: str = "hier", **kw) -> SimulateConfig:
-    """2 clusters x 2 replica groups, debugmodel-sized sync, 0.34 s steps, default networks."""
-    cfg = SimulateConfig(
-        topology=PlanTopologyConfig(clusters=2, replicas_per_cluster=2, ranks_per_replica=1, sharding="replicate"),
-        params=DEBUG_PARAMS,
-        hardware=HardwareConfig(step_time_s=0.34),
-        sync=SimSyncConfig(mode=mode, h_inner=10, h_outer=3, dtype="float32"),
-        failures=FailureConfig(model="none"),
-        duration_s=120.0,
-        sensitivity=[],
-    )
-    for k, v in kw.items():
-        setattr(cfg, k, v)
+def small(mode: str = "hier", *overrides: str, **sim) -> Config:
+    """2 clusters x 2 replica groups, debugmodel-sized sync, 0.34 s steps, issue #6 networks;
+    ``sim``: fields of ``simulate.*``."""
+    cfg = load_config([
+        *ISSUE6, f"sync.mode={mode}", "sync.inner.every=10", "sync.outer.every=3", "sync.flat.every=30", "sync.min_clusters=1",
+        f"simulate.params={DEBUG_PARAMS}", "plan.hardware.step_time_s=0.34", "plan.train.sync_dtype=float32",
+        "simulate.failures.model=none", "simulate.duration_s=120", "simulate.sensitivity=[]", *overrides,
+    ], validate_for="simulate")
+    for k, v in sim.items():
+        setattr(cfg.simulate, k, v)
     return cfg
 
 
-def free_network(**failures) -> SimulateConfig:
+def free_network(**failures) -> Config:
     """Syncs that cost nothing (so every figure is a whole number of seconds), 1 s steps."""
-    fast = NetworkLink(bandwidth_gbps=1e12, latency_ms=0.0)
-    cfg = small(
-        params=1000,
-        hardware=HardwareConfig(step_time_s=1.0),
-        network=NetworkConfig(lan=fast, wan=fast),
-        duration_s=60.0,
-        failures=FailureConfig(model="none", restart_s=6.0, heal_s=0.0, outer_heal_s=0.0, **failures),
-    )
-    return cfg
+    fast = ["links.inner.bandwidth_gbps=1e12", "links.inner.latency_ms=0", "links.outer.bandwidth_gbps=1e12", "links.outer.latency_ms=0"]
+    return small("hier", *fast, "simulate.params=1000", "plan.hardware.step_time_s=1.0", duration_s=60.0,
+                 failures=FailureConfig(model="none", restart_s=6.0, heal_s=0.0, outer_heal_s=0.0, **failures))
 
 
-def one_run(cfg: SimulateConfig, seed: int = 0) -> engine.RunResult:
+def one_run(cfg: Config, seed: int = 0) -> engine.RunResult:
     return engine.simulate_once(params.resolve(cfg), seed)
+
+
+def loaded(overrides, **sim) -> Config:
+    cfg = load_config(overrides, validate_for="simulate")
+    for k, v in sim.items():
+        setattr(cfg.simulate, k, v)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- the lighthouse rule
@@ -67,10 +68,11 @@ def test_lighthouse_rule_by_hand():
 # ----------------------------------------------------------------------------- no failures
 @pytest.mark.parametrize("mode", ["hier", "flat", "ddp"])
 def test_no_failures_goodput_is_one_minus_sync_overhead(mode):
-    r = one_run(small(mode))
+    cfg = small(mode)
+    r = one_run(cfg)
     # the planner's formulas, independently: ring bound per level on the demo networks
-    topo = PlanTopologyConfig(clusters=2, replicas_per_cluster=2)
-    st = plan_network.sync_times(DEBUG_PARAMS, topo, NetworkConfig(), "float32")
+    lan, wan = cfg.link_spec("inner"), cfg.link_spec("outer")
+    st = plan_network.sync_times(sync_bytes(cfg, DEBUG_PARAMS), 2, 2, lan, wan, 0.0)
     per_step = plan_network.sync_per_step(st, mode, 10, 3, 30)
     expected = 1.0 - plan_network.comm_fraction(0.34, per_step)
     assert r.goodput == pytest.approx(expected, rel=1e-12)
@@ -82,7 +84,8 @@ def test_no_failures_goodput_is_one_minus_sync_overhead(mode):
 
 
 def test_no_failures_at_scale_is_fast_and_exact():
-    cfg = SimulateConfig(params=8_030_261_248, hardware=HardwareConfig(step_time_s=1.2), failures=FailureConfig(model="none"), sensitivity=[])
+    cfg = loaded([*report.LARGE_DEPLOYMENT, "simulate.params=8030261248", "plan.hardware.step_time_s=1.2",
+                  "simulate.failures.model=none", "simulate.sensitivity=[]"])
     t0 = time.time()
     r = one_run(cfg)  # 64 x 16 for 24 simulated hours
     elapsed = time.time() - t0
@@ -119,8 +122,8 @@ def test_non_leader_crash_that_delays_quorum_and_barrier():
 
 def test_leader_crash_costs_a_wan_heal_not_the_work():
     cfg = free_network(kills=["5.5:0:0"])
-    cfg.failures.restart_s = 1000.0  # it does not come back within the run
-    cfg.failures.outer_heal_s = 4.0
+    cfg.simulate.failures.restart_s = 1000.0  # it does not come back within the run
+    cfg.simulate.failures.outer_heal_s = 4.0
     r = one_run(cfg)
     (f,) = r.failures
     assert f["role"] == "leader"
@@ -162,9 +165,8 @@ def test_fixed_seed_is_reproducible():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_time_is_conserved_under_every_failure_kind(mode, seed):
     cfg = small(
-        mode,
+        mode, "timeouts.local_step=20", "timeouts.watchdog_grace=5",
         failures=FailureConfig(model="independent", mtbf_s=60.0, cluster_mtbf_s=300.0 if mode == "hier" else 0.0, hang_fraction=0.3, restart_s=6.0, reconfigure_s=0.5),
-        timeouts=SimTimeoutsConfig(local_step_s=20.0, watchdog_grace_s=5.0),
         duration_s=600.0,
         step_jitter=0.05,
     )
@@ -176,7 +178,7 @@ def test_time_is_conserved_under_every_failure_kind(mode, seed):
 
 
 def test_chaos_schedule_picks_roles_like_chaos_py():
-    s = report.summarize_runs(report.simulate_many(params.resolve(report.chaos_validation_config()), 0, 50))
+    s = report.summarize_runs(report.simulate_many(params.resolve(loaded(report.CHAOS_VALIDATION)), 0, 50))
     roles = s["lost_per_failure_by_role"]
     assert set(roles) == {"non_leader", "leader", "cluster"}
     # a whole-cluster kill costs most: its outer period is discarded
@@ -187,7 +189,7 @@ def test_chaos_schedule_picks_roles_like_chaos_py():
 def test_chaos_run_replay_reproduces_the_measured_discards():
     # docs/benchmarks.md: kills at steps 172 (cluster 0), 234 (c1r1), 370 (cluster 0);
     # measured 2198 steps run, 128 discarded, efficiency 0.942
-    cfg = report.chaos_validation_config(runs=1, failures=FailureConfig(model="none", restart_s=6.0, kills=["s172:0", "s234:1:1", "s370:0"]))
+    cfg = loaded(report.CHAOS_VALIDATION, runs=1, failures=FailureConfig(model="none", restart_s=6.0, kills=["s172:0", "s234:1:1", "s370:0"]))
     r = one_run(cfg)
     assert r.steps_discarded == 128  # 2x2 + 60, 4, 0 + 60
     assert r.steps_run == pytest.approx(2198, rel=0.10)  # 2328: the real survivors ran faster alone
@@ -195,7 +197,7 @@ def test_chaos_run_replay_reproduces_the_measured_discards():
 
 
 def test_chaos_validation_within_25_percent():
-    s = report.summarize_runs(report.simulate_many(params.resolve(report.chaos_validation_config()), 0, 200))
+    s = report.summarize_runs(report.simulate_many(params.resolve(loaded(report.CHAOS_VALIDATION)), 0, 200))
     eff = s["efficiency"]["mean"]
     assert abs(eff - 0.942) / 0.942 < 0.25
     assert eff == pytest.approx(0.934, abs=0.01)  # this simulator's prediction (200 seeded runs)
@@ -204,7 +206,7 @@ def test_chaos_validation_within_25_percent():
 def test_torchft_per_step_shape():
     shares = {}
     for every in (60.0, 15.0):
-        s = report.summarize_runs(report.simulate_many(params.resolve(report.torchft_per_step_config(every)), 0, 5))
+        s = report.summarize_runs(report.simulate_many(params.resolve(loaded(report.torchft_per_step(every))), 0, 5))
         shares[every] = s["goodput"]["mean"] / s["expected_no_failure_goodput"]
     # published: 82.3 % of steps committed at one failure per 60 s, 30.2 % at one per 15 s.
     # The 60 s point calibrates reconfigure_s; at 15 s the simulator is more optimistic
@@ -215,7 +217,7 @@ def test_torchft_per_step_shape():
 
 
 def test_goodput_falls_with_the_failure_rate():
-    p = params.resolve(report.chaos_validation_config())
+    p = params.resolve(loaded(report.CHAOS_VALIDATION))
     g = [report.summarize_runs(report.simulate_many(params.scale_failures(p, k), 0, 40))["goodput"]["mean"] for k in (0.0, 0.5, 1.0, 3.0)]
     assert g[0] > g[1] > g[2] > g[3]
 
@@ -224,17 +226,18 @@ def test_goodput_falls_with_the_failure_rate():
 @pytest.mark.parametrize(
     "mutate, prefix",
     [
-        (lambda c: setattr(c.sync, "mode", "ring"), "simulate.sync.mode: unknown mode"),
-        (lambda c: setattr(c.sync, "h_outer", 0), "simulate.sync.h_outer: must be at least 1"),
-        (lambda c: setattr(c.sync, "min_clusters", 3), "simulate.sync.min_clusters:"),
-        (lambda c: setattr(c.topology, "clusters", 0), "simulate.topology.clusters: must be positive"),
-        (lambda c: setattr(c.failures, "kills", ["soon:0"]), "simulate.failures.kills[0]:"),
-        (lambda c: setattr(c.failures, "kills", ["3:5"]), "simulate.failures.kills[0]:"),
-        (lambda c: setattr(c.failures, "roles", ["janitor"]), "simulate.failures.roles[0]: unknown role"),
-        (lambda c: setattr(c.failures, "hang_fraction", 2.0), "simulate.failures.hang_fraction:"),
-        (lambda c: setattr(c.timeouts, "heartbeat_s", 0.0), "simulate.timeouts.heartbeat_s: must be positive"),
-        (lambda c: setattr(c.hardware, "step_time_s", 0.0), "simulate.hardware.step_time_s: must be given"),
-        (lambda c: setattr(c, "runs", 0), "simulate.runs: must be at least 1"),
+        (lambda c: setattr(c.sync, "mode", "ring"), "sync.mode: unknown mode"),
+        (lambda c: setattr(c.sync.outer, "every", 0), "sync.outer.every:"),
+        (lambda c: setattr(c.sync, "min_clusters", 3), "sync.min_clusters:"),
+        (lambda c: setattr(c.topology, "clusters", 0), "topology.clusters:"),
+        (lambda c: setattr(c.simulate.failures, "kills", ["soon:0"]), "simulate.failures.kills[0]:"),
+        (lambda c: setattr(c.simulate.failures, "kills", ["3:5"]), "simulate.failures.kills[0]:"),
+        (lambda c: setattr(c.simulate.failures, "roles", ["janitor"]), "simulate.failures.roles[0]: unknown role"),
+        (lambda c: setattr(c.simulate.failures, "hang_fraction", 2.0), "simulate.failures.hang_fraction:"),
+        (lambda c: setattr(c.lighthouse, "heartbeat_timeout_ms", 0), "lighthouse.heartbeat_timeout_ms:"),
+        (lambda c: setattr(c.timeouts, "inner_quorum", 0.0), "timeouts.inner_quorum"),
+        (lambda c: setattr(c.plan.hardware, "step_time_s", 0.0), "plan.hardware.step_time_s: must be given"),
+        (lambda c: setattr(c.simulate, "runs", 0), "simulate.runs: must be at least 1"),
     ],
 )
 def test_bad_values_name_the_field(mutate, prefix):
@@ -245,12 +248,34 @@ def test_bad_values_name_the_field(mutate, prefix):
     assert str(e.value).startswith(prefix), str(e.value)
 
 
+def test_simulate_reads_the_shared_deployment():
+    # topology, sync and the lighthouse's timeouts are the shared sections' (issue #12)
+    p = params.resolve(small("hier", "topology.clusters=4", "topology.replicas_per_cluster=3", "sync.inner.every=5", "sync.outer.every=4",
+                             "lighthouse.join_timeout_ms=120000", "timeouts.outer_quorum=200", "links.outer.latency_ms=50"))
+    assert (p.clusters, p.replicas, p.h_inner, p.h_outer, p.join_s, p.outer_quorum_s) == (4, 3, 5, 4, 120.0, 200.0)
+    assert p.outer_link.latency_s == 0.05 and p.min_clusters == 1
+    flat = params.resolve(small("flat", "sync.flat.every=12"))
+    assert (flat.clusters, flat.replicas, flat.h_inner) == (1, 4, 12)
+    assert one_run(small("hier", "topology.clusters=3")).capacity == pytest.approx(3 * 2 * one_run(small()).end_s, rel=0.05)
+    with pytest.raises(ConfigError, match="^simulate.sync.h_inner: moved to sync.inner.every"):
+        load_config(["simulate.sync.h_inner=5"], validate_for="simulate")
+
+
+def test_the_horizon_is_train_steps_unless_a_duration_is_given_and_must_be_simulable():
+    assert params.resolve(small("hier", "train.steps=90", duration_s=0.0)).steps == 90
+    assert params.resolve(small()).steps == 0  # duration_s=120
+    with pytest.raises(ValueError, match="^simulate.duration_s: about 1.73e"):
+        params.resolve(small("hier", "plan.hardware.step_time_s=1e-6", duration_s=86400.0))
+
+
 def test_config_is_omegaconf_structured():
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(SimulateConfig), OmegaConf.from_dotlist(["topology.clusters=8", "failures.kills=[s10:0]", "sensitivity=[1,2]"]))
+    from hier_localsgd.tools.simulate.config import SimulateConfig
+
+    merged = OmegaConf.merge(OmegaConf.structured(SimulateConfig), OmegaConf.from_dotlist(["params=8", "failures.kills=[s10:0]", "sensitivity=[1,2]"]))
     cfg = OmegaConf.to_object(merged)
-    assert isinstance(cfg, SimulateConfig) and cfg.topology.clusters == 8 and cfg.failures.kills == ["s10:0"]
+    assert isinstance(cfg, SimulateConfig) and cfg.params == 8 and cfg.failures.kills == ["s10:0"]
 
 
 def test_run_simulate_prints_and_writes_json_and_plot(tmp_path, capsys):

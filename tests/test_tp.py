@@ -277,12 +277,11 @@ def test_tp_links_accept_netem_syntax_per_operation():
 
 
 def test_planner_reports_tp_volume_for_both_variants():
-    from hier_localsgd.tools.plan.config import PlanConfig
+    from hier_localsgd.config import load_config
     from hier_localsgd.tools.plan.planner import make_plan
     from hier_localsgd.tools.plan.report import human
 
-    cfg = PlanConfig()
-    cfg.topology.ranks_per_replica = 2
+    cfg = load_config(["topology.ranks_per_replica=2"], validate_for="plan")  # plan reads the shared topology and train
     p = make_plan(cfg)
     tp = p["tensor_parallel"]
     d = p["model"]

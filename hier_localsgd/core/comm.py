@@ -19,6 +19,12 @@ Every collective the hierarchy issues goes through :class:`LevelComm`:
    poll instead of running to the deadline (peers.py says why that is safe), and the
    round's remaining collectives in the same quorum fail at once.
 
+:meth:`LevelComm.compressed_allreduce_sum` keeps the same contract for the compressed
+outer reduce (an all-to-all then an all-gather, :mod:`hier_localsgd.core.compressed_allreduce`):
+one gate entry for both, each collective bounded by the phase's remaining time and
+watched like any other wait, and a failure of the first does not skip the second (peers
+are waiting in it).
+
 A wait that ran into its deadline writes a ``timeout`` event (what ``hier-localsgd chaos``
 counts as a hang). The clock decides, not the error's text: the collective failed at or
 after the phase deadline it was given. A peer that died fails the collective at once (a
@@ -37,6 +43,8 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions, Work
 
+from hier_localsgd.core.compress import ErrorFeedback
+from hier_localsgd.core.compressed_allreduce import SUM, compressed_allreduce
 from hier_localsgd.core.invariants import CollectiveGate
 from hier_localsgd.core.link import LinkProcessGroup
 from hier_localsgd.core.managers import LevelManager
@@ -85,17 +93,28 @@ class LevelComm:
         self._tracker = tracker
 
     def _run(self, op: str, kind: str, issue: Callable[[timedelta], Work]) -> bool:
+        return self._guarded(op, kind, lambda remaining: self._complete(issue(remaining), op, remaining))
+
+    def _complete(self, work: Work, op: str, remaining: timedelta) -> object:
+        """Waits for ``work`` (at most ``remaining``); ``_FAILED`` if it failed (reported to the Manager)."""
+        fut = self.mgr.manager.wrap_future(work.get_future(), default=_FAILED, timeout=remaining)
+        return self._wait(fut, op)
+
+    def _check_lapsed(self, op: str) -> None:
+        if self._lapsed_quorum is not None and self._lapsed_quorum == self.mgr.quorum_id:
+            raise PeerLapsed(f"{self.level} {op} skipped: a member of quorum {self._lapsed_quorum} stopped heartbeating")
+
+    def _guarded(self, op: str, kind: str, body: Callable[[timedelta], object]) -> bool:
+        """Runs ``body(remaining)`` (the collectives of one operation) under the contract
+        above; ``body`` returns ``_FAILED`` or raises when a collective failed."""
         self._tracker.require(self.level)
         already_failed = self.mgr.errored() is not None
         deadline = self._tracker.deadline()
         with self._gate.collective(self.level, op), self.link.kind(kind):
             try:
                 remaining = self._tracker.remaining()
-                if self._lapsed_quorum is not None and self._lapsed_quorum == self.mgr.quorum_id:
-                    raise PeerLapsed(f"{self.level} {op} skipped: a member of quorum {self._lapsed_quorum} stopped heartbeating")
-                work = issue(remaining)
-                fut = self.mgr.manager.wrap_future(work.get_future(), default=_FAILED, timeout=remaining)
-                result = self._wait(fut, op)
+                self._check_lapsed(op)
+                result = body(remaining)
             except Exception as e:  # a broken group can raise at issue time
                 logger.warning("%s %s failed: %s", self.level, op, e)
                 self.mgr.report_error(e)
@@ -136,6 +155,33 @@ class LevelComm:
             return self.link.allreduce([tensor], opts)
 
         return self._run("allreduce", kind, issue)
+
+    def compressed_allreduce_sum(
+        self, tensor: torch.Tensor, kind: str, fmt: str, block: int,
+        error_feedback: Optional[ErrorFeedback], fold_feedback: Optional[ErrorFeedback],
+    ) -> bool:
+        """Sums ``tensor`` in place across the level's quorum with quantized payloads
+        (``fmt``/``block``; every member passes the same). ``error_feedback``: add this
+        member's residual and stage the new one (None: send ``tensor`` as it is, e.g.
+        zeros at weight 0); ``fold_feedback``: the residual the reduced shard's
+        requantization error is folded into. Both residuals are only *staged*: the caller
+        commits or rolls them back with the round. On failure ``tensor`` is unchanged
+        and the call returns False (the Manager knows; the commit vote fails)."""
+
+        def wait(work: object, what: str) -> bool:
+            self._check_lapsed(what)
+            return self._complete(work, what, self._tracker.remaining()) is not _FAILED  # type: ignore[arg-type]
+
+        def body(remaining: timedelta) -> object:
+            res = compressed_allreduce(
+                tensor, self.link, fmt, block, op=SUM, timeout=remaining,
+                error_feedback=error_feedback, fold_feedback=fold_feedback,
+                wait=wait, remaining=self._tracker.remaining,
+                rank=self.link.quorum_rank, world=self.link.quorum_size,
+            )
+            return True if res.ok else _FAILED
+
+        return self._guarded("compressed_allreduce", kind, body)
 
     def broadcast(self, tensor: torch.Tensor, root: int, kind: str) -> bool:
         """Broadcasts ``tensor`` from quorum rank ``root`` (in place on the receivers)."""

@@ -274,6 +274,26 @@ class ErrorFeedback:
         self._staged = torch.where(torch.isfinite(staged), staged, torch.zeros_like(staged))
         return q
 
+    def fold(self, start: int, error: torch.Tensor, numel: int) -> None:
+        """Adds ``error`` to the staged residual at ``[start, start + len)`` (clipped to
+        ``numel``): the error of a later quantization of this sender's contribution,
+        e.g. the reduced shard it owns in a compressed all-reduce, re-sent next round
+        through this residual. Without a staged encode (a round this sender contributed
+        nothing to) the committed residual (or zeros) is staged first. Non-finite
+        elements of ``error`` add 0. Committed or rolled back with the round."""
+        if self._staged is None:
+            self._staged = torch.zeros(numel, dtype=torch.float32) if self.residual is None else self.residual.clone()
+        if self._staged.numel() != numel:
+            raise ValueError(f"ErrorFeedback.fold: residual has {self._staged.numel()} elements, expected {numel}")
+        stop = min(numel, start + error.numel())
+        if stop > start:
+            e = error.reshape(-1)[: stop - start].to(torch.float32)
+            self._staged[start:stop] += torch.where(torch.isfinite(e), e, torch.zeros_like(e))
+
+    @property
+    def has_staged(self) -> bool:
+        return self._staged is not None
+
     def commit(self) -> None:
         """The round whose payload ``encode`` produced was applied: keep its residual."""
         if self._staged is None:

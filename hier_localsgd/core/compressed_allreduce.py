@@ -35,7 +35,7 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch.distributed import ProcessGroup
@@ -110,6 +110,8 @@ class CompressedAllreduceResult:
         bytes_received: payload bytes this rank received (the same, by symmetry).
         alltoall_s, allgather_s: wall time of the two collectives (wait included).
         total_s: wall time of the whole call.
+        ok: both collectives completed (always True unless a ``wait`` hook reported a
+            failure; then ``tensor`` was left unchanged).
     """
 
     bytes_sent: int
@@ -117,6 +119,7 @@ class CompressedAllreduceResult:
     alltoall_s: float
     allgather_s: float
     total_s: float
+    ok: bool = True
 
 
 def _pack(q: Quantized, lay: ShardLayout) -> torch.Tensor:
@@ -150,6 +153,11 @@ def compressed_allreduce(
     timeout: timedelta = timedelta(seconds=60),
     error_feedback: Optional[ErrorFeedback] = None,
     shard_feedback: Optional[ErrorFeedback] = None,
+    fold_feedback: Optional[ErrorFeedback] = None,
+    wait: Optional[Callable[[object, str], bool]] = None,
+    remaining: Optional[Callable[[], timedelta]] = None,
+    rank: Optional[int] = None,
+    world: Optional[int] = None,
 ) -> CompressedAllreduceResult:
     """All-reduces ``tensor`` in place over ``pg`` with quantized payloads.
 
@@ -171,6 +179,23 @@ def compressed_allreduce(
             ``error_feedback``. It is the error of shard ``rank`` of a ``world``-way
             split, so it is reset here when ``(numel, world, rank)`` changed (the
             quorum gave this rank another shard: a bounded, one-off loss).
+        fold_feedback: instead of a shard residual, fold the error of the second
+            quantization into this sender's own residual (usually ``error_feedback``;
+            given even in a round this rank sends nothing): on the shard this rank owns,
+            the error times ``world`` for ``avg`` (times 1 for ``sum``), so that it is
+            re-sent in this rank's next contribution. Over committed rounds then
+            ``Σ result = Σ true + (Σ_r residual_r,0 − Σ_r residual_r,T)`` (divided by
+            ``world`` for ``avg``): one residual per sender, whatever the shard
+            assignment (:meth:`ErrorFeedback.fold`). Exclusive with ``shard_feedback``.
+        wait: a hook that waits for each collective's ``Work`` (and the name of the
+            collective) and returns whether it completed; on False the call goes on
+            with the next collective anyway (every rank runs both, so a failure on one
+            rank never leaves its peers waiting), leaves ``tensor`` unchanged and
+            returns ``ok=False``. Default: wait up to ``timeout`` and raise.
+        remaining: if given, each collective's own timeout is ``remaining()`` at the
+            time it is issued (a phase deadline) instead of ``timeout``.
+        rank, world: this rank's place in ``pg`` (default ``pg.rank()``, ``pg.size()``;
+            wrappers that do not know them pass them).
 
     Returns:
         byte counts and timings of this rank (:class:`CompressedAllreduceResult`).
@@ -192,8 +217,22 @@ def compressed_allreduce(
         raise ValueError(f"compressed_allreduce: op {op!r}, expected {AVG!r} or {SUM!r}")
     if tensor.dtype != torch.float32 or not tensor.is_contiguous():
         raise ValueError(f"compressed_allreduce: expected a contiguous fp32 tensor, got {tensor.dtype}")
+    if fold_feedback is not None and shard_feedback is not None:
+        raise ValueError("compressed_allreduce: fold_feedback and shard_feedback are exclusive")
     started = time.perf_counter()
-    rank, world = pg.rank(), pg.size()
+    rank = pg.rank() if rank is None else rank
+    world = pg.size() if world is None else world
+    ok = True
+
+    def run(work: object, what: str) -> None:
+        nonlocal ok
+        if wait is None:
+            _wait(work, timeout, what)
+        elif not wait(work, what):
+            ok = False
+
+    def op_timeout() -> timedelta:
+        return timeout if remaining is None else remaining()
     n = tensor.numel()
     lay = shard_layout(n, world, block)
     total = world * lay.shard_elems
@@ -218,9 +257,9 @@ def compressed_allreduce(
     recv = torch.empty_like(send)
 
     a2a = AllToAllOptions()
-    a2a.timeout = timeout
+    a2a.timeout = op_timeout()
     t0 = time.perf_counter()
-    _wait(pg.alltoall_base(recv, send, [], [], a2a), timeout, "all-to-all")
+    run(pg.alltoall_base(recv, send, [], [], a2a), "all-to-all")
     alltoall_s = time.perf_counter() - t0
 
     # reduce my shard in fp32, in rank order (the owner alone computes it, so the
@@ -239,22 +278,28 @@ def compressed_allreduce(
         q_mine = shard_feedback.encode(acc)
     else:
         q_mine = quantize(acc, fmt, block)
+        if fold_feedback is not None:
+            err = acc - dequantize(q_mine)
+            if op == AVG:
+                err *= world
+            fold_feedback.fold(rank * lay.shard_elems, err, n)
     mine = _pack(q_mine, shard_layout(lay.shard_elems, 1, block))[0]
 
     gathered: List[torch.Tensor] = [torch.empty_like(mine) for _ in range(world)]
     ag = AllgatherOptions()
-    ag.timeout = timeout
+    ag.timeout = op_timeout()
     t0 = time.perf_counter()
-    _wait(pg.allgather([gathered], [mine], ag), timeout, "all-gather")
+    run(pg.allgather([gathered], [mine], ag), "all-gather")
     allgather_s = time.perf_counter() - t0
 
-    result = dequantize(_unpack(torch.stack(gathered), fmt, lay, n))
-    tensor.view(-1).copy_(result)
+    if ok:
+        result = dequantize(_unpack(torch.stack(gathered), fmt, lay, n))
+        tensor.view(-1).copy_(result)
     # all-to-all: the W-1 rows not addressed to me; ring all-gather: W-1 chunks of
     # mine.numel() bytes forwarded to the next rank (and as many received)
     sent = sum(send[j].numel() for j in range(world) if j != rank) + (world - 1) * mine.numel()
     received = sum(recv[j].numel() for j in range(world) if j != rank) + (world - 1) * mine.numel()
-    return CompressedAllreduceResult(sent, received, alltoall_s, allgather_s, time.perf_counter() - started)
+    return CompressedAllreduceResult(sent, received, alltoall_s, allgather_s, time.perf_counter() - started, ok)
 
 
 def mean_error_bound(inputs: List[torch.Tensor], fmt: str, block: int, world: int) -> torch.Tensor:

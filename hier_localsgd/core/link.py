@@ -18,6 +18,15 @@ quorum change. The wrapper:
 * emulates a lossy, slow link when the level has a ``links.<level>`` spec
   (:mod:`hier_localsgd.emulation.lossy`): payload collectives lose packets and fill them,
   every collective takes at least its latency/bandwidth bound.
+
+The compressed outer reduce (``sync.outer.compression``,
+:mod:`hier_localsgd.core.compressed_allreduce`) runs an all-to-all and an all-gather of
+packed uint8 ``[codes | fp32 scales]`` rows: both are counted here by the bytes they
+really send (all-to-all: the ``W−1`` rows for the other ranks; ring all-gather: ``W−1``
+chunks), take at least their bandwidth/latency bound computed from those bytes, and, on
+a lossy link, lose packets of those bytes with the ``zero`` fill (a lost packet arrives
+as zero bytes: codes 0, and a zeroed scale makes its whole block decode to 0). Packets
+are cut at multiples of 4 bytes so a scale is lost whole, never in part.
 """
 
 from __future__ import annotations
@@ -34,10 +43,11 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch.distributed import ReduceOp
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions, Work
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions, Work
 from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.costs import ring_allreduce_bytes
+from hier_localsgd.core.addresses import probe_store
 from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
 
@@ -198,6 +208,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         group_world_size: Optional[int] = None,
         global_ranks: Optional[List[int]] = None,
     ) -> None:
+        self.violation = None  # each quorum's group is judged afresh
         if self._distinct_clusters:
             gws = group_world_size or 1
             try:
@@ -222,6 +233,10 @@ class LinkProcessGroup(ProcessGroupWrapper):
             # wrapper's own _create_pg, which is not implemented, and every later quorum fails.
             self._pg = ProcessGroupGloo(timeout=self._timeout)
         self._retire_pending = False
+        # A store whose host died after the quorum formed: fail now (torchft records the
+        # error; the round's collectives fail at once and its commit vote fails), not
+        # after c10d's connect retries (addresses.probe_store).
+        probe_store(store_addr, self._timeout)
         super().configure(
             store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
         )
@@ -360,9 +375,90 @@ class LinkProcessGroup(ProcessGroupWrapper):
         if emu is None:
             return self._finish(super().allgather(output_tensors, input_tensor, opts))
         started = time.time()
-        self.parent.allgather(output_tensors, input_tensor, opts).wait()  # delay only, no loss
-        emu.pad(started, emu.spec.allgather_time(n, self._world))
+        self.parent.allgather(output_tensors, input_tensor, opts).wait()
+        if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and len(output_tensors) == 1:
+            self._lossy_allgather(output_tensors[0], opts)
+            emu.payload_bytes_sent += (self._world - 1) * n
+            emu.collectives += 1
+        bound = emu.spec.allgather_time(n, self._world)
+        emu.pad(started, bound)
+        self.stats.timed("allgather", self._kind, time.time() - started, bound)
         return self._finish(_DoneWork(input_tensor))
+
+    @property
+    def quorum_rank(self) -> int:
+        """This member's rank in the group as last configured."""
+        return self._rank
+
+    @property
+    def quorum_size(self) -> int:
+        return self._world
+
+    def alltoall_base(
+        self, output_buffer: torch.Tensor, input_buffer: torch.Tensor,
+        output_split_sizes: List[int], input_split_sizes: List[int], opts: AllToAllOptions,
+    ) -> Work:
+        """Equal splits only (empty split lists): row ``j`` of ``input_buffer`` goes to rank
+        ``j``. Counted as the ``W−1`` rows sent to the other ranks."""
+        if output_split_sizes or input_split_sizes:
+            raise ValueError(f"{self.level} link: alltoall_base with explicit split sizes is not supported")
+        n = self._nbytes([input_buffer])
+        row = n // max(1, self._world)
+        self.stats.record("alltoall", self._kind, n, float((self._world - 1) * row))
+        emu = self.emu
+        if emu is None:
+            return self._finish(super().alltoall_base(output_buffer, input_buffer, [], [], opts))
+        started = time.time()
+        self.parent.alltoall_base(output_buffer, input_buffer, [], [], opts).wait()
+        if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1:
+            # each row goes to one receiver: the receiver draws the loss of every row it got
+            rows = output_buffer.view(self._world, -1)
+            for s in range(self._world):
+                if s != self._rank:
+                    self._lose(rows[s], emu.stream(self._ids[s], self._ids[self._rank]))
+            emu.payload_bytes_sent += (self._world - 1) * row
+            emu.collectives += 1
+        bound = emu.spec.allgather_time(row, self._world)  # W−1 rows of `row` bytes each way
+        emu.pad(started, bound)
+        self.stats.timed("alltoall", self._kind, time.time() - started, bound)
+        return self._finish(_DoneWork([output_buffer]))
+
+    def _lose(self, t: torch.Tensor, stream: object) -> torch.Tensor:
+        """Zeroes the lost packets of the bytes of ``t`` (in place); returns the loss mask.
+        Packets hold a multiple of 4 bytes, so an fp32 scale is lost whole."""
+        emu = self.emu
+        assert emu is not None
+        raw = t.reshape(-1).view(torch.uint8)
+        per = max(4, emu.spec.payload_bytes // 4 * 4)
+        npk = (raw.numel() + per - 1) // per
+        lost = torch.from_numpy(stream.sample(npk))  # type: ignore[attr-defined]
+        emu.zero_packets(raw, lost, per)
+        return lost
+
+    def _lossy_allgather(self, outs: List[torch.Tensor], opts: object) -> None:
+        """Loss on a payload all-gather (``zero`` fill). per_sender: the sender's mask is
+        shared (an uncounted all-gather of masks) and applied to every copy of its chunk,
+        its own included, so all copies stay alike; per_receiver: each receiver loses
+        every other sender's packets independently and keeps its own chunk intact."""
+        emu = self.emu
+        assert emu is not None
+        me = self._rank
+        if emu.spec.where == "per_sender":
+            raw_len = outs[me].numel() * outs[me].element_size()
+            per = max(4, emu.spec.payload_bytes // 4 * 4)
+            npk = (raw_len + per - 1) // per
+            mine = torch.from_numpy(emu.stream(self._ids[me]).sample(npk)).to(torch.uint8)
+            masks = [torch.empty_like(mine) for _ in range(self._world)]
+            ag = AllgatherOptions()
+            if getattr(opts, "timeout", None) is not None:
+                ag.timeout = opts.timeout  # type: ignore[attr-defined]
+            self.parent.allgather([masks], [mine], ag).wait()  # emulation machinery, not counted
+            for s, out in enumerate(outs):
+                emu.zero_packets(out.reshape(-1).view(torch.uint8), masks[s].bool(), per)
+        else:
+            for s, out in enumerate(outs):
+                if s != me:
+                    self._lose(out, emu.stream(self._ids[s], self._ids[me]))
 
     def getBackendName(self) -> str:
         return f"hier-link-{self.level}"

@@ -64,6 +64,19 @@ class QuorumFailed(RuntimeError):
         self.timed_out = timed_out
 
 
+class GroupRefused(QuorumFailed):
+    """The quorum formed a process group that would break an invariant (I1: two members of
+    one cluster in the outer group, which happens for a moment when leadership moves while
+    the old and the new leader each see a different inner quorum). The group is refused
+    before any collective runs in it, so the invariant holds; the round fails as a failed
+    quorum does, and the next inner quorum settles who leads. A violation that persists
+    (a misconfiguration) ends the process after ``sync.max_quorum_failures`` rounds."""
+
+    def __init__(self, violation: Exception) -> None:
+        super().__init__(f"group refused: {violation}")
+        self.violation = violation
+
+
 class _QuorumTap:
     """torchft's ManagerClient, passing each quorum result to ``sink`` before the Manager
     uses it (the link tags its rendezvous with it: link.LinkProcessGroup.note_quorum)."""
@@ -221,6 +234,7 @@ class LevelManager:
         Raises:
             LighthouseOutage: the lighthouse does not answer (before or during the call).
             QuorumFailed: no quorum formed within ``timeout`` although the lighthouse answered.
+            GroupRefused: the quorum's group would break I1 (at once, not retried).
         """
         if health is not None:
             health.before_quorum()
@@ -232,6 +246,8 @@ class LevelManager:
                 self.manager._step = progress  # sent with the quorum request (torchft 0.2.0 reads it there)
             try:
                 return self._quorum_once(this, heal_budget=timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            except GroupRefused:
+                raise  # asking again in this round would form the same group
             except QuorumFailed as e:
                 if health is not None and not health.probe():
                     raise LighthouseOutage(health.message(f"quorum request failed: {e}")) from e
@@ -267,7 +283,11 @@ class LevelManager:
         finally:
             self.manager._timeout = saved
         if self.pg.violation is not None:
-            raise self.pg.violation  # e.g. I1: never continue in a group that breaks it
+            # Never run a collective in a group that breaks an invariant (I1). torchft set
+            # its quorum id before configure() raised: forget it, so the next quorum
+            # configures (and checks) the group again even if its id is the same.
+            self.manager._quorum_id = -1
+            raise GroupRefused(self.pg.violation) from self.pg.violation
         if rank is None:
             raise QuorumFailed(f"{self.level} quorum formed without this replica participating")
         # A heal or process-group reconfiguration that failed after the quorum formed

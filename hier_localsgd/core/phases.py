@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Protocol, Union
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,19 @@ class _State:
     extra: Dict[str, object] = field(default_factory=dict)
 
 
+class PhaseBudgets(Protocol):
+    """Where a phase's deadline budget is named once (core/timeouts.py ``Timeouts``)."""
+
+    def phase(self, phase: "Phase", leader: bool = True) -> timedelta: ...
+
+
+class _FromBudgets:
+    """``enter``'s default: the phase's budget from :attr:`PhaseTracker.budgets`."""
+
+
+FROM_BUDGETS = _FromBudgets()
+
+
 class PhaseTracker:
     """Holds the current phase, checks transitions, and publishes each one.
 
@@ -137,14 +150,23 @@ class PhaseTracker:
         self._listeners: List[Callable[[Transition, Dict[str, object]], None]] = list(listeners)
         self._lock = threading.Lock()
         self._s = _State()
+        # Each sync phase's deadline budget (Timeouts); set by the sync that drives the phases.
+        self.budgets: Optional[PhaseBudgets] = None
 
     # -- transitions -------------------------------------------------------
-    def enter(self, dst: Phase, timeout: Optional[timedelta], reason: str = "") -> None:
-        """Moves to ``dst``, arming a deadline ``timeout`` from now (None: no deadline).
+    def enter(self, dst: Phase, timeout: Union[timedelta, None, _FromBudgets] = FROM_BUDGETS, reason: str = "", leader: bool = True) -> None:
+        """Moves to ``dst``, arming a deadline ``timeout`` from now (None: no deadline). By
+        default the budget is the phase's own in :attr:`budgets` (``Timeouts.phase``; for
+        BROADCAST, the leader's or a member's), so each deadline is named once there.
 
         Raises:
             PhaseError: if ``dst`` does not follow the current phase.
+            ValueError: no ``timeout`` given and no :attr:`budgets` set.
         """
+        if isinstance(timeout, _FromBudgets):
+            if self.budgets is None:
+                raise ValueError(f"{self._describe}: entering {dst.name} without a timeout and without phase budgets")
+            timeout = self.budgets.phase(dst, leader)
         with self._lock:
             src = self._s.phase
             if src == Phase.STOPPED:

@@ -31,6 +31,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from hier_localsgd.core.phases import Transition
 
 
+# The files of a run directory (written here and by the launcher; read by the experiments and the dashboard).
+STATUS_FILE = "status.json"  # per replica group: its current state
+EVENTS_FILE = "events.jsonl"  # per replica group: what happened
+RESULT_FILE = "result.json"  # per replica group: written at the end
+JOB_EVENTS_FILE = "job_events.jsonl"  # <run.dir>/: the launcher's starts, exits, restarts, kills
+
+
 def replica_dir(run_dir: str | Path, cluster: int, replica: int, rank: int = 0) -> Path:
     """A replica group's directory; ranks other than 0 of a group publish in ``rank<k>/`` under it."""
     d = Path(run_dir) / "replicas" / f"c{cluster}r{replica}"
@@ -74,9 +81,9 @@ class ReplicaPublisher:
     def __init__(self, run_dir: str | Path, cluster: int, replica: int, static: Dict[str, Any], rank: int = 0) -> None:
         self.dir = replica_dir(run_dir, cluster, replica, rank)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.status_path = self.dir / "status.json"
-        self.events_path = self.dir / "events.jsonl"
-        self.result_path = self.dir / "result.json"
+        self.status_path = self.dir / STATUS_FILE
+        self.events_path = self.dir / EVENTS_FILE
+        self.result_path = self.dir / RESULT_FILE
         self.result_path.unlink(missing_ok=True)  # an earlier incarnation's or run's result is not ours
         self._lock = threading.Lock()
         self._status: Dict[str, Any] = dict(static, pid=os.getpid(), state="starting", started_at=time.time())
@@ -122,7 +129,7 @@ def job_finished(run_dir: str | Path, keys: Iterable[Tuple[int, int]], steps_tot
     result file when it starts, so a result present here is from this job's run.
     """
     for c, r in keys:
-        res = read_json(replica_dir(run_dir, c, r) / "result.json")
+        res = read_json(replica_dir(run_dir, c, r) / RESULT_FILE)
         if res and int(res.get("steps", 0)) >= steps_total:
             return f"the job has finished without this replica group: c{c}r{r} completed step {res['steps']}/{steps_total}"
     return None

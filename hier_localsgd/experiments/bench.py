@@ -101,6 +101,8 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         # of local steps), and the hierarchy's outer round applied one inner round later
         "flat_overlap": ["sync.mode=flat", f"sync.flat.every={period}", f"sync.flat.delay={h_in}"],
         "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],
+        "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
+        "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],
     }
     return common, {a: arms[a] for a in b.arms}, steps
 

@@ -16,7 +16,8 @@ from hier_localsgd.experiments.chaos_faults import KINDS
 from hier_localsgd.schema import fail
 from hier_localsgd.sync.types import MODES
 
-ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "hier", "hier_overlap")  # bench.py
+# bench.py; hier_int8 / hier_overlap_int8: hier / hier_overlap with sync.outer.compression=int8
+ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "hier", "hier_overlap", "hier_int8", "hier_overlap_int8")
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ChaosConfig:
     partition_s: float = 10.0  # how long a partitioned cluster stays cut off
     compare_flat: bool = False  # run the same schedule against sync.mode=flat and compare
     draw: str = "random"  # random: each fault's kind drawn with the seed; cycle: kinds in order
+    warm_spare: bool = True  # restarts run in a process with the training stack already imported (spare.py)
 
     def check(self) -> None:
         for i, role in enumerate(self.roles):

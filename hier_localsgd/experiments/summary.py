@@ -9,14 +9,17 @@ renders it.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hier_localsgd.config import Config
+from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.core.status import read_json, replica_dir
+from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
+from hier_localsgd.core.status import RESULT_FILE, read_json, replica_dir
 from hier_localsgd.launch.local import LocalJob
 from hier_localsgd.train.tp import consistent_checksums
+
+Key = Tuple[int, int]  # (cluster, replica group)
 
 
 def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
@@ -34,43 +37,21 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
     # every rank of a multi-rank group syncs (and reports) its own slice
     every_rank = list(got.values()) + [
         res for (c, r_) in keys for g in range(1, cfg.topology.ranks_per_replica)
-        if (res := read_json(replica_dir(job.run_dir, c, r_, g) / "result.json")) is not None
+        if (res := read_json(replica_dir(job.run_dir, c, r_, g) / RESULT_FILE)) is not None
     ]
-    levels: Dict[str, Dict[str, float]] = {}
-    for r in every_rank:
-        for level, st in r["link"].items():
-            agg = levels.setdefault(level, {"payload": 0.0, "control": 0.0, "total": 0.0})
-            for kind, b in st["sent_bytes"].items():
-                agg[kind] = agg.get(kind, 0.0) + b
-                agg["total"] += b
-
-    links: Dict[str, Dict[str, Any]] = {}
-    for r in every_rank:
-        for level, st in r["link"].items():
-            loss = st.get("loss")
-            if not loss:
-                continue
-            agg = links.setdefault(level, {k: loss[k] for k in ("model", "fill", "where", "expected_loss_rate", "expected_mean_burst")})
-            for k in ("packets_sent", "packets_lost", "emulated_delay_s", "emulated_time_s"):
-                agg[k] = agg.get(k, 0) + loss[k]
-    for agg in links.values():
-        agg["observed_loss_rate"] = agg["packets_lost"] / agg["packets_sent"] if agg["packets_sent"] else None
-
+    levels = _bytes_by_level(every_rank)
+    links = _link_stats(every_rank)
     inner_rounds: Dict[str, int] = {}
     for (c, _), r in got.items():
         inner_rounds[str(c)] = max(inner_rounds.get(str(c), 0), r["inner_rounds"])
     outer_rounds = max((r["outer_rounds"] for r in got.values()), default=0)
-    checksums = {f"c{c}r{r_}": res["checksum"] for (c, r_), res in got.items()}
-    ranks_missing = []
-    for (c, r_) in keys:  # every rank of a multi-rank group reports its own checksum
-        for g in range(1, cfg.topology.ranks_per_replica):
-            res = read_json(replica_dir(job.run_dir, c, r_, g) / "result.json")
-            if res is None:
-                ranks_missing.append(f"c{c}r{r_}g{g}")
-            else:
-                checksums[f"c{c}r{r_}g{g}"] = res["checksum"]
+    checksums, ranks_missing = _checksums(job, keys, got, cfg.topology.ranks_per_replica)
     C = cfg.topology.clusters
     expected_outer = ring_allreduce_bytes(model_bytes, C) * C if model_bytes else None
+    comp = cfg.sync.outer.compression
+    if model_bytes and comp != NO_COMPRESSION:
+        # the compressed outer reduce: all-to-all + all-gather of packed codes and scales
+        expected_outer = compressed_allreduce_bytes(model_bytes // 4, C, comp, cfg.sync.outer.compression_block) * C
     outer_payload = levels.get("outer", {}).get("payload")
 
     return {
@@ -80,7 +61,7 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
             "ranks_per_replica": cfg.topology.ranks_per_replica,
             "mode": cfg.sync.mode,
             "inner": {"algorithm": cfg.sync.inner.algorithm, "every": cfg.sync.inner.every},
-            "outer": {"algorithm": cfg.sync.outer.algorithm, "every": cfg.sync.outer.every},
+            "outer": {"algorithm": cfg.sync.outer.algorithm, "every": cfg.sync.outer.every, "compression": cfg.sync.outer.compression},
         },
         "model": cfg.model.name,
         "model_params": next((r["model_params"] for r in got.values()), None),
@@ -105,6 +86,48 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         "wall_s": wall_s,
         "run_dir": str(job.run_dir),
     }
+
+
+def _bytes_by_level(every_rank: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Bytes sent per level and kind (payload, control, total), summed over every rank's result."""
+    levels: Dict[str, Dict[str, float]] = {}
+    for r in every_rank:
+        for level, st in r["link"].items():
+            agg = levels.setdefault(level, {"payload": 0.0, "control": 0.0, "total": 0.0})
+            for kind, b in st["sent_bytes"].items():
+                agg[kind] = agg.get(kind, 0.0) + b
+                agg["total"] += b
+    return levels
+
+
+def _link_stats(every_rank: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """The emulated links' loss statistics per level (levels without loss emulation left out)."""
+    links: Dict[str, Dict[str, Any]] = {}
+    for r in every_rank:
+        for level, st in r["link"].items():
+            loss = st.get("loss")
+            if not loss:
+                continue
+            agg = links.setdefault(level, {k: loss[k] for k in ("model", "fill", "where", "expected_loss_rate", "expected_mean_burst")})
+            for k in ("packets_sent", "packets_lost", "emulated_delay_s", "emulated_time_s"):
+                agg[k] = agg.get(k, 0) + loss[k]
+    for agg in links.values():
+        agg["observed_loss_rate"] = agg["packets_lost"] / agg["packets_sent"] if agg["packets_sent"] else None
+    return links
+
+
+def _checksums(job: LocalJob, keys: Sequence[Key], got: Dict[Key, Dict[str, Any]], ranks: int) -> Tuple[Dict[str, str], List[str]]:
+    """Every rank's final checksum by name (``c0r1``, ``c0r1g1``), and the ranks > 0 without a result."""
+    checksums = {f"c{c}r{r_}": res["checksum"] for (c, r_), res in got.items()}
+    ranks_missing = []
+    for (c, r_) in keys:  # every rank of a multi-rank group reports its own checksum
+        for g in range(1, ranks):
+            res = read_json(replica_dir(job.run_dir, c, r_, g) / RESULT_FILE)
+            if res is None:
+                ranks_missing.append(f"c{c}r{r_}g{g}")
+            else:
+                checksums[f"c{c}r{r_}g{g}"] = res["checksum"]
+    return checksums, ranks_missing
 
 
 def human(summary: Dict[str, Any]) -> str:
@@ -140,7 +163,8 @@ def human(summary: Dict[str, Any]) -> str:
     if summary.get("slow_link_payload_bytes_per_outer_round"):
         lines.append(
             f"  slow-link payload per outer round: {mb(summary['slow_link_payload_bytes_per_outer_round'])} "
-            f"(one model per cluster x ring factor = {mb(summary['slow_link_payload_bytes_per_outer_round_expected'])})"
+            f"({'one model' if summary['topology']['outer'].get('compression', 'none') == 'none' else summary['topology']['outer']['compression'] + '-compressed model'} "
+            f"per cluster x ring factor = {mb(summary['slow_link_payload_bytes_per_outer_round_expected'])})"
         )
     lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes)")
     bad = {k: v for k, v in summary["exit_codes"].items() if v != 0}

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hier_localsgd.core.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
-from hier_localsgd.core.status import read_json, replica_dir
+from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 Key = Tuple[int, int]
 
 logger = logging.getLogger(__name__)
+
+SPARE_RESPAWN_S = 10.0  # after a restart took the spare, the next one starts this much later
 
 
 def free_port() -> int:
@@ -68,7 +70,7 @@ class Proc:
     restarts: int = 0
 
 
-RUN_OUTPUTS = ("replicas", "logs", "tensorboard", "job_events.jsonl", "summary.json")
+RUN_OUTPUTS = ("replicas", "logs", "tensorboard", JOB_EVENTS_FILE, "summary.json")
 
 
 def archive_previous_run(run_dir: Path) -> Optional[Path]:
@@ -102,6 +104,11 @@ class LocalJob:
             ``lighthouse.*`` as configured). With ``run.netns`` the lighthouses listen
             on their namespaces' addresses at the configured ports (every port is
             free in a fresh namespace).
+        warm_spares: run restarts in a warm spare (``hier_localsgd/spare.py``): a process
+            started ahead with the training stack imported, so a restarted group joins in
+            well under a second instead of after its imports. Single-rank groups outside
+            network namespaces only; the history's ``restart`` records say ``spare`` (one was
+            used) and ``warm`` (it had finished its imports by then).
     """
 
     cfg: Config
@@ -115,13 +122,18 @@ class LocalJob:
     addr_overrides: List[str] = field(default_factory=list)
     history: List[dict] = field(default_factory=list)  # starts, exits (with the last status), restarts, kills, with times
     netns: Optional["ClusterNetwork"] = None  # run.netns: the clusters' namespaces (made in __post_init__)
+    # Restarts run in a warm spare (hier_localsgd/spare.py: a process with the training
+    # stack imported) where one can: single-rank groups outside network namespaces.
+    warm_spares: bool = False
+    _spare: Optional[subprocess.Popen] = None
+    _spare_due: float = 0.0  # when the next spare may start
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
         if not self.cfg.checkpoint.resume:
             archive_previous_run(self.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.events_path = self.run_dir / "job_events.jsonl"
+        self.events_path = self.run_dir / JOB_EVENTS_FILE
         self.gate_path.unlink(missing_ok=True)
         if self.cfg.run.netns:
             self._make_network()
@@ -229,13 +241,70 @@ class LocalJob:
                 f"--max-restarts={self.torchrun_restarts}", "--tee=3", "--local-ranks-filter=0",
                 f"--log-dir={self.run_dir / 'logs' / f'c{cluster}r{replica}.ranks'}", *train,
             ]
-        proc = self._spawn(f"c{cluster}r{replica}", [self.python, *train], cluster)
+        name = f"c{cluster}r{replica}"
+        proc = self._from_spare(name, train[2:]) if prev is not None and self._spares_apply() else None
+        if proc is None:
+            proc = self._spawn(name, [self.python, *train], cluster)
         proc.extra = tuple(extra)
         if prev is not None:
             proc.restarts = prev.restarts + 1
         self.replicas[(cluster, replica)] = proc
-        self._record({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid})
+        how = {}
+        if prev is not None:
+            spare = proc.name.partition("(")[2].rstrip(")")  # "", "spare" or "spare ready"
+            # warm: the spare had finished its imports when it got the restart
+            how = {"spare": bool(spare), "warm": spare == "spare ready"}
+            if spare:
+                # The next spare starts a little later: importing beside a restart that is
+                # starting up would slow both on a small machine.
+                self._spare_due = time.time() + SPARE_RESPAWN_S
+        proc.name = name
+        self._record({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid, **how})
         return proc
+
+    # -- warm spares ------------------------------------------------------------------
+    def _spares_apply(self) -> bool:
+        return self.warm_spares and self.netns is None and self.cfg.topology.ranks_per_replica == 1
+
+    def ensure_spare(self) -> None:
+        """Starts a spare unless one is waiting or it is too early (it imports while the job trains)."""
+        if not self._spares_apply() or (self._spare is not None and self._spare.poll() is None) or time.time() < self._spare_due:
+            return
+        f = open(self.run_dir / "logs" / "spare.log", "ab")
+        self._spare = subprocess.Popen([self.python, "-m", "hier_localsgd.spare"], stdin=subprocess.PIPE, stdout=f,
+                                       stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        f.close()
+
+    def spare_ready(self) -> bool:
+        """Whether a spare is waiting with its imports done (its log says so)."""
+        spare = self._spare
+        if spare is None or spare.poll() is not None:
+            return False
+        log = self.run_dir / "logs" / "spare.log"
+        return log.exists() and f"spare: ready (pid {spare.pid})" in log.read_text(errors="replace")
+
+    def _from_spare(self, name: str, argv: List[str]) -> Optional[Proc]:
+        """Hands ``argv`` (``hier_localsgd`` arguments) to the waiting spare; None if there is none."""
+        ready = self.spare_ready()
+        spare, self._spare = self._spare, None
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
+        log = self.run_dir / "logs" / f"{name}.log"
+        try:
+            spare.stdin.write((json.dumps({"argv": argv, "log": str(log)}) + "\n").encode())
+            spare.stdin.close()
+        except OSError:
+            return None  # it died just now: start cold
+        return Proc(name=f"{name}(spare ready)" if ready else f"{name}(spare)", popen=spare, started=time.time(), log=log)
+
+    def _drop_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.poll() is None:
+            try:
+                os.killpg(spare.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            spare.wait(timeout=10)
 
     def _record(self, entry: dict) -> None:
         """Keeps the entry and appends it to ``<run_dir>/job_events.jsonl`` (the dashboard reads it).
@@ -334,6 +403,8 @@ class LocalJob:
         Returns the replica groups' exit codes (None: still running).
         """
         deadline = time.time() + timeout_s
+        if restart:
+            self.ensure_spare()
         seen_exit: Dict[Key, int] = {}
         due: Dict[Key, float] = {}
         lh = self.cfg.lighthouse
@@ -365,6 +436,8 @@ class LocalJob:
             for key in [k for k, t in due.items() if t <= now]:
                 del due[key]
                 self.start_replica(*key)
+            if restart and not due:
+                self.ensure_spare()
             if not due and all(p.popen.poll() is not None for p in self.replicas.values()):
                 break
             if tick is not None:
@@ -398,6 +471,7 @@ class LocalJob:
             os.killpg(p.pid, sig) if sig == signal.SIGKILL else p.send_signal(sig)
 
     def stop(self, grace_s: float = 10.0) -> None:
+        self._drop_spare()
         procs = [p for p in self.replicas.values()] + list(self.lighthouses.values())
         for p in procs:
             if p.popen.poll() is None:

@@ -74,6 +74,7 @@ class _Baseline:
     ) -> None:
         self.id, self.t, self.flat, self.opt = identity, timeouts, flat, optimizer
         self.tracker, self.events = tracker, events
+        tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
         self.counters = Counters()
         self.leader = False
         self._max_quorum_failures = max_quorum_failures
@@ -123,7 +124,7 @@ class _Baseline:
             raise FatalSyncError(f"{self.level} quorum failed {self._quorum_failures} times in a row (last: {e})") from e
 
     def start(self) -> None:
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
 
     def before_forward(self) -> None:
         pass
@@ -157,14 +158,14 @@ class DDPSync(_Baseline):
 
     def before_forward(self) -> None:
         t = self.t
-        self.tracker.enter(Phase.INNER_QUORUM, t.inner_quorum)
+        self.tracker.enter(Phase.INNER_QUORUM)
         try:
             q = self.mgr.start_quorum(self.tracker.remaining())
         except QuorumFailed as e:
             self._quorum_failed(e)
             self._in_quorum = False
             self.tracker.enter(Phase.ROLLBACK, None, reason=str(e))
-            self.tracker.enter(Phase.LOCAL, t.local_step)
+            self.tracker.enter(Phase.LOCAL)
             return
         self._quorum_failures = 0
         self._size, self._in_quorum = q.size, True
@@ -176,13 +177,13 @@ class DDPSync(_Baseline):
             return False
         self.comm.allreduce_sum(self.flat.grad, PAYLOAD)  # type: ignore[arg-type]
         self.flat.grad.div_(self._size)  # type: ignore[union-attr]
-        self.tracker.enter(Phase.INNER_COMMIT, self.t.inner_commit)
+        self.tracker.enter(Phase.INNER_COMMIT)
         ok = self.mgr.should_commit(self.tracker.remaining())
         if ok:
             self.counters.inner_round += 1
         else:
             self.events("rollback", level=self.level, reason="commit vote failed", step=self.counters.step)
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
         return ok
 
 

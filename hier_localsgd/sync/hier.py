@@ -51,7 +51,10 @@ An outer commit is final: a leader whose outer commit succeeded adopts the new
 global model even if its cluster's inner commit then fails; the guard or torchft's
 healing brings the cluster along next round. ``max_quorum_failures`` consecutive
 quorum failures of one level end the process (:class:`FatalSyncError`), as does any
-invariant violation.
+invariant violation inside a process. A quorum whose outer group would break I1 (two
+members of one cluster: for a moment while leadership moves) is refused before any
+collective runs in it and counts as a failed quorum (managers.GroupRefused): it ends
+the process only if it persists.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from hier_localsgd.core.addresses import LighthouseUnreachable
 from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.core.peers import QuorumWatch
+from hier_localsgd.sync.compression import DEFAULT_BLOCK, NONE as NO_COMPRESSION, OuterCompression, build as build_compression
 from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round, merge_keep_local
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.timeouts import Timeouts
@@ -169,6 +173,9 @@ class HierSettings:
     # last step, 0 = unknown) always blocks, so a run ends on a synced model.
     outer_delay: int = 0
     final_step: int = 0
+    # Compressed outer reduce (compression.py): none | int8 | fp8, elements per block.
+    outer_compression: str = NO_COMPRESSION
+    outer_compression_block: int = DEFAULT_BLOCK
 
 
 @dataclass
@@ -179,6 +186,7 @@ class _OuterResult:
     step: int
     cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
     merge: bool = False  # overlapped: params is the global model, merged with the progress since the snapshot
+    residual: Optional[torch.Tensor] = None  # compressed: the leader's committed residual, as received
 
 
 class HierarchicalSync:
@@ -212,6 +220,7 @@ class HierarchicalSync:
         self.flat = flat
         self.opt = inner_optimizer
         self.tracker = tracker
+        tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
         self.events = events
         self.faults = faults or FaultPlan([], identity.cluster, identity.replica)
         self.counters = Counters()
@@ -231,12 +240,18 @@ class HierarchicalSync:
         self.inner = Level("inner", settings.inner, flat.data[self.part])
         self.outer = Level("outer", settings.outer, flat.data[self.part])
         self._committed = flat.data.detach().clone()  # the full model at the last commit
+        # The cluster's error-feedback residual of a compressed outer reduce (compression.py):
+        # replicated in the cluster like the outer backup; the overlapped stage works on a copy.
+        self.comp: Optional[OuterCompression] = build_compression(
+            settings.outer_compression, settings.outer_compression_block, self.part.stop - self.part.start)
+        self._stage_comp: Optional[OuterCompression] = None
         check_disjoint_tensors(
             [
                 ("model parameters (inner optimizer)", [flat.data]),
                 ("inner level backup and outer optimizer", self.inner.state_tensors()),
                 ("outer level backup and outer optimizer", self.outer.state_tensors()),
                 ("committed model", [self._committed]),
+                ("outer compression residual", [] if self.comp is None else [self.comp.residual]),
             ]
         )
         self._opt_backup = copy.deepcopy(inner_optimizer.state_dict())
@@ -247,6 +262,8 @@ class HierarchicalSync:
         self.stage: Optional[OuterStage] = (
             OuterStage(str(identity), listener=lambda phase: tracker.set_extra(outer_stage=phase)) if self._overlap else None
         )
+        if self.stage is not None:
+            self.stage.tracker.budgets = timeouts
         # Every member: the committed model the last launched outer round started from (θ_s).
         self._snap: Optional[torch.Tensor] = flat.data[self.part].detach().clone() if self._overlap else None
         self._snap_step = 0
@@ -324,7 +341,7 @@ class HierarchicalSync:
         if self.counters.step % self.s.h_inner == 0:
             self.round()
             return True
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
         return False
 
     def work_counters(self) -> Dict[str, int]:
@@ -351,8 +368,8 @@ class HierarchicalSync:
     # ------------------------------------------------------------------ one round
     def round(self, join: bool = False) -> bool:
         """Runs one sync round; returns whether this replica committed it."""
-        t, tr, c = self.t, self.tracker, self.counters
-        tr.enter(Phase.INNER_QUORUM, t.inner_quorum, reason="join" if join else "")
+        tr, c = self.tracker, self.counters
+        tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
             q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=(c.step << 32) + c.inner_round)
@@ -361,7 +378,7 @@ class HierarchicalSync:
             self._outage("inner", e)
             if self._leader and self.is_outer_round() and self.s.group_world_size == 1 and not join:
                 self._outer_without_cluster()
-            tr.enter(Phase.LOCAL, t.local_step, reason="cluster lighthouse not answering: round skipped")
+            tr.enter(Phase.LOCAL, reason="cluster lighthouse not answering: round skipped")
             return False
         except QuorumFailed as e:
             self._quorum_failed("inner", e)
@@ -375,7 +392,7 @@ class HierarchicalSync:
             self.events("heal", level="inner", step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self._set_leader(q.rank == 0)
 
-        tr.enter(Phase.INNER_REDUCE, t.inner_reduce)
+        tr.enter(Phase.INNER_REDUCE)
         self._fault_point(Phase.INNER_REDUCE)
         weight = 0.0 if (join or q.healed or self.inner_mgr.errored() is not None) else 1.0
         plan = self._consistency(
@@ -398,18 +415,18 @@ class HierarchicalSync:
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid.
                 result = self._outer_round(staged.backup, contribute=inner_ok, inner_ok=inner_ok)
-            tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, self._leader))
+            tr.enter(Phase.BROADCAST, leader=self._leader)
             self._fault_point(Phase.BROADCAST)
             result = self._broadcast(result, prior=staged.backup)
         elif self._overlap and self.is_apply_round():
             # Every member knows this round by its step: the header tells whether a global
             # model follows (overlap.py).
-            tr.enter(Phase.BROADCAST, t.phase(Phase.BROADCAST, False))
+            tr.enter(Phase.BROADCAST, leader=False)
             self._fault_point(Phase.BROADCAST)
             result = self._collect_outer() if self._leader else None
             result = self._broadcast_global(result, prior=staged.backup)
 
-        tr.enter(Phase.INNER_COMMIT, t.inner_commit)
+        tr.enter(Phase.INNER_COMMIT)
         try:
             ok = self.inner_mgr.should_commit(tr.remaining())
         except RuntimeError as e:  # torchft raises after max_retries consecutive failures
@@ -453,36 +470,48 @@ class HierarchicalSync:
         self.events("resync", level=level, source=p.source, diverged=p.diverged(q.rank), step=self.counters.step)
         return p
 
-    def _reduce(self, level: Level, comm: LevelComm, live: torch.Tensor, plan: guard.GuardPlan, rank: int) -> Staged:
-        """All-reduces the weighted pseudo-gradient and stages the level's update."""
+    def _reduce(
+        self, level: Level, comm: LevelComm, live: torch.Tensor, plan: guard.GuardPlan, rank: int,
+        comp: Optional[OuterCompression] = None,
+    ) -> Staged:
+        """All-reduces the weighted pseudo-gradient and stages the level's update
+        (``comp``: compressed, staging the residual too)."""
         if plan.total_weight == 0:  # every member knows this from the guard: skip the reduce
             return level.unchanged()
         grad = level.pseudo_grad(live)
         w = plan.weights[rank]
-        if w != 1.0:
-            grad.mul_(w)
-        comm.allreduce_sum(grad, PAYLOAD)
+        if comp is not None:
+            if w not in (0.0, 1.0):
+                grad.mul_(w)
+            comp.reduce(comm, grad, w, plan.total_weight)  # weight 0: sends zeros, encodes nothing
+        else:
+            if w != 1.0:
+                grad.mul_(w)
+            comm.allreduce_sum(grad, PAYLOAD)
         grad.div_(plan.total_weight)
         return level.stage(grad)
 
     def _outer_round(
         self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool,
         tr: Optional[PhaseTracker] = None, lvl: Optional[Level] = None, view: Optional[tuple[int, int]] = None,
+        comp: Optional[OuterCompression] = None,
     ) -> _OuterResult:
         """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT.
 
         Blocking (defaults): on the round's tracker, the outer level and the current
         counters. Overlapped (overlap.py): on the stage's tracker, a copy of the outer
-        level (``lvl``, committed here, adopted at the apply round) and the counters at
-        the launch (``view``); it then touches no state the training thread uses."""
-        t, c = self.t, self.counters
+        level (``lvl``, committed here, adopted at the apply round), of the compression
+        state (``comp``) and the counters at the launch (``view``); it then touches no
+        state the training thread uses."""
+        c = self.counters
         tr = self.tracker if tr is None else tr
         lvl = self.outer if lvl is None else lvl
+        comp = self.comp if comp is None else comp
         cur_round, cur_step = view or (c.outer_round, c.step)
         fallback = _OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
         if tr is not self.tracker and not self._leader:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
-        tr.enter(Phase.OUTER_QUORUM, t.outer_quorum)
+        tr.enter(Phase.OUTER_QUORUM)
         self._fault_point(Phase.OUTER_QUORUM, cur_step)
         self._outer_healed = None
         health = self.health["outer"]
@@ -509,7 +538,7 @@ class HierarchicalSync:
         if q.healed:
             self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
 
-        tr.enter(Phase.OUTER_REDUCE, t.outer_reduce)
+        tr.enter(Phase.OUTER_REDUCE)
         self._fault_point(Phase.OUTER_REDUCE, cur_step)
         view_round, view_step = self._outer_healed or (cur_round, cur_step)
         # A cluster that just healed to a newer global model measured its work from
@@ -522,17 +551,23 @@ class HierarchicalSync:
             tensors=lvl.state_tensors(),
         )
         view_round, view_step = self._outer_healed or (view_round, view_step)
-        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank)
+        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp)
 
-        tr.enter(Phase.OUTER_COMMIT, t.outer_commit)
+        tr.enter(Phase.OUTER_COMMIT)
         try:
             ok = mgr.should_commit(tr.remaining())
         except RuntimeError as e:
+            if comp is not None:
+                comp.rollback()
             raise FatalSyncError(f"outer commits keep failing: {e}") from e
         if not ok:
+            if comp is not None:
+                comp.rollback()
             self.events("rollback", level="outer", reason="outer commit vote failed", step=cur_step)
             return _OuterResult(fallback.status, cluster_model, view_round, view_step)
         lvl.commit(staged)
+        if comp is not None:
+            comp.commit()
         new_round = view_round + (1 if plan.total_weight > 0 else 0)
         self.tracker.mark_commit("outer", new_round)
         self.events(
@@ -557,8 +592,9 @@ class HierarchicalSync:
         lvl.load_state_dict(self.outer.state_dict())
         view = (c.outer_round, c.step)
         self._stage_outer, self._outer_target, self._outer_view = lvl, lvl, view
+        comp = self._stage_comp = None if self.comp is None else self.comp.copy()
         model = self._snap.clone()
-        self.stage.launch(lambda tr: self._outer_round(model, contribute, contribute, tr=tr, lvl=lvl, view=view))
+        self.stage.launch(lambda tr: self._outer_round(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp))
         self.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=self.s.outer_delay)
 
     def _collect_outer(self) -> _OuterResult:
@@ -585,7 +621,7 @@ class HierarchicalSync:
         lvl = self._stage_outer
         self._outer_target, self._outer_view = self.outer, None
         if res is None or res.status != Status.OUTER_COMMITTED or res.params is None:
-            self._stage_outer = None
+            self._stage_outer, self._stage_comp = None, None
             return none
         # Keep the stage's level until _apply adopts it (its momentum, with the global model).
         self._stage_outer = lvl
@@ -604,6 +640,7 @@ class HierarchicalSync:
         logger.warning("%s dropping the outer stage: %s", self.id, why)
         self.stage.abandon()
         self._stage_outer, self._outer_target, self._outer_view = None, self.outer, None
+        self._stage_comp = None
         self.events("rollback", level="outer", reason=f"outer stage dropped: {why}", step=self.counters.step)
 
     def _broadcast_global(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
@@ -622,9 +659,24 @@ class HierarchicalSync:
             return _OuterResult(status, None, c.outer_round, c.step)
         params = result.params if self._leader and result is not None else prior.clone()
         assert params is not None
-        if not self.inner_comm.broadcast(params, 0, PAYLOAD):
+        params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
+        residual = self._broadcast_residual(self._stage_comp)  # issued even if the model's failed (matched collectives)
+        if not params_ok or (self.comp is not None and residual is None):
             return _OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        return _OuterResult(status, params, int(header[1]), int(header[2]), float(header[3]), merge=True)
+        return _OuterResult(status, params, int(header[1]), int(header[2]), float(header[3]), merge=True, residual=residual)
+
+    def _broadcast_residual(self, stage: Optional[OuterCompression] = None) -> Optional[torch.Tensor]:
+        """Compressed outer reduce: the leader sends the cluster's committed residual
+        (``stage``'s at an overlapped apply round) after the model, as reliable control
+        traffic, so every member holds it (compression.py). Returns what this member
+        received (the leader: its own), or None if there is none or the broadcast failed."""
+        if self.comp is None:
+            return None
+        if self._leader:
+            buf = (stage or self.comp).residual.clone()
+        else:
+            buf = torch.empty_like(self.comp.residual)
+        return buf if self.inner_comm.broadcast(buf, 0, CONTROL) else None
 
     def _outer_without_cluster(self) -> None:
         """The leader's outer round while its cluster lighthouse is out (one rank per group).
@@ -678,9 +730,10 @@ class HierarchicalSync:
         params = result.params if self._leader and result is not None else prior.clone()
         assert params is not None
         params_ok = self.inner_comm.broadcast(params, 0, PAYLOAD)
-        if not (header_ok and params_ok) or status is None:
+        residual = self._broadcast_residual()  # issued whenever the model broadcast is
+        if not (header_ok and params_ok) or status is None or (self.comp is not None and residual is None):
             return _OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
-        return _OuterResult(status, params, outer_round, step, float(header[3]))
+        return _OuterResult(status, params, outer_round, step, float(header[3]), residual=residual)
 
     def _apply(self, ok: bool, staged: Staged, result: Optional[_OuterResult], plan: guard.GuardPlan) -> bool:
         """INNER_COMMIT's outcome: adopt the staged state, or roll back."""
@@ -717,6 +770,8 @@ class HierarchicalSync:
             else:
                 self.inner.set_backup(result.params)
                 c.outer_round, c.step = result.outer_round, result.step
+            if self.comp is not None and result.residual is not None and not self._leader:
+                self.comp.load(result.residual)  # the leader's committed residual (compression.py)
         if plan.total_weight > 0 or adopted:
             c.inner_round += 1
         self._publish_committed()
@@ -729,7 +784,7 @@ class HierarchicalSync:
             cluster_weight=result.cluster_weight if result is not None and result.status == Status.OUTER_COMMITTED else None,
             total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self._committed),
         )
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
         return True
 
     def _adopt_outer(self, result: _OuterResult, now: torch.Tensor) -> None:
@@ -743,7 +798,9 @@ class HierarchicalSync:
             self.inner.set_backup(merge_keep_local(result.params, self._snap, now))
             if self._leader and self._stage_outer is not None:
                 self.outer.load_state_dict(self._stage_outer.state_dict())
-            self._stage_outer = None
+            if self._leader and self._stage_comp is not None and self.comp is not None:
+                self.comp.load(self._stage_comp.residual)
+            self._stage_outer, self._stage_comp = None, None
         else:
             self.inner.set_backup(result.params)
         self.outer.set_backup(result.params)
@@ -780,7 +837,7 @@ class HierarchicalSync:
         self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
         self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
         self.events("rollback", level="inner", reason=reason, step=self.counters.step)
-        self.tracker.enter(Phase.LOCAL, self.t.local_step)
+        self.tracker.enter(Phase.LOCAL)
 
     def _quorum_failed(self, level: str, e: Exception) -> None:
         self._quorum_failures[level] += 1
@@ -883,7 +940,8 @@ class HierarchicalSync:
 
     def _inner_tensors(self) -> List[torch.Tensor]:
         """The cluster's replicated committed tensors (the inner guard compares and resyncs them)."""
-        return self.inner.state_tensors() + [self.outer.backup] + ([self._snap] if self._snap is not None else [])
+        return (self.inner.state_tensors() + [self.outer.backup] + ([self._snap] if self._snap is not None else [])
+                + ([self.comp.residual] if self.comp is not None else []))
 
     def _inner_state_dict(self) -> Dict[str, object]:
         """What a donor serves a healing peer of its cluster: committed state only."""
@@ -895,6 +953,7 @@ class HierarchicalSync:
             "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
             "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
             "outer_snapshot": None if self._snap is None else {"model": self._snap.clone(), "step": self._snap_step},
+            "outer_compression": None if self.comp is None else self.comp.state_dict(),
         }
 
     def _load_inner_state(self, sd: Dict[str, object]) -> None:
@@ -911,6 +970,8 @@ class HierarchicalSync:
         if self._snap is not None and isinstance(snap, dict):
             self._snap.copy_(snap["model"])  # the merge at the next apply round needs it
             self._snap_step = int(snap["step"])
+        if self.comp is not None:
+            self.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
         self._committed.copy_(sd["model"])  # type: ignore[arg-type]
         self.flat.load_(self._committed)
         self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hier_localsgd.core.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
 from hier_localsgd.core.level import ALGORITHMS
 from hier_localsgd.schema import fail
+from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
 MODES = ("hier", "flat", "ddp")
 
@@ -20,14 +22,16 @@ class TopologyConfig:
     replicas_per_cluster: int = 2
     ranks_per_replica: int = 1
 
-    def check(self, mode: str) -> None:
+    def check(self, mode: str, runs: bool = True) -> None:
+        """``runs=False`` (plan, simulate: a model of a deployment) skips what only this
+        trainer restricts: several ranks per replica group need ``hier`` here."""
         if self.clusters < 1:
             fail("topology.clusters", f"{self.clusters} — need at least one cluster (empty topology)")
         if self.replicas_per_cluster < 1:
             fail("topology.replicas_per_cluster", f"{self.replicas_per_cluster} — need at least one replica group per cluster (empty topology)")
         if self.ranks_per_replica < 1:
             fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — need at least one rank per replica group")
-        if self.ranks_per_replica > 1 and mode != "hier":
+        if runs and self.ranks_per_replica > 1 and mode != "hier":
             fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — several ranks per replica group need sync.mode=hier (got {mode!r})")
 
 
@@ -41,6 +45,10 @@ class LevelConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    # outer only: quantize the pseudo-gradient the leaders reduce (sync/compression.py):
+    # none | int8 | fp8, one fp32 scale per block of compression_block elements
+    compression: str = NONE
+    compression_block: int = DEFAULT_BLOCK
 
     def check(self, path: str) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -57,6 +65,20 @@ class LevelConfig:
             fail("sync.flat.delay", f"{self.delay} — torchft's LocalSGD has no overlap; use sync.flat.algorithm=diloco")
         elif not 0 <= self.delay < self.every:
             fail(f"{path}.delay", f"{self.delay} — must be in [0, {path}.every={self.every}): a round's result is applied before the next round starts")
+        self._check_compression(path)
+
+    def _check_compression(self, path: str) -> None:
+        if self.compression not in COMPRESSIONS:
+            fail(f"{path}.compression", f"unknown compression {self.compression!r} (expected one of {COMPRESSIONS})")
+        if self.compression != NONE and path != "sync.outer":
+            fail(f"{path}.compression", f"{self.compression!r} — only the outer level's payload (sync.outer.compression) can be compressed")
+        if isinstance(self.compression_block, bool) or self.compression_block < 1:
+            fail(f"{path}.compression_block", f"{self.compression_block} — must be at least 1 element")
+        if self.compression != NONE:
+            try:
+                check_format(self.compression, self.compression_block)
+            except FormatUnavailable as e:
+                fail(f"{path}.compression", f"{self.compression!r} — {e}")
 
 
 @dataclass
@@ -79,6 +101,8 @@ class SyncConfig:
             fail("sync.mode", f"unknown mode {self.mode!r} (expected one of {MODES})")
         for name in ("inner", "outer", "flat"):
             getattr(self, name).check(f"sync.{name}")
+        if self.mode != "hier" and self.outer.compression != NONE:
+            fail("sync.outer.compression", f"{self.outer.compression!r} — compresses the hierarchy's outer reduce; needs sync.mode=hier (got {self.mode!r})")
         if not 1 <= self.min_replicas <= t.replicas_per_cluster:
             fail("sync.min_replicas", f"{self.min_replicas} — must be in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
         if not 1 <= self.min_clusters <= t.clusters:

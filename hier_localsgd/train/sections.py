@@ -31,7 +31,9 @@ class TrainConfig:
     seed: int = 0
     min_step_time_s: float = 0.0  # pad each local step to this duration (emulates a bigger model)
 
-    def check(self, sync: SyncConfig) -> None:
+    def check(self, sync: SyncConfig, runs: bool = True) -> None:
+        """``runs=False`` (plan, simulate: a model of a deployment) skips the rule that a run
+        ends on a sync (``steps`` a multiple of the sync period), which only a real run needs."""
         for name in ("steps", "batch_size", "eval_batches", "log_every", "threads"):
             if getattr(self, name) < 1:
                 fail(f"train.{name}", f"{getattr(self, name)} — must be at least 1")
@@ -44,6 +46,8 @@ class TrainConfig:
         if self.eval_offset < 0 or (self.eval_every and self.eval_offset >= self.eval_every):
             fail("train.eval_offset", f"{self.eval_offset} — must be in [0, train.eval_every)")
         s = sync
+        if not runs:
+            return
         if s.mode == "hier":
             period = s.inner.every * s.outer.every
             if self.steps % period:

@@ -177,6 +177,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outage_limit=timedelta(seconds=s.outage_limit_s),
             outer_delay=s.outer.delay,
             final_step=cfg.train.steps,
+            outer_compression=s.outer.compression,
+            outer_compression_block=s.outer.compression_block,
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Tuple
 
+from hier_localsgd.core.status import JOB_EVENTS_FILE
 from hier_localsgd.schema import ConfigError
 
 
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 DASHBOARD_EVENTS = "dashboard_events.jsonl"
-JOB_EVENTS = "job_events.jsonl"
+JOB_EVENTS = JOB_EVENTS_FILE  # written by the launcher (launch/local.py)
 
 Key = Tuple[int, int]
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from hier_localsgd.core.status import EVENTS_FILE, STATUS_FILE
 from hier_localsgd.tools.dashboard.config import DASHBOARD_EVENTS, JOB_EVENTS, Key, SKIPPED_EVENT_KINDS
 
 
@@ -109,12 +110,12 @@ class RunReader:
                 key = _parse_key(d.name)
                 if key is None:
                     continue
-                st = self._read_status(key, d / "status.json")
+                st = self._read_status(key, d / STATUS_FILE)
                 if st is not None:
                     out.statuses[key] = st
                 tail = self._tails.get(key)
                 if tail is None:
-                    tail = self._tails[key] = JsonlTail(d / "events.jsonl", keep=lambda rec: rec.get("kind") not in SKIPPED_EVENT_KINDS)
+                    tail = self._tails[key] = JsonlTail(d / EVENTS_FILE, keep=lambda rec: rec.get("kind") not in SKIPPED_EVENT_KINDS)
                 out.events[key] = list(tail.read())
             out.job_events = list(self._job.read())
             out.dashboard_events = list(self._dash.read())

@@ -6,7 +6,7 @@ import math
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from hier_localsgd.tools.dashboard.config import Key
 from hier_localsgd.tools.dashboard.reader import RunFiles, RunReader, age, number, name_of
@@ -199,74 +199,24 @@ def build_state(files: RunFiles, now: Optional[float] = None, *, allow_kill: boo
     """
     now = time.time() if now is None else now
     st = files.statuses
-    topo = next((s["topology"] for s in st.values() if isinstance(s.get("topology"), dict)), None)
-    keys = set(st) | set(files.events)
-    if topo and isinstance(topo.get("clusters"), int) and isinstance(topo.get("replicas_per_cluster"), int):
-        C, R = topo["clusters"], topo["replicas_per_cluster"]
-    else:
-        C = max((c for c, _ in keys), default=-1) + 1
-        R = max((r for _, r in keys), default=-1) + 1
-    keys |= {(c, r) for c in range(C) for r in range(R)}
-
-    job_by_key: Dict[Key, List[Dict[str, Any]]] = defaultdict(list)
-    for j in files.job_events:
-        if isinstance(j.get("cluster"), int) and isinstance(j.get("replica"), int):
-            job_by_key[(j["cluster"], j["replica"])].append(j)
-    dash_by_key: Dict[Key, List[Dict[str, Any]]] = defaultdict(list)
-    for d in files.dashboard_events:
-        if isinstance(d.get("cluster"), int) and isinstance(d.get("replica"), int):
-            dash_by_key[(d["cluster"], d["replica"])].append(d)
-
+    C, R, keys = _slots(files)
+    job_by_key = _by_replica(files.job_events)
+    dash_by_key = _by_replica(files.dashboard_events)
     replicas = {k: _replica_view(k, st.get(k), job_by_key[k], dash_by_key[k], now, stale_after_s, allow_kill) for k in sorted(keys)}
     alive = {k: v["health"] in ("live", "waiting", "starting", "kill sent") for k, v in replicas.items()}
     lighthouses = next((s["lighthouses"] for s in st.values() if isinstance(s.get("lighthouses"), dict)), {})
     floor = next((number(s.get("entropy_floor")) for s in st.values() if number(s.get("entropy_floor")) is not None), None)
-
-    clusters = []
-    for c in sorted({k[0] for k in keys}):
-        members = [replicas[k] for k in sorted(keys) if k[0] == c]
-        addr = next((m.get("lighthouse") for m in members if m.get("lighthouse")), None)
-        if addr is None:
-            addr = next((st[k]["lighthouses"].get("cluster") for k in st if k[0] == c and isinstance(st[k].get("lighthouses"), dict)), None)
-        q = _quorum([(m["name"], m.get("inner"), alive[(m["cluster"], m["replica"])]) for m in members])
-        leaders = [m["name"] for m in members if m.get("leader") and alive[(m["cluster"], m["replica"])]] or [m["name"] for m in members if m.get("leader")]
-        losses = [m["loss"] for m in members if m.get("loss") is not None and alive[(m["cluster"], m["replica"])]] or [m["loss"] for m in members if m.get("loss") is not None]
-        clusters.append({
-            "cluster": c,
-            "lighthouse": {"address": addr, **q},
-            "leader": leaders[0] if leaders else None,
-            "loss": sum(losses) / len(losses) if losses else None,
-            "live": sum(1 for m in members if alive[(m["cluster"], m["replica"])]),
-            "replicas": members,
-        })
+    clusters = [_cluster_view(c, files, keys, replicas, alive) for c in sorted({k[0] for k in keys})]
 
     leaders = [v for v in replicas.values() if v.get("outer")]
     g = _quorum([(v["name"], v.get("outer"), alive[(v["cluster"], v["replica"])]) for v in leaders])
     global_addr = lighthouses.get("global") or next((v["outer"].get("lighthouse") for v in leaders if v["outer"].get("lighthouse")), None)
-
-    published = [v for v in replicas.values() if v["published"]]
-    steps = [v["step"] for v in published if isinstance(v.get("step"), int)]
     timeline, counts = build_timeline(files, timeline_limit)
     return {
         "now": now,
         "run_dir": files.run_dir,
         "config": {"allow_kill": allow_kill, "refresh_ms": refresh_ms, "stale_after_s": stale_after_s},
-        "run": {
-            "found": bool(published),
-            "mode": next((s.get("mode") for s in st.values() if s.get("mode")), None),
-            "clusters": C,
-            "replicas_per_cluster": R,
-            "steps_total": next((s.get("steps_total") for s in st.values() if s.get("steps_total")), None),
-            "step_min": min(steps) if steps else None,
-            "step_max": max(steps) if steps else None,
-            "inner_round": max((v["inner_round"] for v in published if isinstance(v.get("inner_round"), int)), default=None),
-            "outer_round": max((v["outer_round"] for v in published if isinstance(v.get("outer_round"), int)), default=None),
-            "live": sum(1 for a in alive.values() if a),
-            "replica_groups": len(replicas),
-            "entropy_floor": floor,
-            "model_params": next((s.get("model_params") for s in st.values() if s.get("model_params")), None),
-            "started_at": min((number(s.get("started_at")) or now for s in st.values()), default=None),
-        },
+        "run": _run_view(st, replicas, alive, C, R, floor, now),
         "global": {"address": global_addr, **g},
         "clusters": clusters,
         "losses": {
@@ -276,6 +226,72 @@ def build_state(files: RunFiles, now: Optional[float] = None, *, allow_kill: boo
         },
         "timeline": timeline,
         "counts": counts,
+    }
+
+
+def _slots(files: RunFiles) -> Tuple[int, int, Set[Key]]:
+    """(C, R, every replica-group key): the published topology's slots, or what the files show."""
+    st = files.statuses
+    topo = next((s["topology"] for s in st.values() if isinstance(s.get("topology"), dict)), None)
+    keys = set(st) | set(files.events)
+    if topo and isinstance(topo.get("clusters"), int) and isinstance(topo.get("replicas_per_cluster"), int):
+        C, R = topo["clusters"], topo["replicas_per_cluster"]
+    else:
+        C = max((c for c, _ in keys), default=-1) + 1
+        R = max((r for _, r in keys), default=-1) + 1
+    keys |= {(c, r) for c in range(C) for r in range(R)}
+    return C, R, keys
+
+
+def _by_replica(events: List[Dict[str, Any]]) -> Dict[Key, List[Dict[str, Any]]]:
+    """Launcher or dashboard events that name one replica group, by its key."""
+    out: Dict[Key, List[Dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if isinstance(e.get("cluster"), int) and isinstance(e.get("replica"), int):
+            out[(e["cluster"], e["replica"])].append(e)
+    return out
+
+
+def _cluster_view(c: int, files: RunFiles, keys: Set[Key], replicas: Dict[Key, Dict[str, Any]], alive: Dict[Key, bool]) -> Dict[str, Any]:
+    """One cluster: its lighthouse and quorum, leader, mean loss of the live groups, members."""
+    st = files.statuses
+    members = [replicas[k] for k in sorted(keys) if k[0] == c]
+    addr = next((m.get("lighthouse") for m in members if m.get("lighthouse")), None)
+    if addr is None:
+        addr = next((st[k]["lighthouses"].get("cluster") for k in st if k[0] == c and isinstance(st[k].get("lighthouses"), dict)), None)
+    q = _quorum([(m["name"], m.get("inner"), alive[(m["cluster"], m["replica"])]) for m in members])
+    leaders = [m["name"] for m in members if m.get("leader") and alive[(m["cluster"], m["replica"])]] or [m["name"] for m in members if m.get("leader")]
+    losses = [m["loss"] for m in members if m.get("loss") is not None and alive[(m["cluster"], m["replica"])]] or [m["loss"] for m in members if m.get("loss") is not None]
+    return {
+        "cluster": c,
+        "lighthouse": {"address": addr, **q},
+        "leader": leaders[0] if leaders else None,
+        "loss": sum(losses) / len(losses) if losses else None,
+        "live": sum(1 for m in members if alive[(m["cluster"], m["replica"])]),
+        "replicas": members,
+    }
+
+
+def _run_view(st: Dict[Key, Dict[str, Any]], replicas: Dict[Key, Dict[str, Any]], alive: Dict[Key, bool], C: int, R: int,
+              floor: Optional[float], now: float) -> Dict[str, Any]:
+    """The run as a whole: topology, mode, progress (steps, rounds), live groups, model."""
+    published = [v for v in replicas.values() if v["published"]]
+    steps = [v["step"] for v in published if isinstance(v.get("step"), int)]
+    return {
+        "found": bool(published),
+        "mode": next((s.get("mode") for s in st.values() if s.get("mode")), None),
+        "clusters": C,
+        "replicas_per_cluster": R,
+        "steps_total": next((s.get("steps_total") for s in st.values() if s.get("steps_total")), None),
+        "step_min": min(steps) if steps else None,
+        "step_max": max(steps) if steps else None,
+        "inner_round": max((v["inner_round"] for v in published if isinstance(v.get("inner_round"), int)), default=None),
+        "outer_round": max((v["outer_round"] for v in published if isinstance(v.get("outer_round"), int)), default=None),
+        "live": sum(1 for a in alive.values() if a),
+        "replica_groups": len(replicas),
+        "entropy_floor": floor,
+        "model_params": next((s.get("model_params") for s in st.values() if s.get("model_params")), None),
+        "started_at": min((number(s.get("started_at")) or now for s in st.values()), default=None),
     }
 
 

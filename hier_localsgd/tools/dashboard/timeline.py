@@ -103,7 +103,18 @@ def build_timeline(files: RunFiles, limit: int) -> Tuple[List[Dict[str, Any]], D
             if ent is not None and number(ent["t"]) is not None:
                 singles.append(ent)
     singles.extend(_eval_entries(files.events))
-    for j in files.job_events:
+    singles.extend(_launcher_entries(files.job_events))
+    singles.extend(_dashboard_entries(files.dashboard_events))
+    commits = _commit_groups(files.events)
+    counts = _counts(singles, commits)
+    out = _merge(singles, commits)
+    return out[-limit:], counts
+
+
+def _launcher_entries(job_events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The launcher's events (starts, restarts, exits, kills, partitions) as timeline entries."""
+    out = []
+    for j in job_events:
         kind = j.get("kind")
         who = f"lighthouse {j['lighthouse']}" if j.get("lighthouse") else f"c{j.get('cluster')}r{j.get('replica')}"
         if j.get("replica") is None and isinstance(j.get("cluster"), int):  # partition / heal (run.netns)
@@ -121,9 +132,15 @@ def build_timeline(files: RunFiles, limit: int) -> Tuple[List[Dict[str, Any]], D
         else:
             text = f"{who} {kind}"
         if number(j.get("t")) is not None:
-            singles.append({"t": j["t"], "kind": kind, "who": who, "cluster": j.get("cluster"), "level": None, "text": text, "source": "launcher",
-                            "severity": "info" if kind == "exit" and j.get("code") == 0 else None})
-    for d in files.dashboard_events:
+            out.append({"t": j["t"], "kind": kind, "who": who, "cluster": j.get("cluster"), "level": None, "text": text, "source": "launcher",
+                        "severity": "info" if kind == "exit" and j.get("code") == 0 else None})
+    return out
+
+
+def _dashboard_entries(dashboard_events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Kills requested from the dashboard, done or failed, as timeline entries."""
+    out = []
+    for d in dashboard_events:
         who = f"c{d.get('cluster')}r{d.get('replica')}"
         if number(d.get("t")) is None:
             continue
@@ -131,16 +148,23 @@ def build_timeline(files: RunFiles, limit: int) -> Tuple[List[Dict[str, Any]], D
             text = f"{who} killed from the dashboard (via its lighthouse {d.get('lighthouse')})"
         else:
             text = f"kill of {who} from the dashboard failed: {d.get('detail', '')}"
-        singles.append({"t": d["t"], "kind": d.get("kind", "kill"), "who": who, "cluster": d.get("cluster"), "level": None, "text": text, "source": "dashboard"})
+        out.append({"t": d["t"], "kind": d.get("kind", "kill"), "who": who, "cluster": d.get("cluster"), "level": None, "text": text, "source": "dashboard"})
+    return out
 
+
+def _counts(singles: List[Dict[str, Any]], commits: List[Dict[str, Any]]) -> Dict[str, int]:
+    """Entries per kind (``exit_nonzero``: exits that were not clean; ``commit``: commits)."""
     counts: Dict[str, int] = defaultdict(int)
     for s in singles:
         counts[str(s["kind"])] += 1
         if s["kind"] == "exit" and s.get("severity") != "info":
             counts["exit_nonzero"] += 1
-    commits = _commit_groups(files.events)
     counts["commit"] = len(commits)
+    return dict(counts)
 
+
+def _merge(singles: List[Dict[str, Any]], commits: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Single events and commits in time order, runs of commits collapsed (see :func:`build_timeline`)."""
     stream = sorted([(s["t"], 1, s) for s in singles] + [(g["t_first"], 0, g) for g in commits], key=lambda x: (x[0], x[1]))
     out: List[Dict[str, Any]] = []
     open_runs: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
@@ -184,6 +208,6 @@ def build_timeline(files: RunFiles, limit: int) -> Tuple[List[Dict[str, Any]], D
         run["text"] = f"{item['level']} commit {where}, {rounds}, {plural(run['participants'], 'participant')}"
     close(lambda rk: True)
     out.sort(key=lambda x: x["t"])
-    return out[-limit:], dict(counts)
+    return out
 
 

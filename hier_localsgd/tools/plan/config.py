@@ -1,11 +1,11 @@
-"""``plan.*``: the planner's config sections and the tables it reads (dtypes, presets)."""
+"""``plan.*``: the planner's own config sections, the tables it reads (dtypes, presets), and
+the fields that moved to the shared sections (:data:`MOVED`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
-from hier_localsgd import costs
 from hier_localsgd.sync.types import MODES
 
 
@@ -48,57 +48,17 @@ class PlanModelConfig:
 
 
 @dataclass
-class PlanTopologyConfig:
-    clusters: int = 2
-    replicas_per_cluster: int = 2
-    ranks_per_replica: int = 1  # G
-    sharding: str = "replicate"  # replicate: every rank holds and syncs the whole model; fsdp: 1/G each
-
-
-@dataclass
-class NetworkLink:
-    """A physical link's figures (not the emulated ``links.<level>`` of emulation/)."""
-
-    bandwidth_gbps: float = 10.0  # Gbit/s available to one rank
-    latency_ms: float = 0.1  # one way
-
-    def alpha_beta(self) -> Tuple[float, float]:
-        """(latency in s, bandwidth in bytes/s): the arguments of :mod:`hier_localsgd.costs`."""
-        return self.latency_ms / 1e3, costs.gbps_to_Bps(self.bandwidth_gbps)
-
-
-@dataclass
-class NetworkConfig:
-    """Default figures of issue #6: LAN 10 Gbit/s, 0.1 ms; WAN 1 Gbit/s, 20 ms."""
-
-    lan: NetworkLink = field(default_factory=lambda: NetworkLink(10.0, 0.1))
-    wan: NetworkLink = field(default_factory=lambda: NetworkLink(1.0, 20.0))
-    round_overhead_s: float = 0.0  # fixed cost per sync round and level (quorum, commit vote); calibrate from a benchmark
-
-
-@dataclass
 class PlanTrainConfig:
-    batch_size: int = 4  # sequences per rank per step
-    seq_len: int = 64
+    """The precision and optimizer of the planned deployment (its batch and sequence length
+    are ``train.batch_size`` and ``train.seq_len``, as for every command)."""
+
     param_dtype: str = "float32"
     grad_dtype: str = "float32"
     optimizer_dtype: str = "float32"
     optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
     activation_dtype: str = "float32"
     rollback_snapshot: bool = True  # this project keeps a copy of the inner optimizer state for rollback
-
-
-@dataclass
-class PlanSyncConfig:
-    h_inner: int = 10
-    h_outer: int = 3
-    h_flat: int = 0  # 0: h_inner * h_outer (the flat baseline syncs as often as the outer level)
-    inner_algorithm: str = "localsgd"
-    outer_algorithm: str = "diloco"
-    flat_algorithm: str = "diloco"
-    dtype: str = "float32"  # of the synced tensors (pseudo-gradients, gradients, broadcast model)
-    target_comm_fraction: float = 0.05
-    inner_share: float = 0.5  # share of the sync budget given to the inner level in the recommendation
+    sync_dtype: str = "float32"  # of the synced tensors (pseudo-gradients, gradients, broadcast model); this project syncs float32
 
 
 @dataclass
@@ -127,13 +87,42 @@ class ScalingConfig:
 
 @dataclass
 class PlanConfig:
+    """``plan.*``: only what is the planner's own. The deployment (C x R x G, H values and
+    algorithms, links, batch) is the shared ``topology``, ``sync``, ``links`` and ``train``
+    sections that every command reads (tools/deployment.py); ``simulate`` reads this
+    section's model, precision and hardware too."""
+
     model: PlanModelConfig = field(default_factory=PlanModelConfig)
-    topology: PlanTopologyConfig = field(default_factory=PlanTopologyConfig)
-    network: NetworkConfig = field(default_factory=NetworkConfig)
     train: PlanTrainConfig = field(default_factory=PlanTrainConfig)
-    sync: PlanSyncConfig = field(default_factory=PlanSyncConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    sharding: str = "replicate"  # replicate: every rank holds and syncs the whole model; fsdp: 1/G each
+    round_overhead_s: float = 0.0  # fixed cost per sync round and level (quorum, commit vote); calibrate from a benchmark
+    target_comm_fraction: float = 0.05  # the recommendation's goal
+    inner_share: float = 0.5  # share of the sync budget given to the inner level in the recommendation
     json_name: str = "plan.json"
 
 
+# Fields that moved out of ``plan.*`` (issue #12): plan reads the shared sections. An override
+# of one fails naming its new home (config.py, ``check_moved``); longest prefix wins, the rest
+# of the key is kept (plan.network.wan.latency_ms -> links.outer.latency_ms).
+MOVED: Dict[str, str] = {
+    "plan.topology": "topology",
+    "plan.topology.sharding": "plan.sharding",
+    "plan.network": "links.inner / links.outer (bandwidth_gbps, latency_ms) and plan.round_overhead_s",
+    "plan.network.lan": "links.inner",
+    "plan.network.wan": "links.outer",
+    "plan.network.round_overhead_s": "plan.round_overhead_s",
+    "plan.train.batch_size": "train.batch_size",
+    "plan.train.seq_len": "train.seq_len",
+    "plan.sync": "sync (H values and algorithms), plan.train.sync_dtype, plan.target_comm_fraction, plan.inner_share",
+    "plan.sync.h_inner": "sync.inner.every",
+    "plan.sync.h_outer": "sync.outer.every",
+    "plan.sync.h_flat": "sync.flat.every",
+    "plan.sync.inner_algorithm": "sync.inner.algorithm",
+    "plan.sync.outer_algorithm": "sync.outer.algorithm",
+    "plan.sync.flat_algorithm": "sync.flat.algorithm",
+    "plan.sync.dtype": "plan.train.sync_dtype",
+    "plan.sync.target_comm_fraction": "plan.target_comm_fraction",
+    "plan.sync.inner_share": "plan.inner_share",
+}

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from hier_localsgd.tools.plan.config import DTYPE_BYTES, PRESETS, PlanConfig, PlanModelConfig, PlanSyncConfig
+from hier_localsgd.sync.types import SyncConfig
+from hier_localsgd.tools.plan.config import DTYPE_BYTES, PRESETS, PlanModelConfig
+
+if TYPE_CHECKING:
+    from hier_localsgd.config import Config
 
 
 # ----------------------------------------------------------------------------- model
@@ -118,7 +122,7 @@ def activation_elements_per_token(d: ModelDims) -> Dict[str, float]:
     return {"block": float(block), "head": float(2 * d.dim), "logits_fp32": float(2 * d.vocab_size)}
 
 
-def sync_state_copies(mode: str, sync: PlanSyncConfig, optimizer_states: int, rollback_snapshot: bool) -> Dict[str, int]:
+def sync_state_copies(mode: str, sync: SyncConfig, optimizer_states: int, rollback_snapshot: bool) -> Dict[str, int]:
     """Model-sized copies the sync keeps: persistent (backups, momenta, rollback snapshot)
     and transient (pseudo-gradient and staged state during a round; sync/hier.py)."""
 
@@ -128,19 +132,24 @@ def sync_state_copies(mode: str, sync: PlanSyncConfig, optimizer_states: int, ro
     if mode == "ddp":
         return {"persistent": 0, "transient": 0}
     if mode == "flat":  # torchft DiLoCo: original parameters + outer momentum; pseudo-gradient
-        return {"persistent": level(sync.flat_algorithm), "transient": 1}
-    persistent = level(sync.inner_algorithm) + level(sync.outer_algorithm) + (optimizer_states if rollback_snapshot else 0)
+        return {"persistent": level(sync.flat.algorithm), "transient": 1}
+    persistent = level(sync.inner.algorithm) + level(sync.outer.algorithm) + (optimizer_states if rollback_snapshot else 0)
     # inner round: pseudo-gradient + staged backup (+ staged momentum);
     # outer round on the leader, on top: pseudo-gradient, staged backup (+ momentum), result clone.
-    transient = level(sync.inner_algorithm) + 1 + level(sync.outer_algorithm) + 2
+    transient = level(sync.inner.algorithm) + 1 + level(sync.outer.algorithm) + 2
     return {"persistent": persistent, "transient": transient}
 
 
-def memory_per_rank(cfg: PlanConfig, d: ModelDims, mode: str) -> Dict[str, float]:
+def shard_factor(cfg: "Config") -> int:
+    """By how much ``plan.sharding`` divides a rank's model-sized state: G with fsdp, else 1."""
+    return cfg.topology.ranks_per_replica if cfg.plan.sharding == "fsdp" else 1
+
+
+def memory_per_rank(cfg: "Config", d: ModelDims, mode: str) -> Dict[str, float]:
     """Peak bytes per rank (see the module docstring), with and without checkpointing."""
-    t, tp = cfg.train, cfg.topology
+    t = cfg.plan.train
     n = param_counts(d)["total"]
-    shard = tp.ranks_per_replica if tp.sharding == "fsdp" else 1
+    shard = shard_factor(cfg)
     pb = dtype_bytes(t.param_dtype, "plan.train.param_dtype")
     gb = dtype_bytes(t.grad_dtype, "plan.train.grad_dtype")
     ob = dtype_bytes(t.optimizer_dtype, "plan.train.optimizer_dtype")
@@ -155,7 +164,7 @@ def memory_per_rank(cfg: PlanConfig, d: ModelDims, mode: str) -> Dict[str, float
     out["sync_backups"] = (copies["persistent"] - snapshot) * n * pb / shard
     out["rollback_snapshot"] = snapshot * n * ob / shard
     out["sync_scratch"] = copies["transient"] * n * pb / shard
-    tokens = t.batch_size * t.seq_len
+    tokens = cfg.train.batch_size * cfg.train.seq_len
     act = activation_elements_per_token(d)
     head = tokens * (act["head"] * ab + act["logits_fp32"] * 4)
     out["activations"] = tokens * act["block"] * d.n_layers * ab + head

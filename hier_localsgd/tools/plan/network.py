@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Dict
 
 from hier_localsgd import costs
-from hier_localsgd.tools.plan.config import NetworkConfig, PlanSyncConfig, PlanTopologyConfig
-from hier_localsgd.tools.plan.model import dtype_bytes
+from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.sync.types import SyncConfig
 
 
 # ----------------------------------------------------------------------------- network
@@ -30,22 +30,24 @@ class SyncTimes:
     wide_link: str  # which link bounds flat/ddp ("wan", or "lan" with one cluster)
 
 
-def sync_times(n_params: int, topo: PlanTopologyConfig, net: NetworkConfig, dtype: str, prefix: str = "plan") -> SyncTimes:
-    """Per-sync times of every level and mode (ring bound + ``round_overhead_s``)."""
-    s = n_params * dtype_bytes(dtype, f"{prefix}.sync.dtype")
-    if topo.sharding == "fsdp":
-        s /= topo.ranks_per_replica
-    c, r = topo.clusters, topo.replicas_per_cluster
+def sync_times(sync_bytes: float, clusters: int, replicas: int, lan: LinkSpec, wan: LinkSpec, round_overhead_s: float) -> SyncTimes:
+    """Per-sync times of every level and mode (ring bound + ``round_overhead_s``).
+
+    ``sync_bytes``: S, what one rank syncs; ``lan``/``wan``: ``links.inner``/``links.outer``
+    (:func:`hier_localsgd.tools.deployment.links`). flat and ddp run one ring over every
+    replica group, bounded by the WAN when it crosses clusters.
+    """
+    s, c, r = sync_bytes, clusters, replicas
     n = c * r
-    wide = net.wan if c > 1 else net.lan
-    o = net.round_overhead_s
+    wide = wan if c > 1 else lan
+    o = round_overhead_s
     return SyncTimes(
         sync_bytes=s,
-        inner_s=costs.allreduce_time(s, r, *net.lan.alpha_beta()) + o,
-        outer_allreduce_s=costs.allreduce_time(s, c, *net.wan.alpha_beta()) + o,
-        broadcast_s=costs.broadcast_time(s, r, *net.lan.alpha_beta()),
-        flat_s=costs.allreduce_time(s, n, *wide.alpha_beta()) + o,
-        ddp_s=costs.allreduce_time(s, n, *wide.alpha_beta()) + o,
+        inner_s=lan.allreduce_time(s, r) + o,
+        outer_allreduce_s=wan.allreduce_time(s, c) + o,
+        broadcast_s=lan.broadcast_time(s, r),
+        flat_s=wide.allreduce_time(s, n) + o,
+        ddp_s=wide.allreduce_time(s, n) + o,
         inner_bytes=costs.ring_allreduce_bytes(s, r),
         outer_bytes=costs.ring_allreduce_bytes(s, c),
         broadcast_bytes=(r - 1) * s,
@@ -55,8 +57,14 @@ def sync_times(n_params: int, topo: PlanTopologyConfig, net: NetworkConfig, dtyp
     )
 
 
-def h_flat(sync: PlanSyncConfig) -> int:
-    return sync.h_flat or sync.h_inner * sync.h_outer
+def h_values(sync: SyncConfig) -> Dict[str, int]:
+    """The H values of ``sync``: steps per inner round, inner rounds per outer round, steps per flat sync."""
+    return {"inner": sync.inner.every, "outer": sync.outer.every, "flat": sync.flat.every}
+
+
+def hier_sync_per_step(inner_s: float, outer_s: float, broadcast_s: float, h_inner: int, h_outer: int) -> float:
+    """hier's exposed sync seconds per local step: ``inner/H_inner + (outer + broadcast)/(H_inner H_outer)``."""
+    return inner_s / h_inner + (outer_s + broadcast_s) / (h_inner * h_outer)
 
 
 def sync_per_step(st: SyncTimes, mode: str, h_inner: int, h_outer: int, h_flat_: int, ddp_overlap: float = 0.0) -> float:
@@ -65,7 +73,7 @@ def sync_per_step(st: SyncTimes, mode: str, h_inner: int, h_outer: int, h_flat_:
         return st.ddp_s * (1.0 - ddp_overlap)
     if mode == "flat":
         return st.flat_s / h_flat_
-    return st.inner_s / h_inner + (st.outer_allreduce_s + st.broadcast_s) / (h_inner * h_outer)
+    return hier_sync_per_step(st.inner_s, st.outer_allreduce_s, st.broadcast_s, h_inner, h_outer)
 
 
 def comm_fraction(step_s: float, sync_s: float) -> float:

@@ -1,9 +1,11 @@
 """``hier-localsgd plan``: what a model costs to train on a hierarchy, before booking it.
 
-From a model (a torchtitan Llama3 flavor, the Llama-7B preset, or explicit dims) and a
-topology with its networks (C clusters x R replica groups x G ranks, LAN inside a
-cluster, WAN between clusters), this module computes, with closed formulas only (no
-torch, nothing is instantiated):
+From a model (``plan.model``: a torchtitan Llama3 flavor, the Llama-7B preset, or explicit
+dims) and the deployment every command reads (tools/deployment.py: ``topology`` C clusters
+x R replica groups x G ranks, ``sync`` H values and algorithms, ``links.inner`` the LAN
+inside a cluster and ``links.outer`` the WAN between clusters, ``train`` batch and
+sequence length), this module computes, with closed formulas only (no torch, nothing is
+instantiated):
 
 1. **Parameters by part** for torchtitan's Llama3 ``Transformer`` (``model.py`` of
    torchtitan 0.2.2), with d = dim, L = layers, h = heads, k = kv heads,
@@ -51,14 +53,16 @@ torch, nothing is instantiated):
    * ``ddp``: the gradient all-reduce over C R every step, WAN-bound likewise.
 
    Each of a replica group's G ranks syncs its own part in parallel over its own share
-   of the links: S/G bytes with ``sharding=fsdp``, S with ``replicate``. Syncs block
-   training in this project, so they are fully exposed; ``hardware.ddp_overlap`` hides
-   a fraction of the ddp all-reduce behind the backward pass.
+   of the links: S/G bytes with ``plan.sharding=fsdp``, S with ``replicate``. Syncs block
+   training in this project, so they are fully exposed; ``plan.hardware.ddp_overlap``
+   hides a fraction of the ddp all-reduce behind the backward pass. A link whose
+   ``bandwidth_gbps`` is 0 (the default: not emulated) is costed as unlimited, and the
+   report says so.
 
 5. **Communication fraction** ``sync / (compute + sync)`` per step for each mode, and a
    recommendation of (H_inner, H_outer) for a target fraction f: the per-step sync
    budget is ``b = f/(1-f) t_step``; H_inner is the smallest value whose inner syncs use
-   at most ``inner_share`` of b, then H_outer the smallest that brings the total under b.
+   at most ``plan.inner_share`` of b, then H_outer the smallest that brings the total under b.
 
 6. **Compute-optimal N and D** for a FLOPs budget C under the Chinchilla parametric fit
    ``L(N, D) = E + A/N^alpha + B/D^beta`` with ``C = 6 N D`` (Hoffmann et al. 2022,
@@ -73,12 +77,15 @@ commands, examples and what was validated.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
-from hier_localsgd.core.level import ALGORITHMS
-from hier_localsgd.tools.plan.config import NetworkLink, PlanConfig, REPORT_ORDER, SHARDINGS, ScalingConfig
-from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model
-from hier_localsgd.tools.plan.network import comm_fraction, h_flat, recommend_h, sync_per_step, sync_times
+from hier_localsgd.tools.deployment import check_shared, links, unlimited
+from hier_localsgd.tools.plan.config import PlanConfig, REPORT_ORDER, SHARDINGS, ScalingConfig
+from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model, shard_factor
+from hier_localsgd.tools.plan.network import comm_fraction, h_values, recommend_h, sync_per_step, sync_times
+
+if TYPE_CHECKING:
+    from hier_localsgd.config import Config
 
 
 # ----------------------------------------------------------------------------- scaling law
@@ -98,50 +105,34 @@ def chinchilla_loss(s: ScalingConfig, n: float, d: float) -> float:
 
 
 # ----------------------------------------------------------------------------- the plan
-def validate_plan(cfg: PlanConfig) -> ModelDims:
-    """Checks every field; raises ValueError whose message starts with the field path."""
+def validate_plan(cfg: "Config") -> ModelDims:
+    """Checks the shared sections plan reads (tools/deployment.py) and every ``plan.*``
+    field; raises ValueError whose message starts with the field path."""
+    check_shared(cfg)
+    check_plan_section(cfg.plan)
+    return resolve_model(cfg.plan.model)
+
+
+def check_plan_section(p: PlanConfig, prefix: str = "plan") -> None:
+    """``plan.*`` without the model (:func:`resolve_model` checks it); ValueError naming the field."""
 
     def err(path: str, msg: str) -> None:
-        raise ValueError(f"plan.{path}: {msg}")
+        raise ValueError(f"{prefix}.{path}: {msg}")
 
-    d = resolve_model(cfg.model)
-    tp = cfg.topology
-    for k in ("clusters", "replicas_per_cluster", "ranks_per_replica"):
-        if getattr(tp, k) < 1:
-            err(f"topology.{k}", f"must be positive (got {getattr(tp, k)})")
-    if tp.sharding not in SHARDINGS:
-        err("topology.sharding", f"unknown sharding {tp.sharding!r} (expected one of {SHARDINGS})")
-    for lk in ("lan", "wan"):
-        link: NetworkLink = getattr(cfg.network, lk)
-        if link.bandwidth_gbps <= 0:
-            err(f"network.{lk}.bandwidth_gbps", f"must be positive (got {link.bandwidth_gbps})")
-        if link.latency_ms < 0:
-            err(f"network.{lk}.latency_ms", f"must be at least 0 (got {link.latency_ms})")
-    if cfg.network.round_overhead_s < 0:
-        err("network.round_overhead_s", f"must be at least 0 (got {cfg.network.round_overhead_s})")
-    t = cfg.train
-    for k in ("batch_size", "seq_len"):
-        if getattr(t, k) < 1:
-            err(f"train.{k}", f"must be positive (got {getattr(t, k)})")
+    if p.sharding not in SHARDINGS:
+        err("sharding", f"unknown sharding {p.sharding!r} (expected one of {SHARDINGS})")
+    if p.round_overhead_s < 0:
+        err("round_overhead_s", f"must be at least 0 (got {p.round_overhead_s})")
+    t = p.train
     if t.optimizer_states < 0:
         err("train.optimizer_states", f"must be at least 0 (got {t.optimizer_states})")
-    for k in ("param_dtype", "grad_dtype", "optimizer_dtype", "activation_dtype"):
-        dtype_bytes(getattr(t, k), f"plan.train.{k}")
-    s = cfg.sync
-    for k in ("h_inner", "h_outer"):
-        if getattr(s, k) < 1:
-            err(f"sync.{k}", f"must be at least 1 (got {getattr(s, k)})")
-    if s.h_flat < 0:
-        err("sync.h_flat", f"must be at least 1, or 0 for h_inner*h_outer (got {s.h_flat})")
-    for k in ("inner_algorithm", "outer_algorithm", "flat_algorithm"):
-        if getattr(s, k) not in ALGORITHMS:
-            err(f"sync.{k}", f"unknown algorithm {getattr(s, k)!r} (expected one of {ALGORITHMS})")
-    dtype_bytes(s.dtype, "plan.sync.dtype")
-    if not 0 < s.target_comm_fraction < 1:
-        err("sync.target_comm_fraction", f"must be in (0, 1) (got {s.target_comm_fraction})")
-    if not 0 < s.inner_share < 1:
-        err("sync.inner_share", f"must be in (0, 1) (got {s.inner_share})")
-    h = cfg.hardware
+    for k in ("param_dtype", "grad_dtype", "optimizer_dtype", "activation_dtype", "sync_dtype"):
+        dtype_bytes(getattr(t, k), f"{prefix}.train.{k}")
+    if not 0 < p.target_comm_fraction < 1:
+        err("target_comm_fraction", f"must be in (0, 1) (got {p.target_comm_fraction})")
+    if not 0 < p.inner_share < 1:
+        err("inner_share", f"must be in (0, 1) (got {p.inner_share})")
+    h = p.hardware
     if h.step_time_s < 0:
         err("hardware.step_time_s", f"must be at least 0 (got {h.step_time_s})")
     if h.step_time_s == 0:
@@ -153,13 +144,17 @@ def validate_plan(cfg: PlanConfig) -> ModelDims:
         err("hardware.memory_gib", f"must be positive (got {h.memory_gib})")
     if not 0 <= h.ddp_overlap < 1:
         err("hardware.ddp_overlap", f"must be in [0, 1) (got {h.ddp_overlap})")
-    sc = cfg.scaling
+    sc = p.scaling
     for k in ("budget_flops", "A", "B", "alpha", "beta", "flops_per_param_token"):
         if getattr(sc, k) <= 0:
             err(f"scaling.{k}", f"must be positive (got {getattr(sc, k)})")
-    if not cfg.json_name:
+    if not p.json_name:
         err("json_name", "must not be empty")
-    return d
+
+
+def sync_bytes(cfg: "Config", n_params: float, prefix: str = "plan") -> float:
+    """S: the bytes one rank syncs, the model in ``plan.train.sync_dtype``, /G with fsdp."""
+    return n_params * dtype_bytes(cfg.plan.train.sync_dtype, f"{prefix}.train.sync_dtype") / shard_factor(cfg)
 
 
 def step_time(cfg: PlanConfig, flops_per_step_rank: float) -> float:
@@ -179,42 +174,57 @@ def tp_volumes(d: ModelDims, tokens: int, g: int) -> Dict[str, Any]:
     return {v: tp_comm_volume(d, tokens, g, v) for v in VARIANTS}
 
 
-def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
-    """Every figure of the plan, as a JSON-ready dict."""
+def deployment_of(cfg: "Config") -> Dict[str, Any]:
+    """The shared sections' fields the plan read (its JSON's ``config``, beside ``plan``)."""
+    lan, wan = cfg.links.inner, cfg.links.outer
+    return {
+        "topology": asdict(cfg.topology),
+        "sync": {"inner": asdict(cfg.sync.inner), "outer": asdict(cfg.sync.outer), "flat": asdict(cfg.sync.flat)},
+        "links": {k: {"bandwidth_gbps": v.bandwidth_gbps, "latency_ms": v.latency_ms} for k, v in (("inner", lan), ("outer", wan))},
+        "train": {"batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len, "steps": cfg.train.steps},
+        "plan": asdict(cfg.plan),
+    }
+
+
+def make_plan(cfg: "Config") -> Dict[str, Any]:
+    """Every figure of the plan, as a JSON-ready dict.
+
+    Raises:
+        ValueError: a bad field (shared sections or ``plan.*``), its path first.
+    """
     d = validate_plan(cfg)
     params = param_counts(d)
     n = params["total"]
-    t, tp, s = cfg.train, cfg.topology, cfg.sync
-    fpt = flops_per_token(d, t.seq_len)
-    tokens_rank = t.batch_size * t.seq_len
+    tp, pc = cfg.topology, cfg.plan
+    fpt = flops_per_token(d, cfg.train.seq_len)
+    tokens_rank = cfg.train.batch_size * cfg.train.seq_len
     flops_rank = fpt["total"] * tokens_rank
-    step_s = step_time(cfg, flops_rank)
-    st = sync_times(n, tp, cfg.network, s.dtype)
-    hf = h_flat(s)
+    step_s = step_time(pc, flops_rank)
+    lan, wan = links(cfg)
+    st = sync_times(sync_bytes(cfg, n), tp.clusters, tp.replicas_per_cluster, lan, wan, pc.round_overhead_s)
+    h = h_values(cfg.sync)
 
     modes: Dict[str, Any] = {}
     for mode in REPORT_ORDER:
-        per_step = sync_per_step(st, mode, s.h_inner, s.h_outer, hf, cfg.hardware.ddp_overlap)
-        frac = comm_fraction(step_s, per_step)
+        per_step = sync_per_step(st, mode, h["inner"], h["outer"], h["flat"], pc.hardware.ddp_overlap)
         modes[mode] = {
             "sync_per_step_s": per_step,
-            "comm_fraction": frac,
+            "comm_fraction": comm_fraction(step_s, per_step),
             "step_wall_s": step_s + per_step,
             "tokens_per_s": tokens_rank * tp.ranks_per_replica * tp.clusters * tp.replicas_per_cluster / (step_s + per_step),
             "memory": memory_per_rank(cfg, d, mode),
         }
     c = tp.clusters
-    outer_period = s.h_inner * s.h_outer
     slow = {
         # bytes on the slow (cross-cluster) links per local step, all ranks together
-        "hier": c * tp.ranks_per_replica * st.outer_bytes / outer_period if c > 1 else 0.0,
+        "hier": c * tp.ranks_per_replica * st.outer_bytes / (h["inner"] * h["outer"]) if c > 1 else 0.0,
         # a ring over C*R ordered by cluster crosses C cluster boundaries
-        "flat": c * tp.ranks_per_replica * st.flat_bytes / hf if c > 1 else 0.0,
+        "flat": c * tp.ranks_per_replica * st.flat_bytes / h["flat"] if c > 1 else 0.0,
         "ddp": c * tp.ranks_per_replica * st.ddp_bytes if c > 1 else 0.0,
     }
     for mode in REPORT_ORDER:
         modes[mode]["slow_link_bytes_per_step"] = slow[mode]
-    mem_limit = cfg.hardware.memory_gib * 2**30
+    mem_limit = pc.hardware.memory_gib * 2**30
     return {
         "model": {**asdict(d), "head_dim": d.head_dim},
         "parameters": params,
@@ -226,16 +236,15 @@ def make_plan(cfg: PlanConfig) -> Dict[str, Any]:
             "six_n_per_token": 6.0 * n,
         },
         "step_time_s": step_s,
-        "step_time_source": "measured (hardware.step_time_s)" if cfg.hardware.step_time_s > 0 else "FLOPs / (peak x MFU)",
+        "step_time_source": "measured (plan.hardware.step_time_s)" if pc.hardware.step_time_s > 0 else "FLOPs / (peak x MFU)",
         "sync": asdict(st),
-        "h": {"inner": s.h_inner, "outer": s.h_outer, "flat": hf},
+        "unlimited_links": [k for k, spec in (("links.inner", lan), ("links.outer", wan)) if unlimited(spec)],
+        "h": h,
         "modes": modes,
         "fits_memory": {m: {"no_checkpointing": modes[m]["memory"]["peak"] <= mem_limit, "checkpointing": modes[m]["memory"]["peak_checkpointed"] <= mem_limit} for m in REPORT_ORDER},
-        "recommendation": {"target_comm_fraction": s.target_comm_fraction, **recommend_h(st, step_s, s.target_comm_fraction, s.inner_share)},
-        "scaling": {**chinchilla_optimum(cfg.scaling), "constants": asdict(cfg.scaling)},
+        "recommendation": {"target_comm_fraction": pc.target_comm_fraction, **recommend_h(st, step_s, pc.target_comm_fraction, pc.inner_share)},
+        "scaling": {**chinchilla_optimum(pc.scaling), "constants": asdict(pc.scaling)},
         # if the G ranks of a group split the model by tensors instead (group.parallel=tp, train/tp.py)
         "tensor_parallel": tp_volumes(d, tokens_rank, tp.ranks_per_replica),
-        "config": asdict(cfg),
+        "config": deployment_of(cfg),
     }
-
-

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence
 
-from hier_localsgd.tools.plan.config import HEADER, PlanConfig, REPORT_ORDER
+from hier_localsgd.tools.plan.config import HEADER, REPORT_ORDER
 from hier_localsgd.tools.plan.planner import make_plan
+
+if TYPE_CHECKING:
+    from hier_localsgd.config import Config
 
 
 # ----------------------------------------------------------------------------- report
@@ -48,12 +51,18 @@ def fmt_time(x: float) -> str:
 
 
 def human(p: Dict[str, Any]) -> str:
+    """The plan as text: one block per part of :func:`~hier_localsgd.tools.plan.planner.make_plan`'s dict."""
+    out = _model_lines(p) + _memory_lines(p) + _sync_lines(p) + _recommendation_lines(p)
+    return "\n".join(out)
+
+
+def _model_lines(p: Dict[str, Any]) -> List[str]:
     m, cfg = p["model"], p["config"]
-    tp, s = cfg["topology"], cfg["sync"]
+    tp = cfg["topology"]
     out = [
         f"{HEADER}: {m['name']} (dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads, {m['n_kv_heads']} kv heads, "
         f"FFN {m['ffn_dim']}, vocab {m['vocab_size']}) on {tp['clusters']} clusters x {tp['replicas_per_cluster']} replica groups "
-        f"x {tp['ranks_per_replica']} ranks ({tp['sharding']})",
+        f"x {tp['ranks_per_replica']} ranks ({cfg['plan']['sharding']})",
         "",
         "Parameters",
     ]
@@ -66,33 +75,50 @@ def human(p: Dict[str, Any]) -> str:
         f"= 6(N-N_emb) {fmt_count(f['per_token']['dense'])} + attention {fmt_count(f['per_token']['attention'])}   (6N = {fmt_count(f['six_n_per_token'])})",
         f"per rank step ({f['tokens_per_rank_step']} tokens): {fmt_count(f['per_rank_step'])}FLOP; "
         f"compute time per step {fmt_time(p['step_time_s'])} ({p['step_time_source']})",
-        "",
-        "Peak memory per rank",
     ]
-    rows = []
+    return out
+
+
+def _memory_lines(p: Dict[str, Any]) -> List[str]:
+    out = ["", "Peak memory per rank"]
     keys = ["parameters", "gradients", "optimizer", "sync_backups", "rollback_snapshot", "sync_scratch", "activations", "activations_checkpointed", "peak", "peak_checkpointed"]
-    for k in keys:
-        rows.append([k] + [fmt_bytes(p["modes"][mode]["memory"][k]) for mode in REPORT_ORDER])
+    rows = [[k] + [fmt_bytes(p["modes"][mode]["memory"][k]) for mode in REPORT_ORDER] for k in keys]
     out.append(table(["", *REPORT_ORDER], rows))
     fits = p["fits_memory"]
     out.append(
-        f"fits in hardware.memory_gib={cfg['hardware']['memory_gib']:g} GiB: "
+        f"fits in plan.hardware.memory_gib={p['config']['plan']['hardware']['memory_gib']:g} GiB: "
         + ", ".join(f"{m} {'yes' if fits[m]['no_checkpointing'] else ('with checkpointing' if fits[m]['checkpointing'] else 'no')}" for m in REPORT_ORDER)
     )
-    st = p["sync"]
-    lan, wan = cfg["network"]["lan"], cfg["network"]["wan"]
-    out += [
+    return out
+
+
+def _link_text(link: Dict[str, float]) -> str:
+    bw = f"{link['bandwidth_gbps']:g} Gbit/s" if link["bandwidth_gbps"] > 0 else "unlimited bandwidth"
+    return f"{bw} {link['latency_ms']:g} ms"
+
+
+def _sync_lines(p: Dict[str, Any]) -> List[str]:
+    cfg, st, h = p["config"], p["sync"], p["h"]
+    tp = cfg["topology"]
+    c, r = tp["clusters"], tp["replicas_per_cluster"]
+    lk = cfg["links"]
+    out = [
         "",
-        f"Syncs (ring bound; LAN {lan['bandwidth_gbps']} Gbit/s {lan['latency_ms']} ms, WAN {wan['bandwidth_gbps']} Gbit/s {wan['latency_ms']} ms; "
-        f"{fmt_bytes(st['sync_bytes'])} per rank in {s['dtype']})",
+        f"Syncs (ring bound; LAN = links.inner {_link_text(lk['inner'])}, WAN = links.outer {_link_text(lk['outer'])}; "
+        f"{fmt_bytes(st['sync_bytes'])} per rank in {cfg['plan']['train']['sync_dtype']})",
+    ]
+    if p["unlimited_links"]:
+        out.append(f"NOTE: {' and '.join(p['unlimited_links'])} set no bandwidth_gbps (0 = unlimited, as every command's default): "
+                   "their syncs cost latency only. Give the deployment's links, e.g. links.outer.bandwidth_gbps=1 links.outer.latency_ms=20")
+    out += [
         table(
             ["sync", "ranks", "link", "bytes sent per rank", "time", "every (steps)"],
             [
-                ["inner all-reduce", tp["replicas_per_cluster"], "lan", fmt_bytes(st["inner_bytes"]), fmt_time(st["inner_s"]), p["h"]["inner"]],
-                ["outer all-reduce", tp["clusters"], "wan", fmt_bytes(st["outer_bytes"]), fmt_time(st["outer_allreduce_s"]), p["h"]["inner"] * p["h"]["outer"]],
-                ["broadcast in cluster", tp["replicas_per_cluster"], "lan", fmt_bytes(st["broadcast_bytes"]), fmt_time(st["broadcast_s"]), p["h"]["inner"] * p["h"]["outer"]],
-                ["flat all-reduce", tp["clusters"] * tp["replicas_per_cluster"], st["wide_link"], fmt_bytes(st["flat_bytes"]), fmt_time(st["flat_s"]), p["h"]["flat"]],
-                ["ddp all-reduce", tp["clusters"] * tp["replicas_per_cluster"], st["wide_link"], fmt_bytes(st["ddp_bytes"]), fmt_time(st["ddp_s"]), 1],
+                ["inner all-reduce", r, "lan", fmt_bytes(st["inner_bytes"]), fmt_time(st["inner_s"]), h["inner"]],
+                ["outer all-reduce", c, "wan", fmt_bytes(st["outer_bytes"]), fmt_time(st["outer_allreduce_s"]), h["inner"] * h["outer"]],
+                ["broadcast in cluster", r, "lan", fmt_bytes(st["broadcast_bytes"]), fmt_time(st["broadcast_s"]), h["inner"] * h["outer"]],
+                ["flat all-reduce", c * r, st["wide_link"], fmt_bytes(st["flat_bytes"]), fmt_time(st["flat_s"]), h["flat"]],
+                ["ddp all-reduce", c * r, st["wide_link"], fmt_bytes(st["ddp_bytes"]), fmt_time(st["ddp_s"]), 1],
             ],
         ),
         "",
@@ -109,12 +135,17 @@ def human(p: Dict[str, Any]) -> str:
         out.append(f"tensor parallel over the group's {tp['ranks_per_replica']} ranks ({variant}): {fmt_bytes(vol['per_step']['total'])} per rank "
                    f"and step, {fmt_bytes(sum(vol['per_layer'].values()))} per layer ("
                    + ", ".join(f"{op} {fmt_bytes(b)}" for op, b in vol["per_layer"].items()) + ")")
+    return out
+
+
+def _recommendation_lines(p: Dict[str, Any]) -> List[str]:
+    out: List[str] = []
     rec = p["recommendation"]
     if rec.get("h_inner"):
         out += [
             "",
-            f"For a communication fraction <= {rec['target_comm_fraction']:.1%}: hier H_inner={rec['h_inner']}, H_outer={rec['h_outer']} "
-            f"(outer every {rec['outer_period_steps']} steps, {rec['hier_fraction']:.2%}); flat H={rec['h_flat']} ({rec['flat_fraction']:.2%}); "
+            f"For a communication fraction <= {rec['target_comm_fraction']:.1%}: hier sync.inner.every={rec['h_inner']}, sync.outer.every={rec['h_outer']} "
+            f"(outer every {rec['outer_period_steps']} steps, {rec['hier_fraction']:.2%}); flat sync.flat.every={rec['h_flat']} ({rec['flat_fraction']:.2%}); "
             f"ddp {'meets' if rec['ddp_meets_target'] else 'cannot meet'} it ({p['modes']['ddp']['comm_fraction']:.1%})",
         ]
     sc = p["scaling"]
@@ -126,11 +157,11 @@ def human(p: Dict[str, Any]) -> str:
         f"  N_opt = {fmt_count(sc['N_opt'])} parameters, D_opt = {fmt_count(sc['D_opt'])} tokens, "
         f"{sc['tokens_per_param']:.1f} tokens/parameter, loss {sc['loss']:.4f}",
     ]
-    return "\n".join(out)
+    return out
 
 
-def run_plan(cfg: PlanConfig, out_dir: str) -> int:
-    """Prints the plan and writes ``<out_dir>/<json_name>``. Returns 0.
+def run_plan(cfg: "Config", out_dir: str) -> int:
+    """Prints the plan and writes ``<out_dir>/<plan.json_name>``. Returns 0.
 
     Raises:
         ValueError: a bad field; the message starts with its path (``plan.model.dim: ...``).
@@ -138,7 +169,7 @@ def run_plan(cfg: PlanConfig, out_dir: str) -> int:
     p = make_plan(cfg)
     print(human(p))
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, cfg.json_name)
+    path = os.path.join(out_dir, cfg.plan.json_name)
     with open(path, "w") as fh:
         json.dump(p, fh, indent=2)
     print(f"\nplan written to {path}")

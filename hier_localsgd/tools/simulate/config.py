@@ -1,14 +1,17 @@
-"""``simulate.*``: the simulator's own config sections (the model of the deployment is in engine.py's docstring)."""
+"""``simulate.*``: the simulator's own config sections (the model of the deployment is in
+engine.py's docstring), and the fields that moved to the shared sections (:data:`MOVED`).
+
+The deployment it simulates is the one every command reads (tools/deployment.py):
+``topology``, ``sync``, ``links``, ``train`` (batch, sequence length), ``timeouts`` and the
+lighthouse's ``heartbeat_timeout_ms``/``join_timeout_ms``; the model, precision and
+hardware are ``plan.*``, as for ``hier-localsgd plan``.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List
-
-from hier_localsgd.core.timeouts import Timeouts
-from hier_localsgd.launch.lighthouse import LighthouseConfig
-from hier_localsgd.tools.plan.config import HardwareConfig, NetworkConfig, PlanModelConfig, PlanTopologyConfig, PlanTrainConfig
+from typing import Dict, List
 
 
 FAILURE_MODELS = ("independent", "chaos", "none")
@@ -16,17 +19,6 @@ INF = math.inf
 
 
 # ----------------------------------------------------------------------------- config
-@dataclass
-class SimSyncConfig:
-    mode: str = "hier"  # hier | flat | ddp
-    h_inner: int = 100  # the defaults suit the default deployment (plan's recommendation for ~5 %)
-    h_outer: int = 20
-    h_flat: int = 0  # flat: steps per sync; 0 = h_inner * h_outer. ddp always syncs every step.
-    dtype: str = "bfloat16"  # of the synced tensors
-    min_replicas: int = 1
-    min_clusters: int = 1
-
-
 @dataclass
 class FailureConfig:
     model: str = "independent"  # independent | chaos | none (the kills list applies with any)
@@ -43,37 +35,14 @@ class FailureConfig:
     reconfigure_s: float = 0.0  # process-group reconfiguration when a quorum's membership changes
 
 
-_DEFAULT_TIMEOUTS = Timeouts()
-
-@dataclass
-class SimTimeoutsConfig:
-    """Seconds; the project's defaults (phase timeouts from :class:`Timeouts`, the lighthouse's from its section)."""
-
-    heartbeat_s: float = LighthouseConfig.heartbeat_timeout_ms / 1000  # lighthouse.heartbeat_timeout_ms
-    join_s: float = LighthouseConfig.join_timeout_ms / 1000  # lighthouse.join_timeout_ms
-    inner_quorum_s: float = _DEFAULT_TIMEOUTS.inner_quorum.total_seconds()
-    outer_quorum_s: float = _DEFAULT_TIMEOUTS.outer_quorum.total_seconds()
-    inner_reduce_s: float = _DEFAULT_TIMEOUTS.inner_reduce.total_seconds()
-    outer_reduce_s: float = _DEFAULT_TIMEOUTS.outer_reduce.total_seconds()
-    local_step_s: float = _DEFAULT_TIMEOUTS.local_step.total_seconds()
-    watchdog_grace_s: float = _DEFAULT_TIMEOUTS.watchdog_grace.total_seconds()
-    startup_s: float = _DEFAULT_TIMEOUTS.startup.total_seconds()
-
-
 @dataclass
 class SimulateConfig:
-    topology: PlanTopologyConfig = field(default_factory=lambda: PlanTopologyConfig(clusters=64, replicas_per_cluster=16, ranks_per_replica=8, sharding="fsdp"))
-    model: PlanModelConfig = field(default_factory=lambda: PlanModelConfig(flavor="8B"))
-    params: int = 0  # >0: the model's parameter count (model is then ignored; needs hardware.step_time_s)
+    """``simulate.*``: failures and the run's horizon; everything else is the shared deployment."""
+
+    params: int = 0  # >0: the model's parameter count (plan.model is then ignored; needs plan.hardware.step_time_s)
     step_jitter: float = 0.0  # relative standard deviation of a round's compute time, per cluster and round
-    train: PlanTrainConfig = field(default_factory=lambda: PlanTrainConfig(batch_size=1, seq_len=8192, param_dtype="float32"))
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    network: NetworkConfig = field(default_factory=NetworkConfig)
-    sync: SimSyncConfig = field(default_factory=SimSyncConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
-    timeouts: SimTimeoutsConfig = field(default_factory=SimTimeoutsConfig)
-    duration_s: float = 24 * 3600.0  # simulated wall time (the run ends at the first outer commit after it)
-    steps: int = 0  # >0: instead, run until every replica group has done this many steps
+    duration_s: float = 0.0  # >0: simulated wall time (the run ends at the first outer commit after it); 0: train.steps steps
     seed: int = 0
     runs: int = 1  # seeds seed .. seed+runs-1; figures are means over runs
     sensitivity: List[float] = field(default_factory=lambda: [0.0, 1.0, 10.0, 100.0, 1000.0])  # failure-rate factors
@@ -82,3 +51,36 @@ class SimulateConfig:
     plot_name: str = "simulate.png"
 
 
+# Fields that moved out of ``simulate.*`` (issue #12); see tools/plan/config.py's MOVED.
+MOVED: Dict[str, str] = {
+    "simulate.topology": "topology",
+    "simulate.topology.sharding": "plan.sharding",
+    "simulate.model": "plan.model",
+    "simulate.train": "plan.train",
+    "simulate.train.batch_size": "train.batch_size",
+    "simulate.train.seq_len": "train.seq_len",
+    "simulate.hardware": "plan.hardware",
+    "simulate.network": "links.inner / links.outer (bandwidth_gbps, latency_ms) and plan.round_overhead_s",
+    "simulate.network.lan": "links.inner",
+    "simulate.network.wan": "links.outer",
+    "simulate.network.round_overhead_s": "plan.round_overhead_s",
+    "simulate.sync": "sync (mode, H values, min_replicas, min_clusters) and plan.train.sync_dtype",
+    "simulate.sync.mode": "sync.mode",
+    "simulate.sync.h_inner": "sync.inner.every",
+    "simulate.sync.h_outer": "sync.outer.every",
+    "simulate.sync.h_flat": "sync.flat.every",
+    "simulate.sync.dtype": "plan.train.sync_dtype",
+    "simulate.sync.min_replicas": "sync.min_replicas",
+    "simulate.sync.min_clusters": "sync.min_clusters",
+    "simulate.steps": "train.steps (with simulate.duration_s=0, the default)",
+    "simulate.timeouts": "timeouts (seconds) and lighthouse.heartbeat_timeout_ms / join_timeout_ms",
+    "simulate.timeouts.heartbeat_s": "lighthouse.heartbeat_timeout_ms (milliseconds)",
+    "simulate.timeouts.join_s": "lighthouse.join_timeout_ms (milliseconds)",
+    "simulate.timeouts.inner_quorum_s": "timeouts.inner_quorum",
+    "simulate.timeouts.outer_quorum_s": "timeouts.outer_quorum",
+    "simulate.timeouts.inner_reduce_s": "timeouts.inner_reduce",
+    "simulate.timeouts.outer_reduce_s": "timeouts.outer_reduce",
+    "simulate.timeouts.local_step_s": "timeouts.local_step",
+    "simulate.timeouts.watchdog_grace_s": "timeouts.watchdog_grace",
+    "simulate.timeouts.startup_s": "timeouts.startup",
+}

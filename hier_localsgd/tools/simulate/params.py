@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Sequence, Tuple
 
 from hier_localsgd import costs
 from hier_localsgd.core.faults import ROLES
-from hier_localsgd.sync.types import MODES
-from hier_localsgd.tools.plan.config import NetworkLink
-from hier_localsgd.tools.plan.model import dtype_bytes, flops_per_token, param_counts, resolve_model
+from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.tools.deployment import check_shared, links
+from hier_localsgd.tools.plan.network import hier_sync_per_step
+from hier_localsgd.tools.plan.model import dtype_bytes, flops_per_token, param_counts, resolve_model, shard_factor
+from hier_localsgd.tools.plan.planner import check_plan_section, step_time, sync_bytes
 from hier_localsgd.tools.simulate.config import FAILURE_MODELS, SimulateConfig
+
+if TYPE_CHECKING:
+    from hier_localsgd.config import Config
 
 
 # ----------------------------------------------------------------------------- resolved parameters
@@ -27,8 +32,8 @@ class SimParams:
     step_s: float
     step_jitter: float
     sync_bytes: float  # per rank
-    inner_link: NetworkLink
-    outer_link: NetworkLink
+    inner_link: LinkSpec  # links.inner (flat/ddp across clusters: links.outer)
+    outer_link: LinkSpec  # links.outer
     round_overhead_s: float
     min_replicas: int
     min_clusters: int
@@ -59,13 +64,13 @@ class SimParams:
     steps: int
 
     def inner_time(self, n: int) -> float:
-        return costs.allreduce_time(self.sync_bytes, n, *self.inner_link.alpha_beta()) + self.round_overhead_s
+        return self.inner_link.allreduce_time(self.sync_bytes, n) + self.round_overhead_s
 
     def outer_time(self, n: int) -> float:
-        return costs.allreduce_time(self.sync_bytes, n, *self.outer_link.alpha_beta()) + self.round_overhead_s
+        return self.outer_link.allreduce_time(self.sync_bytes, n) + self.round_overhead_s
 
     def broadcast_time(self, n: int) -> float:
-        return costs.broadcast_time(self.sync_bytes, n, *self.inner_link.alpha_beta())
+        return self.inner_link.broadcast_time(self.sync_bytes, n)
 
     @property
     def period(self) -> int:
@@ -73,10 +78,10 @@ class SimParams:
         return self.h_inner * self.h_outer if self.mode == "hier" else self.h_inner
 
     def no_failure_sync_per_step(self) -> float:
-        """Exposed sync seconds per step without failures (tools/plan/planner.py's formula)."""
+        """Exposed sync seconds per step without failures (the planner's formula, tools/plan/network.py)."""
         if self.mode == "hier":
-            return self.inner_time(self.replicas) / self.h_inner + (self.outer_time(self.clusters) + self.broadcast_time(self.replicas)) / self.period
-        return self.inner_time(self.replicas) / self.h_inner
+            return hier_sync_per_step(self.inner_time(self.replicas), self.outer_time(self.clusters), self.broadcast_time(self.replicas), self.h_inner, self.h_outer)
+        return self.inner_time(self.replicas) / self.h_inner  # one level (flat, ddp: H_inner = 1)
 
 
 def _parse_kills(kills: Sequence[str], clusters: int, replicas: int) -> Tuple[Tuple[float, int, int, int], ...]:
@@ -104,38 +109,13 @@ def _parse_kills(kills: Sequence[str], clusters: int, replicas: int) -> Tuple[Tu
     return tuple(out)
 
 
-def resolve(cfg: SimulateConfig) -> SimParams:
-    """Validates ``cfg`` (ValueError naming ``simulate.<field>``) and resolves it."""
+def check_simulate(cfg: SimulateConfig) -> None:
+    """``simulate.*`` (the kills list: :func:`_parse_kills`); ValueError naming ``simulate.<field>``."""
 
     def err(path: str, msg: str) -> None:
         raise ValueError(f"simulate.{path}: {msg}")
 
-    tp, s, f, to, hw, net = cfg.topology, cfg.sync, cfg.failures, cfg.timeouts, cfg.hardware, cfg.network
-    for k in ("clusters", "replicas_per_cluster", "ranks_per_replica"):
-        if getattr(tp, k) < 1:
-            err(f"topology.{k}", f"must be positive (got {getattr(tp, k)})")
-    if tp.sharding not in ("replicate", "fsdp"):
-        err("topology.sharding", f"unknown sharding {tp.sharding!r} (expected replicate or fsdp)")
-    if s.mode not in MODES:
-        err("sync.mode", f"unknown mode {s.mode!r} (expected one of {MODES})")
-    for k in ("h_inner", "h_outer"):
-        if getattr(s, k) < 1:
-            err(f"sync.{k}", f"must be at least 1 (got {getattr(s, k)})")
-    if s.h_flat < 0:
-        err("sync.h_flat", f"must be at least 1, or 0 for h_inner*h_outer (got {s.h_flat})")
-    if not 1 <= s.min_replicas <= tp.replicas_per_cluster:
-        err("sync.min_replicas", f"must be in [1, topology.replicas_per_cluster={tp.replicas_per_cluster}] (got {s.min_replicas})")
-    if not 1 <= s.min_clusters <= tp.clusters:
-        err("sync.min_clusters", f"must be in [1, topology.clusters={tp.clusters}] (got {s.min_clusters})")
-    dbytes = dtype_bytes(s.dtype, "simulate.sync.dtype")
-    for lk in ("lan", "wan"):
-        link: NetworkLink = getattr(net, lk)
-        if link.bandwidth_gbps <= 0:
-            err(f"network.{lk}.bandwidth_gbps", f"must be positive (got {link.bandwidth_gbps})")
-        if link.latency_ms < 0:
-            err(f"network.{lk}.latency_ms", f"must be at least 0 (got {link.latency_ms})")
-    if net.round_overhead_s < 0:
-        err("network.round_overhead_s", f"must be at least 0 (got {net.round_overhead_s})")
+    f = cfg.failures
     if f.model not in FAILURE_MODELS:
         err("failures.model", f"unknown failure model {f.model!r} (expected one of {FAILURE_MODELS})")
     if f.mtbf_s < 0:
@@ -156,15 +136,8 @@ def resolve(cfg: SimulateConfig) -> SimParams:
     for k in ("restart_s", "reconfigure_s"):
         if getattr(f, k) < 0:
             err(f"failures.{k}", f"must be at least 0 (got {getattr(f, k)})")
-    for k, v in asdict(to).items():
-        if v <= 0:
-            err(f"timeouts.{k}", f"must be positive (got {v})")
-    if hw.step_time_s < 0:
-        err("hardware.step_time_s", f"must be at least 0 (got {hw.step_time_s})")
-    if cfg.duration_s <= 0 and cfg.steps <= 0:
-        err("duration_s", f"must be positive, or give steps (got {cfg.duration_s})")
-    if cfg.steps < 0:
-        err("steps", f"must be at least 0 (got {cfg.steps})")
+    if cfg.duration_s < 0:
+        err("duration_s", f"must be positive, or 0 to run train.steps steps (got {cfg.duration_s})")
     if cfg.runs < 1:
         err("runs", f"must be at least 1 (got {cfg.runs})")
     for i, x in enumerate(cfg.sensitivity):
@@ -175,66 +148,95 @@ def resolve(cfg: SimulateConfig) -> SimParams:
     if cfg.params < 0:
         err("params", f"must be positive, or 0 to count the model's (got {cfg.params})")
 
-    # model size and step time
-    if cfg.params > 0:
-        n_params = cfg.params
+
+def model_figures(cfg: "Config") -> Tuple[int, float]:
+    """(parameters, compute seconds per step): ``simulate.params`` with the measured
+    ``plan.hardware.step_time_s``, or ``plan.model`` and FLOPs / (peak x MFU) as the planner counts them."""
+    hw = cfg.plan.hardware
+    if cfg.simulate.params > 0:
         if hw.step_time_s <= 0:
-            err("hardware.step_time_s", "must be given with simulate.params (no model to count FLOPs from)")
-        step_s = hw.step_time_s
-    else:
-        dims = resolve_model(cfg.model, prefix="simulate.model")
-        n_params = param_counts(dims)["total"]
-        if cfg.train.batch_size < 1 or cfg.train.seq_len < 1:
-            err("train.batch_size" if cfg.train.batch_size < 1 else "train.seq_len", "must be positive")
-        if hw.step_time_s > 0:
-            step_s = hw.step_time_s
-        else:
-            if hw.peak_tflops <= 0 or not 0 < hw.mfu <= 1:
-                err("hardware.mfu" if hw.peak_tflops > 0 else "hardware.peak_tflops", "must be positive (mfu in (0, 1])")
-            fl = flops_per_token(dims, cfg.train.seq_len)["total"] * cfg.train.batch_size * cfg.train.seq_len
-            step_s = fl / (hw.peak_tflops * 1e12 * hw.mfu)
-    shard = tp.ranks_per_replica if tp.sharding == "fsdp" else 1
-    sync_bytes = n_params * dbytes / shard
+            raise ValueError("plan.hardware.step_time_s: must be given with simulate.params (no model to count FLOPs from)")
+        return cfg.simulate.params, hw.step_time_s
+    dims = resolve_model(cfg.plan.model)
+    fl = flops_per_token(dims, cfg.train.seq_len)["total"] * cfg.train.batch_size * cfg.train.seq_len
+    return param_counts(dims)["total"], step_time(cfg.plan, fl)
+
+
+def resolve(cfg: "Config") -> SimParams:
+    """Validates what the simulation reads (the shared sections, ``plan.*``, ``simulate.*``;
+    ValueError naming the field) and resolves it into one run's figures.
+
+    flat and ddp become one level over every replica group (one "cluster" of C R), whose
+    ring crosses clusters (``links.outer``) when C > 1.
+    """
+    check_shared(cfg)
+    check_plan_section(cfg.plan)
+    check_simulate(cfg.simulate)
+    to = cfg.timeouts_obj()
+    cfg.lighthouse.check(cfg.topology.clusters, count_addresses=False, serving=False)
+    tp, s, f, sim = cfg.topology, cfg.sync, cfg.simulate.failures, cfg.simulate
+    lan, wan = links(cfg)
+    n_params, step_s = model_figures(cfg)
+    pt = cfg.plan.train
+    shard = shard_factor(cfg)
+    param_b = dtype_bytes(pt.param_dtype, "plan.train.param_dtype")
     state_bytes = n_params / shard * (
-        dtype_bytes(cfg.train.param_dtype, "simulate.train.param_dtype") * 4  # model, inner backup, outer backup + momentum
-        + dtype_bytes(cfg.train.optimizer_dtype, "simulate.train.optimizer_dtype") * cfg.train.optimizer_states
+        param_b * 4  # model, inner backup, outer backup + momentum
+        + dtype_bytes(pt.optimizer_dtype, "plan.train.optimizer_dtype") * pt.optimizer_states
     )
-    outer_state_bytes = n_params / shard * dtype_bytes(cfg.train.param_dtype, "simulate.train.param_dtype") * 2  # outer backup + momentum
+    outer_state_bytes = n_params / shard * param_b * 2  # outer backup + momentum
 
     hier = s.mode == "hier"
-    flat_h = s.h_flat or s.h_inner * s.h_outer
     if hier:
         clusters, replicas = tp.clusters, tp.replicas_per_cluster
-        h_inner, h_outer = s.h_inner, s.h_outer
-        inner_link = net.lan
+        h_inner, h_outer = s.inner.every, s.outer.every
+        inner_link = lan
     else:
         # One level over every replica group; the ring crosses clusters (WAN-bound if C > 1).
         clusters, replicas = 1, tp.clusters * tp.replicas_per_cluster
-        h_inner, h_outer = (1 if s.mode == "ddp" else flat_h), 1
-        inner_link = net.wan if tp.clusters > 1 else net.lan
-    heal_s = f.heal_s if f.heal_s >= 0 else costs.transfer_time(state_bytes, *inner_link.alpha_beta())
-    outer_heal_s = f.outer_heal_s if f.outer_heal_s >= 0 else costs.transfer_time(outer_state_bytes, *net.wan.alpha_beta())
+        h_inner, h_outer = (1 if s.mode == "ddp" else s.flat.every), 1
+        inner_link = wan if tp.clusters > 1 else lan
+    heal_s = f.heal_s if f.heal_s >= 0 else costs.transfer_time(state_bytes, inner_link.latency_s, inner_link.bandwidth_Bps)
+    outer_heal_s = f.outer_heal_s if f.outer_heal_s >= 0 else costs.transfer_time(outer_state_bytes, wan.latency_s, wan.bandwidth_Bps)
     kills = _parse_kills(f.kills, tp.clusters, tp.replicas_per_cluster)
     if not hier and kills:
         # flat/ddp simulate one group of C*R: replica r of cluster c is member c*R + r.
         kills = tuple((t, 0, (c * tp.replicas_per_cluster + r) if r >= 0 else -1, k) for t, c, r, k in kills)
         if any(r < 0 for _, _, r, _ in kills):
-            err("failures.kills", "whole-cluster kills need sync.mode=hier")
-    return SimParams(
+            raise ValueError("simulate.failures.kills: whole-cluster kills need sync.mode=hier")
+    secs = lambda td: td.total_seconds()  # noqa: E731
+    p = SimParams(
         mode=s.mode, clusters=clusters, replicas=replicas, ranks=tp.ranks_per_replica,
-        h_inner=h_inner, h_outer=h_outer, step_s=step_s, step_jitter=cfg.step_jitter, sync_bytes=sync_bytes,
-        inner_link=inner_link, outer_link=net.wan, round_overhead_s=net.round_overhead_s,
+        h_inner=h_inner, h_outer=h_outer, step_s=step_s, step_jitter=sim.step_jitter, sync_bytes=sync_bytes(cfg, n_params),
+        inner_link=inner_link, outer_link=wan, round_overhead_s=cfg.plan.round_overhead_s,
         min_replicas=s.min_replicas if hier else 1, min_clusters=s.min_clusters,
-        heartbeat_s=to.heartbeat_s, join_s=to.join_s, inner_quorum_s=to.inner_quorum_s,
-        outer_quorum_s=to.outer_quorum_s, inner_reduce_s=to.inner_reduce_s,
-        outer_reduce_s=to.outer_reduce_s, hang_watchdog_s=to.local_step_s + to.watchdog_grace_s,
-        startup_s=to.startup_s, restart_s=f.restart_s, heal_s=heal_s, outer_heal_s=outer_heal_s,
+        heartbeat_s=cfg.lighthouse.heartbeat_timeout_ms / 1000, join_s=cfg.lighthouse.join_timeout_ms / 1000,
+        inner_quorum_s=secs(to.inner_quorum), outer_quorum_s=secs(to.outer_quorum), inner_reduce_s=secs(to.inner_reduce),
+        outer_reduce_s=secs(to.outer_reduce), hang_watchdog_s=secs(to.local_step) + secs(to.watchdog_grace),
+        startup_s=secs(to.startup), restart_s=f.restart_s, heal_s=heal_s, outer_heal_s=outer_heal_s,
         outer_heal_bytes=outer_state_bytes, heal_bytes=state_bytes, wide_clusters=tp.clusters,
         reconfigure_s=f.reconfigure_s,
         failure_model=f.model, mtbf_s=f.mtbf_s, cluster_mtbf_s=f.cluster_mtbf_s if hier else 0.0,
         kill_every_s=f.kill_every_s, roles=tuple(f.roles), stop_kills_at=f.stop_kills_at,
-        kills=kills, hang_fraction=f.hang_fraction, duration_s=cfg.duration_s, steps=cfg.steps,
+        kills=kills, hang_fraction=f.hang_fraction, duration_s=sim.duration_s, steps=0 if sim.duration_s > 0 else cfg.train.steps,
     )
+    check_size(p)
+    return p
+
+
+# An event loop in Python handles some 10^5 rounds per second; past this many it would run for minutes.
+MAX_ROUNDS = 10_000_000
+
+
+def check_size(p: SimParams) -> None:
+    """Refuses a run too long to simulate (ValueError naming the horizon): every cluster's
+    inner rounds are events, so the horizon over ``H_inner`` steps bounds the work."""
+    steps = p.steps if p.steps > 0 else p.duration_s / p.step_s
+    rounds = p.clusters * steps / p.h_inner
+    if rounds > MAX_ROUNDS:
+        field = "train.steps" if p.steps > 0 else "simulate.duration_s"
+        raise ValueError(f"{field}: about {rounds:.3g} inner rounds to simulate (step {p.step_s:.3g} s, H_inner {p.h_inner}, "
+                         f"{p.clusters} cluster(s)); at most {MAX_ROUNDS:.0e}: shorten the run or give a real step time (plan.hardware.step_time_s)")
 
 
 def scale_failures(p: SimParams, factor: float) -> SimParams:

@@ -7,14 +7,16 @@ import os
 import statistics
 from collections import defaultdict
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from hier_localsgd.core.faults import ROLES
-from hier_localsgd.tools.plan.config import HardwareConfig, NetworkConfig, NetworkLink, PlanTopologyConfig, PlanTrainConfig
+from hier_localsgd.tools.plan.planner import deployment_of
 from hier_localsgd.tools.plan.report import fmt_bytes, fmt_time, table
-from hier_localsgd.tools.simulate.config import FailureConfig, SimSyncConfig, SimulateConfig
 from hier_localsgd.tools.simulate.engine import RunResult, simulate_once
 from hier_localsgd.tools.simulate.params import SimParams, resolve, scale_failures
+
+if TYPE_CHECKING:
+    from hier_localsgd.config import Config
 
 
 # ----------------------------------------------------------------------------- runs and report
@@ -95,12 +97,12 @@ def _fmt_s(x: Optional[float]) -> str:
 
 def human(report: Dict[str, Any]) -> str:
     par, s = report["params"], report["summary"]
-    topo = report["config"]["topology"]
+    topo, sync, sim = report["config"]["topology"], report["config"]["sync"], report["config"]["simulate"]
     lines = [
         f"hier-localsgd simulate: {par['mode']} on {topo['clusters']} clusters x {topo['replicas_per_cluster']} replica groups "
-        f"x {topo['ranks_per_replica']} ranks; step {fmt_time(par['step_s'])}, H_inner {report['config']['sync']['h_inner']}, "
-        f"H_outer {report['config']['sync']['h_outer']}; {s['runs']} run(s) of "
-        + (f"{report['config']['steps']} steps" if report["config"]["steps"] else f"{fmt_time(report['config']['duration_s'])}"),
+        f"x {topo['ranks_per_replica']} ranks; step {fmt_time(par['step_s'])}, H_inner {sync['inner']['every']}, "
+        f"H_outer {sync['outer']['every']}; {s['runs']} run(s) of "
+        + (f"{fmt_time(sim['duration_s'])}" if sim["duration_s"] > 0 else f"{report['config']['train']['steps']} steps (train.steps)"),
         f"  failures: {par['failure_model']}" + (f", one every {fmt_time(report['job_failure_interval_s'])} over the job" if report["job_failure_interval_s"] else "")
         + f"; restart {fmt_time(par['restart_s'])}, heal {fmt_time(par['heal_s'])}"
         + (f", outer heal {fmt_time(par['outer_heal_s'])}" if par["mode"] == "hier" else "")
@@ -109,6 +111,10 @@ def human(report: Dict[str, Any]) -> str:
         f"goodput {s['goodput']['mean']:.4f} (min {s['goodput']['min']:.4f}, max {s['goodput']['max']:.4f}); "
         f"without failures {s['expected_no_failure_goodput']:.4f} (1 - sync overhead)",
     ]
+    lk = report["config"]["links"]
+    unlimited = [f"links.{k}" for k in ("inner", "outer") if lk[k]["bandwidth_gbps"] <= 0]
+    if unlimited:
+        lines.append(f"NOTE: {' and '.join(unlimited)} set no bandwidth_gbps (0 = unlimited, as every command's default): syncs and heals cost latency only")
     if "efficiency" in s:
         lines.append(
             f"steps kept / steps run (chaos.py's efficiency) {s['efficiency']['mean']:.4f} (min {s['efficiency']['min']:.4f}, max {s['efficiency']['max']:.4f}); "
@@ -220,18 +226,19 @@ def plot(report: Dict[str, Any], path: str) -> bool:
     return True
 
 
-def make_report(cfg: SimulateConfig) -> Dict[str, Any]:
+def make_report(cfg: "Config") -> Dict[str, Any]:
     """Runs the configured simulations (and the sensitivity sweep) and gathers the figures."""
     p = resolve(cfg)
-    results = simulate_many(p, cfg.seed, cfg.runs)
+    sim = cfg.simulate
+    results = simulate_many(p, sim.seed, sim.runs)
     summary = summarize_runs(results)
     sens = []
-    for factor in cfg.sensitivity:
+    for factor in sim.sensitivity:
         if factor == 1.0:
             rs, pf = results, p
         else:
             pf = scale_failures(p, factor)
-            rs = simulate_many(pf, cfg.seed, cfg.runs)
+            rs = simulate_many(pf, sim.seed, sim.runs)
         sm = summarize_runs(rs)
         sens.append({
             "factor": factor,
@@ -245,7 +252,7 @@ def make_report(cfg: SimulateConfig) -> Dict[str, Any]:
         })
     params = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in asdict(p).items()}
     return {
-        "config": asdict(cfg),
+        "config": {**deployment_of(cfg), "simulate": asdict(sim)},
         "params": params,
         "job_failure_interval_s": job_failure_interval(p),
         "summary": summary,
@@ -254,22 +261,23 @@ def make_report(cfg: SimulateConfig) -> Dict[str, Any]:
     }
 
 
-def run_simulate(cfg: SimulateConfig, out_dir: str) -> int:
-    """Prints the simulation report, writes ``<out_dir>/<json_name>`` and, if matplotlib is
-    importable, ``<out_dir>/<plot_name>``. Returns 0.
+def run_simulate(cfg: "Config", out_dir: str) -> int:
+    """Prints the simulation report, writes ``<out_dir>/<simulate.json_name>`` and, if matplotlib is
+    importable, ``<out_dir>/<simulate.plot_name>``. Returns 0.
 
     Raises:
-        ValueError: a bad field; the message starts with its path (``simulate.sync.h_inner: ...``).
+        ValueError: a bad field; the message starts with its path (``sync.inner.every: ...``).
     """
     report = make_report(cfg)
     print(human(report))
+    sim = cfg.simulate
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, cfg.json_name)
+    path = os.path.join(out_dir, sim.json_name)
     with open(path, "w") as fh:
         json.dump(report, fh, indent=2, default=str)
     print(f"\nreport written to {path}")
-    if cfg.plot:
-        png = os.path.join(out_dir, cfg.plot_name)
+    if sim.plot:
+        png = os.path.join(out_dir, sim.plot_name)
         if plot(report, png):
             print(f"plot written to {png}")
         else:
@@ -278,46 +286,53 @@ def run_simulate(cfg: SimulateConfig, out_dir: str) -> int:
 
 
 # ----------------------------------------------------------------------------- validation set-ups
-def chaos_validation_config(**overrides: Any) -> SimulateConfig:
-    """The chaos command's measured run (docs/benchmarks.md) as a simulation.
+# As command-line overrides (docs/planner.md prints them): load with
+# ``load_config(OVERRIDES + more, validate_for="simulate")``, or pass them to ``hier-localsgd simulate``.
 
-    ``hier-localsgd chaos train.steps=600 sync.min_clusters=1 chaos.kill_every_s=30``:
-    2 clusters x 2 replica groups, debugmodel, 600 steps, H_inner 10, H_outer 3, kills of
-    any role every 30 s on average over the first 80 % of the steps, restart after 2 s
-    plus ~4 s process start, heartbeat timeout 5 s. The step time (0.34 s compute plus the
-    default networks' syncs) reproduces the ~0.35 s wall per step measured.
-    """
-    cfg = SimulateConfig(
-        topology=PlanTopologyConfig(clusters=2, replicas_per_cluster=2, ranks_per_replica=1, sharding="replicate"),
-        params=6_163_712,  # torchtitan's Llama3 debugmodel
-        train=PlanTrainConfig(batch_size=4, seq_len=64),
-        hardware=HardwareConfig(step_time_s=0.34),
-        sync=SimSyncConfig(mode="hier", h_inner=10, h_outer=3, dtype="float32", min_clusters=1),
-        failures=FailureConfig(model="chaos", kill_every_s=30.0, stop_kills_at=0.8, restart_s=6.0),
-        steps=600, runs=200, sensitivity=[],
-    )
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
+# The issue #6 networks (LAN 10 Gbit/s 0.1 ms, WAN 1 Gbit/s 20 ms) as the links sections.
+ISSUE6_LINKS: List[str] = ["links.inner.bandwidth_gbps=10", "links.inner.latency_ms=0.1", "links.outer.bandwidth_gbps=1", "links.outer.latency_ms=20"]
+
+# The large deployment of docs/planner.md: 64 clusters x 16 replica groups x 8 ranks (fsdp),
+# Llama3 8B at 8192 tokens per rank and step on H100-class ranks, H 100/20 (plan's
+# recommendation for ~5 % here), bf16 syncs, the issue #6 networks, 24 simulated hours.
+LARGE_DEPLOYMENT: List[str] = [
+    "topology.clusters=64", "topology.replicas_per_cluster=16", "topology.ranks_per_replica=8", "plan.sharding=fsdp",
+    "plan.model.flavor=8B", "train.batch_size=1", "train.seq_len=8192", "plan.train.sync_dtype=bfloat16",
+    "sync.inner.every=100", "sync.outer.every=20", "sync.min_clusters=1", *ISSUE6_LINKS, "simulate.duration_s=86400",
+]
+
+# The chaos command's measured run (docs/benchmarks.md) as a simulation:
+# ``hier-localsgd chaos train.steps=600 sync.min_clusters=1 chaos.kill_every_s=30``:
+# 2 clusters x 2 replica groups, debugmodel, 600 steps, H_inner 10, H_outer 3, kills of
+# any role every 30 s on average over the first 80 % of the steps, restart after 2 s
+# plus ~4 s process start, heartbeat timeout 5 s. The step time (0.34 s compute plus the
+# issue #6 networks' syncs) reproduces the ~0.35 s wall per step measured.
+CHAOS_VALIDATION: List[str] = [
+    "topology.clusters=2", "topology.replicas_per_cluster=2", "topology.ranks_per_replica=1",
+    "sync.mode=hier", "sync.inner.every=10", "sync.outer.every=3", "sync.min_clusters=1",
+    *ISSUE6_LINKS, "train.batch_size=4", "train.seq_len=64",
+    "plan.sharding=replicate", "plan.hardware.step_time_s=0.34", "plan.train.sync_dtype=float32",
+    "simulate.params=6163712",  # torchtitan's Llama3 debugmodel
+    "simulate.failures.model=chaos", "simulate.failures.kill_every_s=30", "simulate.failures.stop_kills_at=0.8",
+    "simulate.failures.restart_s=6", "train.steps=600", "simulate.runs=200", "simulate.sensitivity=[]",
+]
 
 
-def torchft_per_step_config(failure_every_s: float = 60.0, **overrides: Any) -> SimulateConfig:
-    """torchft's per-step (HSDP, ddp-like) fault-tolerance run as a simulation.
+def torchft_per_step(failure_every_s: float = 60.0) -> List[str]:
+    """torchft's per-step (HSDP, ddp-like) fault-tolerance run as a simulation (overrides).
 
-    30 replica groups (one cluster: a single level, so ``mode=ddp``, H = 1), one failure
+    30 replica groups (one cluster: a single level, so ``sync.mode=ddp``, H = 1), one failure
     every ``failure_every_s`` over the job (per-group MTBF = 30 x that), torchft's default
     heartbeat timeout (5 s). The step time, restart, heal and reconfiguration figures of
     that run are not published; the values here are assumptions (docs/planner.md).
     """
-    cfg = SimulateConfig(
-        topology=PlanTopologyConfig(clusters=1, replicas_per_cluster=30, ranks_per_replica=1, sharding="replicate"),
-        params=1_500_000_000,
-        hardware=HardwareConfig(step_time_s=1.0),
-        sync=SimSyncConfig(mode="ddp", h_inner=1, h_outer=1, dtype="bfloat16"),
-        network=NetworkConfig(lan=NetworkLink(400.0, 0.01), wan=NetworkLink(400.0, 0.01)),
-        failures=FailureConfig(model="independent", mtbf_s=30 * failure_every_s, restart_s=30.0, heal_s=2.0, reconfigure_s=3.0),
-        duration_s=3600.0, runs=5, sensitivity=[],
-    )
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
+    return [
+        "topology.clusters=1", "topology.replicas_per_cluster=30", "topology.ranks_per_replica=1",
+        "sync.mode=ddp", "sync.min_clusters=1",
+        "links.inner.bandwidth_gbps=400", "links.inner.latency_ms=0.01", "links.outer.bandwidth_gbps=400", "links.outer.latency_ms=0.01",
+        "plan.sharding=replicate", "plan.hardware.step_time_s=1.0", "plan.train.sync_dtype=bfloat16",
+        "simulate.params=1500000000",
+        "simulate.failures.model=independent", f"simulate.failures.mtbf_s={30 * failure_every_s}", "simulate.failures.restart_s=30",
+        "simulate.failures.heal_s=2", "simulate.failures.reconfigure_s=3",
+        "simulate.duration_s=3600", "simulate.runs=5", "simulate.sensitivity=[]",
+    ]

@@ -1,0 +1,141 @@
+"""Compressed outer payloads in the hierarchy (``sync.outer.compression``, issue #13 §3).
+
+With ``int8`` or ``fp8`` the leaders' OUTER_REDUCE is
+:func:`hier_localsgd.core.compressed_allreduce.compressed_allreduce` (all-to-all of
+quantized shards, dequantize and sum, requantize, all-gather) instead of an fp32 ring
+all-reduce, so the slow links carry about a quarter of the bytes
+(docs/compression.md). Every cluster keeps one **error-feedback residual**
+(:class:`OuterCompression`), the part of its pseudo-gradients the quantizations have
+not delivered yet:
+
+* the leaders *sum* their weighted pseudo-gradients and divide by the round's total
+  weight ``T``; the residual is kept in units of that applied mean (``ρ = e / T``),
+  so encoding sends ``w·x + T·ρ`` and stages ``ρ' = e' / T`` with ``e'`` the new
+  quantization error; the requantization error of the reduced shard the leader owns
+  is folded into ``e'`` too (:meth:`ErrorFeedback.fold`). Per round the applied update
+  is then ``Σ_c w_c·x_c / T + Σ_c ρ_c − Σ_c ρ'_c``, so over committed rounds it
+  telescopes exactly to the uncompressed one plus ``Σ_c ρ_c(0) − Σ_c ρ_c(end)``, even
+  when the total weight changes between rounds: within about one quantization step of
+  each stage, for any number of rounds (tests/test_outer_compression.py checks the
+  identity on a real hierarchy);
+* it is **committed only with the outer round** (the leader's OUTER_COMMIT vote) and
+  rolled back on every other path, so a failed round never changes it;
+* it is **the cluster's replicated state**, not the leader's alone: the leader sends it
+  (fp32, reliable ``control`` traffic on the cluster's fast link) after the model in
+  BROADCAST, every member adopts it with the round's inner commit, the consistency
+  guard compares and resyncs it with the rest of the cluster's committed state, and a
+  healing replica group receives it from its donor (and a durable checkpoint holds it).
+  So when leadership moves to another replica group of the cluster, or a leader
+  restarts and heals, the new leader starts from the same residual. Cost: one fp32
+  copy of the model slice per outer round on the fast link, to each non-leader.
+* it is **not** part of the outer level's state: clusters' residuals differ, so it stays
+  out of the outer guard's fingerprint and out of what a leader serves another
+  cluster's healing leader. A cluster whose outer level heals to a newer global model
+  contributes weight 0 that round (it sends zeros and encodes nothing) and keeps its
+  residual: the residual is the undelivered part of work that *was* committed, and it
+  reaches the global model with the cluster's next contribution. Only a cluster all of
+  whose replica groups restart at once loses it (zeros: at most one quantization error
+  per element, once).
+
+With the overlapped outer stage (``sync.outer.delay``) the stage works on a copy
+(:meth:`OuterCompression.copy`), committed inside the stage and adopted, like the
+stage's outer level, at the apply round; a dropped stage simply forgets its copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+import torch
+
+from hier_localsgd.core.comm import LevelComm
+from hier_localsgd.core.compress import DEFAULT_BLOCK, FORMATS, ErrorFeedback, check_format
+from hier_localsgd.core.link import PAYLOAD
+
+logger = logging.getLogger(__name__)
+
+NONE = "none"
+COMPRESSIONS = (NONE, *FORMATS)
+
+
+class OuterCompression:
+    """One cluster's compressed outer reduce and its committed error-feedback residual.
+
+    Args:
+        fmt: ``int8`` or ``fp8``.
+        block: elements per quantization block.
+        numel: elements of this rank's slice of the model.
+
+    Raises:
+        ValueError: bad ``fmt``/``block``.
+        FormatUnavailable: fp8 cannot be cast on this machine (checked once, here).
+    """
+
+    def __init__(self, fmt: str, block: int, numel: int) -> None:
+        check_format(fmt, block)
+        self.fmt, self.block, self.numel = fmt, block, numel
+        # committed; a stable tensor (the guard resyncs it in place)
+        self.residual = torch.zeros(numel, dtype=torch.float32)
+        self._ef = ErrorFeedback(fmt, block)
+        self._total = 1.0
+
+    def copy(self) -> "OuterCompression":
+        """An independent copy of the committed state (the overlapped stage's)."""
+        new = OuterCompression(self.fmt, self.block, self.numel)
+        new.residual.copy_(self.residual)
+        return new
+
+    def reduce(self, comm: LevelComm, grad: torch.Tensor, weight: float, total: float) -> bool:
+        """Sums ``grad`` (this cluster's weighted pseudo-gradient; ignored at weight 0,
+        where zeros are sent and nothing is encoded) across the outer quorum in place;
+        ``total``: the round's total weight, which the caller divides the sum by. Stages
+        the new residual. Returns False on failure (``grad`` then unchanged, the commit
+        vote fails; the caller rolls back)."""
+        self._ef.rollback()
+        self._ef.residual = self.residual * total  # in units of the sum this round sends
+        self._total = total
+        if weight == 0:
+            grad.zero_()
+        return comm.compressed_allreduce_sum(grad, PAYLOAD, self.fmt, self.block, self._ef if weight != 0 else None, self._ef)
+
+    def commit(self) -> None:
+        """The outer round committed: its staged residual becomes the state."""
+        if self._ef.has_staged:
+            self._ef.commit()
+            assert self._ef.residual is not None
+            self.residual.copy_(self._ef.residual / self._total)
+        self._ef.residual = None
+
+    def rollback(self) -> None:
+        """The outer round failed: keep the committed residual."""
+        self._ef.rollback()
+
+    @torch.no_grad()
+    def load(self, residual: torch.Tensor) -> None:
+        self._ef.rollback()
+        self.residual.copy_(residual)
+
+    def state_dict(self) -> Dict[str, object]:
+        return {"fmt": self.fmt, "block": self.block, "residual": self.residual.clone()}
+
+    def load_state_dict(self, sd: Optional[Dict[str, object]], source: str) -> None:
+        """Loads a donor's (or a checkpoint's) residual; one written for another format,
+        block or size, or none at all, resets it to zeros (a bounded, one-off loss)."""
+        r = sd.get("residual") if isinstance(sd, dict) else None
+        if (
+            isinstance(sd, dict) and sd.get("fmt") == self.fmt and sd.get("block") == self.block
+            and isinstance(r, torch.Tensor) and r.numel() == self.numel
+        ):
+            self.load(r)
+            return
+        logger.warning("outer compression: %s has no residual for %s/block %d/%d elements; starting from zeros", source, self.fmt, self.block, self.numel)
+        self.load(torch.zeros(self.numel))
+
+
+def build(fmt: str, block: int, numel: int) -> Optional[OuterCompression]:
+    """The cluster's compression state for ``sync.outer.compression`` (None for ``none``)."""
+    return None if fmt == NONE else OuterCompression(fmt, block, numel)
+
+
+__all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NONE", "OuterCompression", "build"]

@@ -1,0 +1,131 @@
+"""The simulator's state: torchft's lighthouse rule, the event kinds, a cluster and its
+replica groups, and one run's result (the model: engine.py's docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from hier_localsgd.tools.simulate.config import INF
+
+
+# ----------------------------------------------------------------------------- the lighthouse rule
+def lighthouse_forms_at(now: float, first_joined: float, joined: int, waiting_for: Sequence[float], join_s: float, fast: bool, min_joined: int = 1) -> float:
+    """When torchft's lighthouse forms a quorum (``quorum_compute``), if nobody else joins.
+
+    ``waiting_for``: for each healthy participant that has not joined, the time its
+    heartbeat stops counting (``inf`` for a live one). The lighthouse forms at once if
+    every member of the previous quorum has joined (``fast``, "Fast quorum found");
+    otherwise once ``joined > healthy // 2`` (no split brain) and either every healthy
+    participant has joined or ``join_s`` has passed since the first joined. Returns
+    ``inf`` if only a new join (or nothing) can form it.
+    """
+    if joined < min_joined:
+        return INF
+    if fast:
+        return now
+    deadline = first_joined + join_s
+    cands = sorted({now, *[g for g in waiting_for if now < g < INF], *([deadline] if deadline > now else [])})
+    for tc in cands:
+        b = sum(1 for g in waiting_for if g > tc)
+        if joined > (joined + b) // 2 and (b == 0 or tc >= deadline):
+            return tc
+    return INF
+
+
+# ----------------------------------------------------------------------------- state
+# Event kinds, in the heap as (time, seq, kind, a, b, token).
+COMPUTE_DONE, QUORUM, SYNC_DONE, COMMIT, OUTER_DONE, BARRIER, FAIL, CLUSTER_FAIL, KILL, RESTART, WATCHDOG, ABORT, CLUSTER_START, OUTER_TIMEOUT = range(14)
+
+# Cluster states.
+S_COMPUTE, S_QUORUM, S_SYNC, S_OUTER, S_COMMIT, S_DOWN, S_DONE = "compute", "quorum", "sync", "outer", "commit", "down", "done"
+
+
+class Member:
+    """One replica group."""
+
+    __slots__ = ("r", "alive", "hung", "joining", "fid", "down_at", "back_at", "acc0", "gen")
+
+    def __init__(self, r: int) -> None:
+        self.r = r
+        self.alive = True
+        self.hung = False
+        self.joining = False  # restarted, waiting at its cluster's lighthouse
+        self.fid = -1  # the failure that took it down
+        self.down_at = 0.0
+        self.back_at = 0.0
+        self.acc0 = 0  # cluster.outer_acc when it joined (its since-outer steps = outer_acc - acc0)
+        self.gen = 0  # invalidates its scheduled failure after a restart
+
+
+class Cluster:
+    """A cluster's replica groups, which run in lockstep, and its level state."""
+
+    def __init__(self, idx: int, replicas: int) -> None:
+        self.idx = idx
+        self.members = [Member(r) for r in range(replicas)]
+        self.active: Set[int] = set(range(replicas))  # the last quorum's live members (they compute)
+        self.blockers: Dict[int, Tuple[float, int]] = {}  # r -> (until when the lighthouse waits for it, fid)
+        self.joiners: List[int] = []
+        self.state = S_COMPUTE
+        self.epoch = 0
+        self.round_start = 0.0
+        self.round_step_s = 0.0
+        self.phase_start = 0.0
+        self.step = 0
+        self.leader = 0
+        self.inner_rounds = 0
+        # outer level
+        self.base = 0  # the global outer round its model derives from
+        self.mgr_id = idx  # its leader's cluster Manager at the global lighthouse (-1: none)
+        self.mgr_new = False  # that Manager has not been in a global quorum yet (it heals there)
+        self.mgr_cause = -1  # the failure that made the leader change
+        self.stale_cause = -1
+        self.delay_cause = -1
+        self.broken = False  # a non-leader died during the outer phase
+        self.outer_weight = 0.0  # this cluster's weight in the outer round in flight
+        self.outer_outcome: Optional[str] = None  # "committed" | "inner_only" for the pending commit
+        # work (compute replica-seconds)
+        self.pending = 0.0  # inner-committed since the last outer commit
+        self.round_compute = 0.0  # the current round's, once computed
+        self.round_joiners = 0
+        # time categories
+        self.cat = "compute"
+        self.cat_since = 0.0
+        # chaos-style step accounting
+        self.outer_acc = 0
+        self.acc0_sum = 0
+        # restart of a lost cluster
+        self.restart_cause = -1
+        self.first_back = INF
+
+
+@dataclass
+class RunResult:
+    """One simulation's figures (JSON-ready through :func:`dataclasses.asdict`)."""
+
+    seed: int
+    end_s: float
+    capacity: float  # replica-group-seconds
+    goodput: float
+    expected_no_failure_goodput: float
+    committed: float
+    compute: float
+    lost: Dict[str, float]
+    uncommitted_at_end: float
+    sync: float
+    wait: float
+    down: float
+    balance_error: float
+    failures: List[Dict[str, Any]]
+    by_role: Dict[str, Dict[str, float]]
+    unattributed_stall: float
+    slow_link_bytes: float
+    steps_run: int
+    steps_discarded: int
+    efficiency: Optional[float]
+    outer_rounds: int
+    failed_outer_rounds: int
+    inner_rounds: int
+    final_step: int
+    truncated: bool = False  # stopped by the safety net (the configuration cannot finish)
