@@ -187,6 +187,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_tp_sweep(cfg, args.overrides)
     if args.command == "bench":
         setup_logging(cfg.run.log_level, "bench")
+        if cfg.bench.sweep_gbps:  # the sweep over WAN rates, arms and seeds
+            from hier_localsgd.experiments.bench_sweep import run_sweep
+
+            return run_sweep(cfg, args.overrides)
         from hier_localsgd.experiments.bench import run_bench
 
         return run_bench(cfg, args.overrides)

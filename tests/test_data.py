@@ -56,3 +56,12 @@ def test_text_file_through_datasets_byte_level(tmp_path):
 def test_text_file_missing_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.path"):
         ByteTextData(str(tmp_path / "nope.txt"), "text", "text", 0, 0, 1, 1, 4, 1, 0.1)
+
+
+def test_a_sample_stream_reorders_training_batches_but_keeps_the_chain_and_eval_set():
+    chain = MarkovChain(32, 4, 7)
+    base, other = MarkovData(chain, 7, 0, 2, 16, 2), MarkovData(chain, 7, 0, 2, 16, 2, stream=3)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(base.eval_batches(), other.eval_batches()))
+    assert not torch.equal(base.batch(5)[0], other.batch(5)[0])
+    assert torch.equal(other.batch(5)[0], MarkovData(chain, 7, 0, 2, 16, 2, stream=3).batch(5)[0])  # reproducible
+    assert torch.equal(base.batch(5)[0], MarkovData(chain, 7, 0, 2, 16, 2, stream=0).batch(5)[0])  # stream 0: the original order

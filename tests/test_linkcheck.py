@@ -17,7 +17,7 @@ REASON = netns.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
 
 NBYTES = 2 * 1024 * 1024
-BURST = 32 * 1024  # netns.ClusterNetwork.shape's default bucket: sent at once, ahead of the rate
+BURST = netns.TBF_BURST_BYTES  # ClusterNetwork.shape's default bucket: sent at once, ahead of the rate
 
 
 def test_a_shaped_link_bounds_the_all_reduce_and_both_modes_send_the_ring_count():

@@ -23,6 +23,20 @@ the ddp arm's final loss + ``bench.target_margin``), and per level the measured 
 the payload all-reduce next to its analytical ring bound. Outputs: a markdown table, JSON,
 and two plots (excess loss vs wall time, vs slow-link bytes).
 
+**Real links** (``bench.links=kernel``): each cluster's lighthouse and replica groups run in
+a network namespace of their own (``run.netns``, launch/netns.py), joined through veth pairs
+and a bridge; every cluster uplink is shaped by the kernel's ``tbf`` at ``bench.wan_gbps`` in
+both directions, and the user-space bandwidth padding of the WAN level is off
+(``links.outer.bandwidth_gbps=0``). What stays in user space: the WAN latency
+(``links.outer.latency_ms``; ``tc netem`` is unavailable here) as a *floor* — a collective
+takes at least its ``2(n-1)·α`` — not added to the kernel's transfer time; and the LAN, which
+is the loopback inside a cluster's namespace with its user-space emulation as before. Bytes
+on the wire: each cluster uplink's counters (``/proc/net/dev`` in the cluster's namespace),
+read before the processes start and after they end, reported next to the accounted
+slow-link bytes (headers, acknowledgements and the control plane — heartbeats, quorums,
+store traffic — are on the wire and not in the accounting). Unavailable namespaces or tbf
+end the command with exit 2 and the reason.
+
 ``bench.mode=quick`` (tiny model, a couple of minutes) for smoke checks; ``full`` (the
 debugmodel workload, under 30 minutes on 2 cores). The workload's periods are the mode's
 preset unless ``bench.h_inner``/``bench.h_outer`` say otherwise (the flat arms follow).
@@ -36,11 +50,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hier_localsgd import costs
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.launch.local import LocalJob, child_env
+from hier_localsgd.launch.netns import TBF_BURST_BYTES
 from hier_localsgd.core.status import read_events, replica_dir
 
 
@@ -70,11 +85,12 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
     lcm = period * budget // math.gcd(period, budget)
     steps = max(steps, lcm) if steps % lcm == 0 else ((steps + lcm - 1) // lcm) * lcm
     b = cfg.bench
+    kernel = b.links == "kernel"  # the WAN's rate is tbf's (run_arm shapes it), not user space's
     common = [
         *w["over"], f"train.steps={steps}", f"sync.inner.every={h_in}", f"sync.outer.every={h_out}",
-        f"train.eval_every={period}",
         f"links.inner.bandwidth_gbps={b.lan_gbps}", f"links.inner.latency_ms={b.lan_latency_ms}",
-        f"links.outer.bandwidth_gbps={b.wan_gbps}", f"links.outer.latency_ms={b.wan_latency_ms}",
+        f"links.outer.bandwidth_gbps={0 if kernel else b.wan_gbps}", f"links.outer.latency_ms={b.wan_latency_ms}",
+        *(["run.netns=true"] if kernel else []),
     ]
     arms = {
         "ddp": ["sync.mode=ddp"],
@@ -103,7 +119,9 @@ def _split_bytes(mode: str, result: dict, C: int, R: int) -> Tuple[float, float]
 
 
 def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int) -> List[Dict[str, float]]:
-    """Per eval step: mean eval loss, mean seconds since training started, job-wide slow bytes."""
+    """Per eval step: mean eval loss, the spread of the groups' losses (0 when every group
+    evaluated the same model: the eval set is shared), mean seconds since training started
+    less the evaluations before it, job-wide slow bytes."""
     start = {}
     for k, evs in events.items():
         s = next((e["t"] for e in evs if e["kind"] == "phase" and e["src"] == "START"), None)
@@ -111,9 +129,11 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
             start[k] = s
     by_step: Dict[int, List[Tuple[Tuple[int, int], dict]]] = {}
     for k, evs in events.items():
+        spent = 0.0  # evaluation seconds so far: not training time
         for e in evs:
             if e["kind"] == "eval" and k in start:
-                by_step.setdefault(e["step"], []).append((k, e))
+                spent += e.get("eval_s", 0.0)
+                by_step.setdefault(e["step"], []).append((k, {**e, "t": e["t"] - spent}))
     curve = []
     for step in sorted(by_step):
         pts = by_step[step]
@@ -125,33 +145,69 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
             fake = {"link": {lv: {"sent_bytes_total": v} for lv, v in b.items()}}
             slow += _split_bytes(mode, fake, C, R)[0]
         t = sum(max(0.0, e["t"] - start[k]) for k, e in pts) / len(pts) if step > 0 else 0.0
-        curve.append({"step": step, "loss": sum(e["loss"] for _, e in pts) / len(pts), "t": t, "slow_bytes": slow})
+        losses = [e["loss"] for _, e in pts]
+        curve.append({"step": step, "loss": sum(losses) / len(losses), "spread": max(losses) - min(losses), "t": t, "slow_bytes": slow})
     return curve
 
 
-def _sync_ratio(results: List[dict], level: str) -> Optional[Dict[str, float]]:
+def _sync_ratio(results: List[dict], level: str, kernel_bound: Optional[Callable[[float], float]] = None) -> Optional[Dict[str, float]]:
+    """Mean measured time of a level's payload all-reduce and its ring bound. ``kernel_bound``
+    (payload bytes -> seconds): the bound at the kernel-shaped rate, for a level whose
+    user-space bound holds only the latency (``bench.links=kernel``)."""
     secs = bound = 0.0
     calls = 0
     for r in results:
         st = r["link"].get(level, {})
         secs += st.get("seconds", {}).get("allreduce/payload", 0.0)
-        bound += st.get("bound_seconds", {}).get("allreduce/payload", 0.0)
-        calls += st.get("calls", {}).get("allreduce/payload", 0)
+        n = st.get("calls", {}).get("allreduce/payload", 0)
+        if kernel_bound is not None and n:
+            bound += n * kernel_bound(st.get("tensor_bytes", {}).get("allreduce/payload", 0) / n)
+        else:
+            bound += st.get("bound_seconds", {}).get("allreduce/payload", 0.0)
+        calls += n
     if calls == 0 or bound == 0:
         return None
     return {"measured_s": secs / calls, "bound_s": bound / calls, "ratio": secs / bound, "calls": calls}
 
 
-def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float) -> Dict[str, Any]:
+def sync_eval(cfg: Config) -> List[str]:
+    """Evaluation at the arm's own sync points: every outer round (hier; with ``sync.outer.delay``
+    at the merge, D inner rounds later), every flat sync (torchft's ``fragment_sync_delay``
+    merges at the sync step itself), and for ddp (synchronised at every step) on the hier
+    period's grid. At these points the blocking arms' groups hold one model (the curve's
+    ``spread`` shows it); an overlapped hier arm's clusters differ by their progress since
+    the outer round's snapshot."""
+    s = cfg.sync
+    period = s.inner.every * s.outer.every
+    if s.mode == "hier":
+        return [f"train.eval_every={period}", f"train.eval_offset={(s.outer.delay * s.inner.every) % period}"]
+    if s.mode == "flat":
+        return [f"train.eval_every={s.flat.every}", "train.eval_offset=0"]
+    return [f"train.eval_every={period}", "train.eval_offset=0"]
+
+
+def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bps: float = 0.0) -> Dict[str, Any]:
+    """One arm as a local job. ``wan_bps`` > 0 (``bench.links=kernel``, with ``run.netns`` in
+    ``overrides``): every cluster uplink is shaped by tbf at that rate and its counters are read."""
+    overrides = [*overrides, *sync_eval(load_config(overrides, validate_for="demo"))]
     cfg = load_config(overrides, validate_for="demo")
     C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
     run_dir = out / "runs" / name
     job = LocalJob(cfg, overrides, free_ports=True, run_dir_override=run_dir)
     t0 = time.time()
+    wire: Optional[Dict[str, Any]] = None
     try:
+        if wan_bps and job.netns is not None:
+            for c in range(C):
+                job.netns.shape(c, wan_bps)
+            before = job.netns.uplink_bytes()
         job.start_lighthouses()
         job.start_all()
         codes = job.wait(timeout_s)
+        if wan_bps and job.netns is not None:
+            after = job.netns.uplink_bytes()
+            wire = {"tx_bytes": sum(after[c][1] - before[c][1] for c in range(C)), "rx_bytes": sum(after[c][0] - before[c][0] for c in range(C)),
+                    "per_cluster_tx": [after[c][1] - before[c][1] for c in range(C)], "rate_bps": wan_bps, "qdisc": job.netns.qdiscs(0).strip()}
     finally:
         job.stop()
     results = [job.result(k) for k in job.keys()]
@@ -167,6 +223,15 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float) -> Dic
     final = sum(r["eval_loss"] for r in results) / len(results)
     levels = ["inner", "outer"] if mode == "hier" else [mode]
     local = [r["local_step_s"] for r in results if r.get("local_step_s")]
+    wan_level, wan_n = ("outer", C) if mode == "hier" else (mode, C * R)
+    alpha = cfg.links.outer.latency_ms / 1000.0
+
+    def kernel_bound(nbytes: float) -> float:
+        # The ring's bytes past tbf's bucket (sent ahead of the rate after an idle spell) at tbf's
+        # rate, or the user-space latency floor if longer: the emulation sleeps up to its bound
+        # (here latency only), so on kernel links the two overlap, never add.
+        past_bucket = max(0.0, costs.ring_allreduce_bytes(nbytes, wan_n) - TBF_BURST_BYTES)
+        return max(past_bucket / (wan_bps / 8), costs.allreduce_time(nbytes, wan_n, alpha, 0.0))
     return {
         "arm": name,
         "mode": mode,
@@ -180,7 +245,8 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float) -> Dic
         "excess_loss": None if floor is None else final - floor,
         "consistent": len({r["checksum"] for r in results}) == 1,
         "curve": _curve(mode, events, C, R),
-        "sync": {lv: _sync_ratio(results, lv) for lv in levels},
+        "sync": {lv: _sync_ratio(results, lv, kernel_bound if wire and lv == wan_level else None) for lv in levels},
+        "wire": None if wire is None else {**wire, "accounted_slow_bytes": slow, "wire_vs_accounted": wire["tx_bytes"] / slow if slow else None},
         "local_step_s": sum(local) / len(local) if local else None,
         "run_dir": str(run_dir),
     }
@@ -209,12 +275,20 @@ def to_target(curve: List[Dict[str, float]], target: float) -> Tuple[Optional[fl
     return None, None
 
 
+def wire_cell(w: Optional[Dict[str, Any]]) -> str:
+    """``MB (× accounted)`` of a kernel-link arm's uplink counters; ``-`` on emulated links."""
+    if not w:
+        return "-"
+    ratio = "" if w.get("wire_vs_accounted") is None else f" ({w['wire_vs_accounted']:.3f}x)"
+    return f"{w['tx_bytes'] / 1e6:.1f}{ratio}"
+
+
 def table(rows: List[Dict[str, Any]], target: float) -> str:
     def f(x: Any, spec: str, scale: float = 1.0) -> str:
         return "-" if x is None else format(x / scale, spec)
 
-    out = [f"| arm | sync every | wall s | slow-link MB | fast-link MB | final eval loss | excess | s to target {target:.3f} | slow MB to target | outer/single-level all-reduce: measured / bound | consistent |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [f"| arm | sync every | wall s | slow-link MB | WAN wire MB (sent) | fast-link MB | final eval loss | excess | s to target {target:.3f} | slow MB to target | outer/single-level all-reduce: measured / bound | consistent |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("failed"):
             out.append(f"| {r['arm']} | FAILED {r['exit_codes']} |")
@@ -223,7 +297,7 @@ def table(rows: List[Dict[str, Any]], target: float) -> str:
         sy = r["sync"].get(lv)
         syt = "-" if not sy else f"{sy['measured_s'] * 1e3:.0f} / {sy['bound_s'] * 1e3:.0f} ms = {sy['ratio']:.2f}"
         out.append(
-            f"| {r['arm']} | {r['sync_every']} | {r['wall_s']:.1f} | {f(r['slow_link_bytes'], '.1f', 1e6)} | {f(r['fast_link_bytes'], '.1f', 1e6)} | "
+            f"| {r['arm']} | {r['sync_every']} | {r['wall_s']:.1f} | {f(r['slow_link_bytes'], '.1f', 1e6)} | {wire_cell(r.get('wire'))} | {f(r['fast_link_bytes'], '.1f', 1e6)} | "
             f"{r['final_eval_loss']:.4f} | {f(r['excess_loss'], '.4f')} | {f(r['time_to_target_s'], '.1f')} | {f(r['slow_bytes_to_target'], '.2f', 1e6)} | {syt} | {r['consistent']} |"
         )
     return "\n".join(out)
@@ -284,19 +358,40 @@ def goals(rows: Dict[str, Dict[str, Any]], overhead: Optional[float]) -> List[st
     return lines
 
 
+KERNEL_NOTE = ("WAN bandwidth: kernel tbf on every cluster uplink, both directions (user-space bandwidth padding off); "
+               "WAN latency: user space, a floor of 2(n-1)*latency per collective; LAN: loopback inside each cluster's namespace, user-space emulated")
+
+
+def links_unavailable(cfg: Config) -> Optional[str]:
+    """With ``bench.links=kernel``: None if namespaces and tbf work here, else why not."""
+    if cfg.bench.links != "kernel":
+        return None
+    from hier_localsgd.launch.netns import shaping_available
+
+    return shaping_available()
+
+
 def run_bench(cfg: Config, overrides: List[str]) -> int:
+    """One bench at ``bench.wan_gbps`` with one seed (cli.py runs bench_sweep.py instead when
+    ``bench.sweep_gbps`` names WAN rates). Exit 0, 1 (a run failed), 2 (kernel links unavailable)."""
     out = Path(cfg.bench.out or Path(cfg.run.dir) / "bench")
     out.mkdir(parents=True, exist_ok=True)
+    why = links_unavailable(cfg)
+    if why:
+        print(f"bench: bench.links=kernel: {why}", flush=True)
+        return 2
     common, arms, steps = plan_arms(cfg)
     base = [*overrides, *common]
-    print(f"bench ({cfg.bench.mode}): {list(arms)} + bare loop, {steps} steps per replica group -> {out}", flush=True)
+    wan_bps = cfg.bench.wan_gbps * 1e9 if cfg.bench.links == "kernel" else 0.0
+    print(f"bench ({cfg.bench.mode}, {cfg.bench.links} links): {list(arms)} + bare loop, {steps} steps per replica group -> {out}", flush=True)
     t0 = time.time()
     rows = []
     for name, extra in arms.items():
         print(f"[{time.time() - t0:.0f}s] arm {name} ...", flush=True)
-        rows.append(run_arm(name, [*base, *extra], out, cfg.bench.timeout_s))
+        rows.append(run_arm(name, [*base, *extra], out, cfg.bench.timeout_s, wan_bps))
     print(f"[{time.time() - t0:.0f}s] bare loop ...", flush=True)
-    bare = run_bare([*base, "sync.mode=hier"], load_config([*base, "sync.mode=hier"], validate_for="demo"), out)
+    bare_over = [o for o in base if o != "run.netns=true"]  # the bare loop has no network
+    bare = run_bare([*bare_over, "sync.mode=hier"], load_config([*bare_over, "sync.mode=hier"], validate_for="demo"), out)
     by = {r["arm"]: r for r in rows}
     ddp = by.get("ddp")
     target = cfg.bench.target_loss or ((ddp["final_eval_loss"] + cfg.bench.target_margin) if ddp and not ddp.get("failed") else None)
@@ -308,7 +403,8 @@ def run_bench(cfg: Config, overrides: List[str]) -> int:
     report = {
         "mode": cfg.bench.mode,
         "steps": steps,
-        "network": {"lan_gbps": cfg.bench.lan_gbps, "lan_latency_ms": cfg.bench.lan_latency_ms, "wan_gbps": cfg.bench.wan_gbps, "wan_latency_ms": cfg.bench.wan_latency_ms},
+        "network": {"lan_gbps": cfg.bench.lan_gbps, "lan_latency_ms": cfg.bench.lan_latency_ms, "wan_gbps": cfg.bench.wan_gbps, "wan_latency_ms": cfg.bench.wan_latency_ms,
+                    "links": cfg.bench.links, "what_is_kernel": KERNEL_NOTE if cfg.bench.links == "kernel" else None},
         "target_loss": target,
         "arms": rows,
         "bare_step_s": bare,

@@ -127,6 +127,13 @@ class BenchConfig:
     h_outer: int = 0  # 0 = the mode's preset (quick 2, full 3)
     out: str = ""  # "" = <run.dir>/bench
     timeout_s: float = 1800.0  # per arm
+    # kernel: each cluster in its own network namespace, the WAN shaped by tbf, no user-space bandwidth (bench.py)
+    links: str = "emulated"  # emulated | kernel
+    seeds: List[int] = field(default_factory=lambda: [0])  # bench_sweep.py: >= 3 for medians and spread
+    sweep_gbps: List[float] = field(default_factory=list)  # non-empty: the sweep over WAN rates (bench_sweep.py)
+    pilot_seed: int = 1000  # the pilot run that fixes the sweep's target loss
+    chaos: bool = False  # the sweep also runs hier and flat under one chaos.* fault schedule (bench_chaos.py)
+    chaos_steps: int = 600  # that run's steps per replica group
 
     def check(self) -> None:
         if self.mode not in ("quick", "full"):
@@ -140,6 +147,15 @@ class BenchConfig:
         for name in ("lan_latency_ms", "wan_latency_ms", "target_margin", "target_loss", "h_inner", "h_outer"):
             if getattr(self, name) < 0:
                 fail(f"bench.{name}", f"{getattr(self, name)} — must be at least 0")
+        if self.links not in ("emulated", "kernel"):
+            fail("bench.links", f"{self.links!r} — expected emulated or kernel")
+        for i, g in enumerate(self.sweep_gbps):
+            if g <= 0:
+                fail(f"bench.sweep_gbps[{i}]", f"{g} — a bandwidth must be positive")
+        if self.chaos_steps < 1:
+            fail("bench.chaos_steps", f"{self.chaos_steps} — must be at least 1")
+        if not self.seeds or self.pilot_seed in self.seeds:
+            fail("bench.seeds" if not self.seeds else "bench.pilot_seed", "needs a seed, and a pilot seed outside bench.seeds")
 
 
 SWEEP_OPS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd", "all")

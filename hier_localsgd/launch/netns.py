@@ -98,6 +98,7 @@ MAX_CLUSTERS = 250  # cluster i is 198.18.0.(i + 2)
 PREFIX_RE = re.compile(r"^hln(\d+)([a-z])$")  # default prefixes: hln<pid><letter>
 _NAME_RE = re.compile(r"^hln(\d+)[a-z]")  # anything named by such a prefix
 IFNAMSIZ = 15
+TBF_BURST_BYTES = 32 * 1024  # shape()'s default bucket: sent at line rate after an idle spell, ahead of the shaped rate
 CLONE_NEWNET = 0x40000000
 
 _lock = threading.Lock()
@@ -158,6 +159,27 @@ def available() -> Optional[str]:
         _run_in_ns(ns, lambda: socket.socket().close())
     except (NetnsError, OSError) as e:
         return f"cannot build a network namespace here: {str(e).splitlines()[0]}"
+    finally:
+        _cmd(["ip", "netns", "del", ns], check=False)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def shaping_available() -> Optional[str]:
+    """None if :meth:`ClusterNetwork.shape` works here (namespaces and the kernel's
+    ``tbf`` qdisc), else a one-line reason. Puts a ``tbf`` on the loopback of a
+    throw-away namespace and removes the namespace. Cached."""
+    why = available()
+    if why is not None:
+        return why
+    if shutil.which("tc") is None:
+        return "no `tc` command on PATH (iproute2)"
+    ns = f"{_new_prefix()}-tbf"
+    try:
+        _cmd(["ip", "netns", "add", ns])
+        _cmd(["tc", "-n", ns, "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", "1mbit", "burst", "32k", "latency", "50ms"])
+    except (NetnsError, OSError) as e:
+        return f"the kernel's tbf qdisc is unavailable: {str(e).splitlines()[0]}"
     finally:
         _cmd(["ip", "netns", "del", ns], check=False)
     return None
@@ -385,7 +407,7 @@ class ClusterNetwork:
     def partitioned(self) -> List[int]:
         return sorted(self._partitioned)
 
-    def shape(self, cluster: int, rate_bits_per_s: float, burst_bytes: int = 32 * 1024, latency: timedelta = timedelta(milliseconds=50)) -> None:
+    def shape(self, cluster: int, rate_bits_per_s: float, burst_bytes: int = TBF_BURST_BYTES, latency: timedelta = timedelta(milliseconds=50)) -> None:
         """Shapes cluster ``cluster``'s uplink with ``tbf`` in both directions: the
         cluster side's egress (what it sends) and the hub side's egress (what it
         receives), each at ``rate_bits_per_s`` with a ``burst_bytes`` bucket and at most
@@ -403,6 +425,11 @@ class ClusterNetwork:
         self._index(cluster)
         _cmd(["tc", "-n", self.namespace(cluster), "qdisc", "del", "dev", self.cluster_iface(cluster), "root"], check=False)
         _cmd(["tc", "-n", self.hub, "qdisc", "del", "dev", self.hub_iface(cluster), "root"], check=False)
+
+    def uplink_bytes(self) -> Dict[int, Tuple[int, int]]:
+        """Cluster -> (rx_bytes, tx_bytes) of its uplink's cluster-side end: everything the
+        cluster received from and sent to the hub and the other clusters (headers included)."""
+        return {c: self.counters(c)[self.cluster_iface(c)] for c in range(self.clusters)}
 
     def qdiscs(self, where: Where) -> str:
         """``tc qdisc show`` inside ``where`` (for checks and reports)."""

@@ -8,12 +8,13 @@ with the hierarchical arm's steps without a sync.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
-from hier_localsgd.train.model import build_model, lm_loss
+from hier_localsgd.train.model import build_model, evaluate, lm_loss
 from hier_localsgd.train.trainer import build_data, trimmed_mean
 
 if TYPE_CHECKING:
@@ -39,3 +40,26 @@ def bare_loop(cfg: Config) -> Dict[str, Any]:
             time.sleep(max(0.0, tr.min_step_time_s - (time.perf_counter() - t0)))
         times.append(time.perf_counter() - t0)
     return {"step_s": trimmed_mean(times), "steps": len(times)}
+
+
+def pilot_loop(cfg: Config, groups: int) -> Dict[str, Any]:
+    """The pilot that fixes a benchmark's target loss without any arm's algorithm: one process,
+    no sync, ``groups`` x ``train.batch_size`` sequences per step (the job's tokens per step)
+    for ``train.steps`` steps (its token budget), evaluated on the arms' eval set. Returns the
+    final eval loss and the eval curve (every ``train.eval_every`` steps, if set)."""
+    tr = cfg.train
+    torch.set_num_threads(tr.threads)
+    big = dataclasses.replace(cfg, train=dataclasses.replace(tr, batch_size=tr.batch_size * groups))
+    data, eval_set = build_data(big), build_data(cfg).eval_batches()
+    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
+    curve = []
+    for step in range(tr.steps):
+        x, y = data.batch(step)
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if tr.eval_every and (step + 1) % tr.eval_every == 0:
+            curve.append({"step": step + 1, "loss": evaluate(model, eval_set)})
+    final = curve[-1]["loss"] if curve and curve[-1]["step"] == tr.steps else evaluate(model, eval_set)
+    return {"final_eval_loss": final, "curve": curve, "steps": tr.steps, "batch_size": tr.batch_size * groups, "entropy_floor": data.entropy_floor}

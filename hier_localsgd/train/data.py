@@ -49,6 +49,7 @@ class DataConfig:
     branching: int = 4
     concentration: float = 0.5
     seed: int = 1234
+    stream: int = 0  # markov: another order of training samples from the same chain (eval set unchanged)
     path: str = ""
     text_column: str = "text"
     eval_fraction: float = 0.05
@@ -65,6 +66,8 @@ class DataConfig:
             if self.concentration <= 0:
                 fail("data.concentration", f"{self.concentration} — must be positive")
             return
+        if self.stream:
+            fail("data.stream", f"{self.stream} — only the markov corpus has sample streams")
         if not 0 < self.eval_fraction < 1:
             fail("data.eval_fraction", f"{self.eval_fraction} — must be in (0, 1)")
         if read_input:
@@ -163,6 +166,7 @@ class MarkovData:
     batch_size: int
     seq_len: int
     n_eval_batches: int
+    stream: int = 0  # 0: the original order; else another, same chain and eval set
 
     @property
     def vocab_size(self) -> int:
@@ -177,7 +181,8 @@ class MarkovData:
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def batch(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self._pair(self.chain.sample(self.batch_size, self.seq_len + 1, _rng(self.seed, self.shard, step)))
+        rng = _rng(self.seed, self.shard, step) if not self.stream else np.random.default_rng(np.random.SeedSequence([self.seed, self.shard, step, self.stream]))
+        return self._pair(self.chain.sample(self.batch_size, self.seq_len + 1, rng))
 
     def eval_batches(self) -> list[Tuple[torch.Tensor, torch.Tensor]]:
         return [

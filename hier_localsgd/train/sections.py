@@ -25,6 +25,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     eval_batches: int = 8
     eval_every: int = 0
+    eval_offset: int = 0  # evaluate at steps offset + k*eval_every (bench: an overlapped arm's merge steps)
     log_every: int = 10
     threads: int = 1
     seed: int = 0
@@ -42,6 +43,8 @@ class TrainConfig:
             fail("train.lr", f"{self.lr} — must be positive")
         if self.eval_every < 0:
             fail("train.eval_every", f"{self.eval_every} — must be 0 (start and end only) or positive")
+        if self.eval_offset < 0 or (self.eval_every and self.eval_offset >= self.eval_every):
+            fail("train.eval_offset", f"{self.eval_offset} — must be in [0, train.eval_every)")
         s = sync
         if not runs:
             return

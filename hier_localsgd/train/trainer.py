@@ -63,7 +63,7 @@ def build_data(cfg: Config, rank: int = 0):  # type: ignore[no-untyped-def]
     d, tr = cfg.data, cfg.train
     if d.kind == "markov":
         chain = MarkovChain(d.states, d.branching, d.seed, d.concentration)
-        return MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches)
+        return MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches, d.stream)
     return ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard(rank), cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
 
 
@@ -382,9 +382,10 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
                    work__steps_discarded=work.get("steps_discarded"),
                    **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
-        if tr.eval_every and c.step % tr.eval_every == 0 and c.step < tr.steps:
-            ev = evaluate(model, eval_set)
-            pub.event("eval", step=c.step, loss=ev, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
+        if tr.eval_every and c.step % tr.eval_every == tr.eval_offset and c.step < tr.steps:
+            t_eval = time.perf_counter()
+            ev = evaluate(model, eval_set)  # eval_s: the bench takes evaluation time out of its time axis
+            pub.event("eval", step=c.step, loss=ev, floor=floor, bytes=_bytes_by_level(sync.link_stats()), eval_s=time.perf_counter() - t_eval)
             pub.update(eval_loss=ev, eval_step=c.step)
             tb.add(c.step, eval__loss=ev, eval__excess=None if floor is None else ev - floor)
 
