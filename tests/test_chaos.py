@@ -437,3 +437,36 @@ def test_lighthouse_and_hang_evidence_from_hand_built_records():
     ev_h[(1, 1)][1]["checksum"] = "y"  # no peer committed the same model: no evidence
     (ev,) = fault_evidence([hang], ev_h, [], clusters=2)
     assert ev["rejoined_after_s"] is None and ev["recovered"] is False
+
+
+def test_a_schedule_on_training_progress_fires_at_steps_not_seconds(tmp_path):
+    """chaos.kill_every_steps: the monkey waits for the furthest group's step, however long
+    that takes, so a slower run (flat vs hier) meets its faults at the same steps."""
+    from hier_localsgd.config import load_config
+    from hier_localsgd.experiments.chaos import ChaosMonkey
+
+    cfg = load_config([f"run.dir={tmp_path}", "chaos.kinds=[kill]", "chaos.draw=cycle", "chaos.kill_every_steps=40",
+                       "train.steps=300"], validate_for="chaos")
+
+    class Job:  # the monkey reads statuses and the run directory only
+        run_dir, history, replicas, netns = tmp_path, [], {}, None
+        step = 0
+
+        def keys(self):
+            return [(0, 0), (0, 1)]
+
+        def status(self, key):
+            return {"step": self.step if key == (0, 0) else self.step - 3, "state": "running"}
+
+    job = Job()
+    monkey = ChaosMonkey(job, cfg)  # type: ignore[arg-type]
+    fired = []
+    monkey._continuous_now = lambda: []  # type: ignore[method-assign]
+    monkey._running = lambda continuous: {k: job.status(k) for k in job.keys()}  # type: ignore[method-assign]
+    monkey._kill_role = lambda running, continuous, now: fired.append(job.step) or True  # type: ignore[method-assign]
+    monkey.schedule_next(monkey.t0)
+    assert monkey.next_step == 40
+    for step in range(0, 130, 5):
+        job.step = step
+        monkey()
+    assert fired == [40, 80, 120]  # one per 40 steps of the furthest group, whatever the clock did

@@ -102,7 +102,11 @@ class ChaosMonkey:
         self.roles = list(ch.roles)
         self.stop_at_step = int(cfg.train.steps * ch.stop_kills_at)
         self.t0 = time.time()
+        # chaos.kill_every_steps: faults fall on training progress (the furthest group's
+        # step), so runs of different speed (hier and flat) meet them at the same steps.
+        self.step_mean = ch.kill_every_steps
         self.next_kill = self.t0 + self.rng.expovariate(1.0 / self.mean)
+        self.next_step = 0
         self.kills: List[Dict[str, Any]] = []
         self.work_at_kill: List[Dict[str, Any]] = []
         self.stall = StallWatch(job, stall_limit_s(cfg), cfg.train.steps, self.t0)
@@ -157,7 +161,7 @@ class ChaosMonkey:
             self._end(action, arg)
         if self.armed is not None:
             self._phase_kill(now)
-        if now < self.next_kill:
+        if now < self.next_kill or (self.step_mean and self.progress() < self.next_step):
             return
         continuous = self._continuous_now()  # read once per fault: every events file
         running = self._running(continuous)
@@ -187,12 +191,29 @@ class ChaosMonkey:
             self.next_kill = now + 1.0  # nothing eligible right now (restarting); try again soon
             return
         self.kinds_done.append(kind)
-        self.next_kill = now + self.interval()
+        self.schedule_next(now)
 
     def interval(self) -> float:
-        """Time to the next fault: exponential with mean chaos.kill_every_s, or exactly that
-        with chaos.draw=cycle (a fixed, reproducible schedule)."""
-        return self.mean if self.cfg.chaos.draw == "cycle" else self.rng.expovariate(1.0 / self.mean)
+        """Time (or, with chaos.kill_every_steps, local steps) to the next fault: exponential
+        with mean chaos.kill_every_s (kill_every_steps), or exactly that with
+        chaos.draw=cycle (a fixed, reproducible schedule)."""
+        mean = self.step_mean or self.mean
+        return mean if self.cfg.chaos.draw == "cycle" else self.rng.expovariate(1.0 / mean)
+
+    def progress(self) -> int:
+        """The furthest replica group's step (its status file)."""
+        return max((int((self.job.status(k) or {}).get("step", 0)) for k in self.job.keys()), default=0)
+
+    def schedule_next(self, now: float, at_least: bool = False) -> None:
+        """The next fault one interval from now: in seconds, or in steps from the current
+        progress (``at_least``: never earlier than already scheduled)."""
+        if self.step_mean:
+            nxt = self.progress() + max(1, round(self.interval()))
+            self.next_step = max(self.next_step, nxt) if at_least else nxt
+            self.next_kill = now
+        else:
+            nxt_t = now + self.interval()
+            self.next_kill = max(self.next_kill, nxt_t) if at_least else nxt_t
 
     def _kill(self, targets: List[Key], running: Dict[Key, dict], now: float, role: str, kind: str = "kill", **extra: Any) -> None:
         record = {"t": now - self.t0, "t_abs": now, "kind": kind, "role": role, "targets": [name(k) for k in targets],
@@ -275,7 +296,7 @@ class ChaosMonkey:
             self.job.heal(arg)  # type: ignore[attr-defined]
         # The next fault waits a whole interval after this one ended: back-to-back
         # partitions left a cluster no time to rejoin before the run finished.
-        self.next_kill = max(self.next_kill, time.time() + self.interval())
+        self.schedule_next(time.time(), at_least=True)
 
     def finish(self) -> None:
         """Ends every fault still in progress (a stopped process, a cut cluster)."""
@@ -333,7 +354,7 @@ def _run(cfg: Config, overrides: List[str], subdir: str, chaos: bool) -> Tuple[L
         job.start_all()
         if monkey is not None:
             monkey.t0 = monkey.stall.t0 = monkey.stall.last_progress = time.time()
-            monkey.next_kill = monkey.t0 + monkey.interval()
+            monkey.schedule_next(monkey.t0)
         job.wait(cfg.chaos.timeout_s, tick=monkey, tick_every_s=0.2, restart=chaos, restart_delay_s=cfg.chaos.restart_delay_s)
     finally:
         if monkey is not None:

@@ -33,6 +33,7 @@ class DemoConfig:
 class ChaosConfig:
     seed: int = 0
     kill_every_s: float = 30.0  # mean time between kills (exponential intervals)
+    kill_every_steps: int = 0  # > 0: faults on training progress instead (mean local steps between them)
     roles: List[str] = field(default_factory=lambda: ["non_leader", "leader", "cluster"])
     restart_delay_s: float = 2.0
     stop_kills_at: float = 0.8  # no kills once every process has passed this fraction of the steps
@@ -58,6 +59,8 @@ class ChaosConfig:
             fail("chaos.roles", "needs at least one role")
         if self.kill_every_s <= 0:
             fail("chaos.kill_every_s", f"{self.kill_every_s} — must be positive")
+        if isinstance(self.kill_every_steps, bool) or self.kill_every_steps < 0:
+            fail("chaos.kill_every_steps", f"{self.kill_every_steps} — must be 0 (wall-clock schedule) or a number of steps")
         if not 0 < self.stop_kills_at <= 1:
             fail("chaos.stop_kills_at", f"{self.stop_kills_at} — must be in (0, 1]")
         if self.restart_delay_s < 0:
