@@ -10,7 +10,8 @@ for the time to the target (bench.py's curve: seconds since each group's first s
 evaluation time; a restarted group keeps its first start, so time lost to faults counts).
 
 Settings: every ``chaos.*`` override given to the sweep applies (seed, kinds, rate of
-faults); ``bench.chaos_steps`` sets the run's length (faults need a run longer than the
+faults: give ``chaos.kill_every_steps`` so hier and flat meet faults at the same training
+steps — a wall-clock schedule hits the faster run less); ``bench.chaos_steps`` sets the run's length (faults need a run longer than the
 quick workload's seconds). The WAN's bandwidth is the user-space emulation's even with
 ``bench.links=kernel`` (chaos.py builds its own jobs, which bench.py does not shape); with
 namespaces available chaos.py runs the clusters in them for its partition faults. ``chaos.baseline`` is off (goodput needs none). WAN bytes are not
