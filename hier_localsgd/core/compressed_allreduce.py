@@ -144,6 +144,60 @@ def _wait(work, timeout: timedelta, what: str) -> None:
         raise RuntimeError(f"compressed_allreduce: {what} did not complete within {timeout}")
 
 
+def _encode(tensor: torch.Tensor, fmt: str, block: int, lay: "ShardLayout", world: int, error_feedback: Optional[ErrorFeedback]) -> Quantized:
+    """This rank's contribution, quantized over whole shards (zero padding completes them)."""
+    n = tensor.numel()
+    total = world * lay.shard_elems
+    if error_feedback is not None:
+        # encode adds the residual to the real elements and quantizes them; its blocks
+        # are the padded tensor's first blocks (shards are whole blocks, padding only
+        # completes the last block with zeros), and the remaining blocks are all padding:
+        # code 0, scale 0
+        q_real = error_feedback.encode(tensor)
+        codes = torch.zeros(total, dtype=q_real.codes.dtype, device=tensor.device)
+        codes[: q_real.codes.numel()] = q_real.codes
+        scales = torch.zeros(world * lay.shard_blocks, dtype=torch.float32, device=tensor.device)
+        scales[: q_real.scales.numel()] = q_real.scales
+        q = Quantized(codes=codes, scales=scales, numel=total, fmt=fmt, block=block)
+    elif n == total:
+        q = quantize(tensor, fmt, block)  # whole shards already: read without a copy
+    else:
+        padded = torch.zeros(total, dtype=torch.float32, device=tensor.device)
+        padded[:n] = tensor.view(-1)
+        q = quantize(padded, fmt, block)
+    return q
+
+
+def _reduce_own_shard(
+    recv: torch.Tensor, fmt: str, block: int, lay: "ShardLayout", world: int, rank: int, n: int, op: str,
+    shard_feedback: Optional[ErrorFeedback], fold_feedback: Optional[ErrorFeedback],
+) -> Quantized:
+    """Dequantizes and sums the shard this rank owns (fp32, in rank order: the owner alone
+    computes it, so the order only has to be fixed, not agreed) and requantizes it, with
+    the second quantization's error kept (``shard_feedback``) or folded into this
+    sender's own residual (``fold_feedback``)."""
+    versions = dequantize(_unpack(recv, fmt, lay, world * lay.shard_elems)).view(world, lay.shard_elems)
+    acc = versions[0].clone()
+    for j in range(1, world):
+        acc += versions[j]
+    if op == AVG:
+        acc /= world
+    if shard_feedback is not None:
+        owner = (n, world, rank)
+        if shard_feedback.owner != owner:
+            shard_feedback.reset()
+            shard_feedback.owner = owner
+        q_mine = shard_feedback.encode(acc)
+    else:
+        q_mine = quantize(acc, fmt, block)
+        if fold_feedback is not None:
+            err = acc - dequantize(q_mine)
+            if op == AVG:
+                err *= world
+            fold_feedback.fold(rank * lay.shard_elems, err, n)
+    return q_mine
+
+
 def compressed_allreduce(
     tensor: torch.Tensor,
     pg: ProcessGroup,
@@ -160,6 +214,9 @@ def compressed_allreduce(
     world: Optional[int] = None,
 ) -> CompressedAllreduceResult:
     """All-reduces ``tensor`` in place over ``pg`` with quantized payloads.
+
+    (Over 80 lines for its argument documentation; the encoding and the shard
+    reduction are :func:`_encode` and :func:`_reduce_own_shard`.)
 
     Args:
         tensor: contiguous fp32 tensor (any shape, read flat), on the device ``pg``
@@ -235,24 +292,7 @@ def compressed_allreduce(
         return timeout if remaining is None else remaining()
     n = tensor.numel()
     lay = shard_layout(n, world, block)
-    total = world * lay.shard_elems
-    if error_feedback is not None:
-        # encode adds the residual to the real elements and quantizes them; its blocks
-        # are the padded tensor's first blocks (shards are whole blocks, padding only
-        # completes the last block with zeros), and the remaining blocks are all padding:
-        # code 0, scale 0
-        q_real = error_feedback.encode(tensor)
-        codes = torch.zeros(total, dtype=q_real.codes.dtype, device=tensor.device)
-        codes[: q_real.codes.numel()] = q_real.codes
-        scales = torch.zeros(world * lay.shard_blocks, dtype=torch.float32, device=tensor.device)
-        scales[: q_real.scales.numel()] = q_real.scales
-        q = Quantized(codes=codes, scales=scales, numel=total, fmt=fmt, block=block)
-    elif n == total:
-        q = quantize(tensor, fmt, block)  # whole shards already: read without a copy
-    else:
-        padded = torch.zeros(total, dtype=torch.float32, device=tensor.device)
-        padded[:n] = tensor.view(-1)
-        q = quantize(padded, fmt, block)
+    q = _encode(tensor, fmt, block, lay, world, error_feedback)
     send = _pack(q, lay)
     recv = torch.empty_like(send)
 
@@ -262,27 +302,7 @@ def compressed_allreduce(
     run(pg.alltoall_base(recv, send, [], [], a2a), "all-to-all")
     alltoall_s = time.perf_counter() - t0
 
-    # reduce my shard in fp32, in rank order (the owner alone computes it, so the
-    # order only has to be fixed, not agreed)
-    versions = dequantize(_unpack(recv, fmt, lay, world * lay.shard_elems)).view(world, lay.shard_elems)
-    acc = versions[0].clone()
-    for j in range(1, world):
-        acc += versions[j]
-    if op == AVG:
-        acc /= world
-    if shard_feedback is not None:
-        owner = (n, world, rank)
-        if shard_feedback.owner != owner:
-            shard_feedback.reset()
-            shard_feedback.owner = owner
-        q_mine = shard_feedback.encode(acc)
-    else:
-        q_mine = quantize(acc, fmt, block)
-        if fold_feedback is not None:
-            err = acc - dequantize(q_mine)
-            if op == AVG:
-                err *= world
-            fold_feedback.fold(rank * lay.shard_elems, err, n)
+    q_mine = _reduce_own_shard(recv, fmt, block, lay, world, rank, n, op, shard_feedback, fold_feedback)
     mine = _pack(q_mine, shard_layout(lay.shard_elems, 1, block))[0]
 
     gathered: List[torch.Tensor] = [torch.empty_like(mine) for _ in range(world)]
