@@ -176,6 +176,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     t.check(s.mode)
     s.check(t)
     cfg.train.check(s)
+    cfg.train.check_device(trains=command in TRAINING_COMMANDS)
     cfg.data.check(cfg.train.seq_len, cfg.num_shards, read_input=command in TRAINING_COMMANDS)
     cfg.model.check()
     cfg.lighthouse.check(

@@ -71,6 +71,7 @@ from torch.optim import Optimizer
 
 from hier_localsgd.core import guard
 from hier_localsgd.core.comm import LevelComm, is_timeout
+from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.faults import FaultPlan, InjectedFault
 from hier_localsgd.core.flat import FlatParams, checksum, checksum_int
 from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
@@ -159,6 +160,9 @@ class HierSettings:
     # group.parallel=tp: every rank holds its own shard of the model (tp.py) and syncs all
     # of it with the same rank of the other groups; no slicing, no group all-gather.
     group_shards: bool = False
+    # Process-group backend of each level (core/device.py; link.py stages tensors to it).
+    inner_backend: str = "gloo"
+    outer_backend: str = "gloo"
     # Lighthouse outages (outage.py): each quorum request waits at most quorum_slice (the
     # lighthouse heartbeat timeout) before the lighthouse is probed; a level whose
     # lighthouse has not answered for outage_limit ends the process.
@@ -230,7 +234,8 @@ class HierarchicalSync:
         # parameters; each level owns its backup and its momentum buffer.
         self.inner = Level("inner", settings.inner, flat.data[self.part])
         self.outer = Level("outer", settings.outer, flat.data[self.part])
-        self._committed = flat.data.detach().clone()  # the full model at the last commit
+        # Host state (core/device.py): pinned host memory when the model is on CUDA.
+        self._committed = host_copy(flat.data)  # the full model at the last commit
         check_disjoint_tensors(
             [
                 ("model parameters (inner optimizer)", [flat.data]),
@@ -239,7 +244,7 @@ class HierarchicalSync:
                 ("committed model", [self._committed]),
             ]
         )
-        self._opt_backup = copy.deepcopy(inner_optimizer.state_dict())
+        self._opt_backup = host_state(inner_optimizer.state_dict())
         # Overlapped outer sync (overlap.py): the leader's inner and outer groups may each
         # have a collective in flight (they share no pair of processes, I1).
         self._overlap = settings.outer_delay > 0
@@ -248,7 +253,7 @@ class HierarchicalSync:
             OuterStage(str(identity), listener=lambda phase: tracker.set_extra(outer_stage=phase)) if self._overlap else None
         )
         # Every member: the committed model the last launched outer round started from (θ_s).
-        self._snap: Optional[torch.Tensor] = flat.data[self.part].detach().clone() if self._overlap else None
+        self._snap: Optional[torch.Tensor] = host_copy(flat.data[self.part]) if self._overlap else None
         self._snap_step = 0
         self._snap_since_outer = 0  # inner-committed steps the launched outer round carries
         self._stage_outer: Optional[Level] = None  # the stage's copy of the outer level
@@ -275,7 +280,7 @@ class HierarchicalSync:
             "outer": LighthouseHealth("outer", settings.global_lighthouse_field, settings.global_lighthouse, probe, settings.quorum_slice, settings.outage_limit),
         }
         self._published_outage: Dict[str, bool] = {"inner": False, "outer": False}
-        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link)
+        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link, backend=settings.inner_backend)
         self.inner_mgr = self._manager("inner", self.inner_link, "store/inner")
         self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events,
                                     watch=QuorumWatch(settings.cluster_lighthouse, settings.quorum_slice))
@@ -650,7 +655,7 @@ class HierarchicalSync:
         self._since_outer = 0
         self.tracker.set_extra(**self.work_counters())
         self._publish_committed()  # the model becomes the new global model
-        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self._opt_backup = host_state(self.opt.state_dict())
         self.tracker.set_counters(step=c.step, outer_round=c.outer_round)
 
     def _broadcast(self, result: Optional[_OuterResult], prior: torch.Tensor) -> _OuterResult:
@@ -720,7 +725,7 @@ class HierarchicalSync:
         if plan.total_weight > 0 or adopted:
             c.inner_round += 1
         self._publish_committed()
-        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self._opt_backup = host_state(self.opt.state_dict())
         self.tracker.set_counters(step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self.tracker.mark_commit("inner", c.inner_round)
         self.events(
@@ -764,7 +769,8 @@ class HierarchicalSync:
         else:
             import torch.distributed as dist
 
-            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype)
+            dev = self.flat.data.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")  # type: ignore[arg-type]
+            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype, device=dev)
             mine[: self.part.stop - self.part.start] = self.inner.backup
             parts = [torch.empty_like(mine) for _ in range(g)]
             dist.all_gather(parts, mine, group=self.group)
@@ -868,7 +874,7 @@ class HierarchicalSync:
     def _ensure_outer(self, tracker: Optional[PhaseTracker] = None) -> tuple[LevelManager, LevelComm]:
         if self.outer_mgr is None or self.outer_comm is None:
             t = self.t
-            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
+            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link, backend=self.s.outer_backend)
             link.share_stats(self.outer_stats)  # one account (and loss streams) across leadership changes
             self.outer_link = link
             self.outer_mgr = self._manager("outer", link, f"store/outer/{self._outer_epoch}")  # one store per leadership term

@@ -16,8 +16,10 @@ Every replica builds the same initial weights from ``train.seed``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -91,17 +93,28 @@ def build_model(name: str, vocab_size: int, seq_len: int, dim: int, seed: int) -
     raise ValueError(f"model.name={name!r}: expected {TINY!r} or {LLAMA3_PREFIX}<flavor>")
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
+def precision_context(device: torch.device, precision: str) -> ContextManager[object]:
+    """``train.precision``: ``bf16`` autocasts forward (and so backward) to bfloat16 on
+    ``device`` (CPU autocast included), the parameters keeping their own dtype (fp32
+    master weights by default); ``fp32`` changes nothing."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Next-token cross-entropy (computed in fp32 whatever the autocast)."""
+    with precision_context(x.device, precision):
+        logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str = "fp32") -> float:
     was_training = model.training
     model.eval()
     total = 0.0
     for x, y in batches:
-        total += float(lm_loss(model, x, y))
+        total += float(lm_loss(model, x, y, precision))
     model.train(was_training)
     return total / len(batches)

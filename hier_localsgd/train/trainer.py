@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 import torch
 
 from hier_localsgd.core.checkpoint import Checkpointer, rng_state, set_rng_state
-from hier_localsgd.train.data import ByteTextData, MarkovChain, MarkovData
+from hier_localsgd.core.device import DTYPES, memory_stats, resolve_backend, resolve_device
+from hier_localsgd.train.data import ByteTextData, DeviceData, MarkovChain, MarkovData
 from hier_localsgd.core.faults import FaultPlan, InjectedFault
 from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.level import LevelAlgorithm
@@ -58,12 +59,24 @@ class Scalars:
             self.w.close()
 
 
-def build_data(cfg: Config, rank: int = 0):  # type: ignore[no-untyped-def]
+def build_data(cfg: Config, rank: int = 0, device: Optional[torch.device] = None):  # type: ignore[no-untyped-def]
+    """The rank's data shard; with ``device``, feeding tensors on that device."""
     d, tr = cfg.data, cfg.train
     if d.kind == "markov":
         chain = MarkovChain(d.states, d.branching, d.seed, d.concentration)
-        return MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches)
-    return ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard(rank), cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
+        src = MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches)
+    else:
+        src = ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard(rank), cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
+    return src if device is None else DeviceData(src, device)
+
+
+def process_device(cfg: Config) -> torch.device:
+    """``train.device`` for this process: rank k of a replica group (torchrun's LOCAL_RANK)
+    takes GPU k (mod the GPUs visible); the CUDA device becomes the current one."""
+    device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 @dataclass
@@ -76,7 +89,8 @@ class GroupContext:
     store: Optional[Any] = None  # torchrun's store: where rank 0 publishes its Managers' stores
 
 
-def group_context(cfg: Config, t: Any) -> GroupContext:
+def group_context(cfg: Config, t: Any, device: torch.device = torch.device("cpu")) -> GroupContext:
+    """The replica group's own process group (``train.backends.group`` on ``device``)."""
     g = cfg.topology.ranks_per_replica
     if g == 1:
         return GroupContext()
@@ -93,7 +107,9 @@ def group_context(cfg: Config, t: Any) -> GroupContext:
     # attempt's (dead) peers' addresses. Every attempt gets a key space of its own.
     store, rank, _ = next(dist.rendezvous("env://", timeout=max(t.inner_reduce, t.local_step)))
     store = dist.PrefixStore(f"hier/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=g, timeout=max(t.inner_reduce, t.local_step))
+    backend = resolve_backend("group", cfg.train.backends.group, device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=g, timeout=max(t.inner_reduce, t.local_step),
+                            **({"device_id": device} if backend == "nccl" else {}))
     return GroupContext(rank=rank, size=g, pg=dist.group.WORLD, store=store)
 
 
@@ -177,6 +193,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outage_limit=timedelta(seconds=s.outage_limit_s),
             outer_delay=s.outer.delay,
             final_step=cfg.train.steps,
+            inner_backend=resolve_backend("inner", cfg.train.backends.inner, flat.data.device),
+            outer_backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,
@@ -197,6 +215,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
         max_quorum_failures=s.max_quorum_failures,
         max_commit_failures=s.max_commit_failures,
         link_spec=cfg.link_spec("outer"),
+        backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
     )
     if s.mode == "ddp":
         return DDPSync(**common)
@@ -255,7 +274,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     t0 = time.time()
     identity = Identity(cfg.run.cluster, cfg.run.replica)
     tr = cfg.train
-    grp = group_context(cfg, cfg.timeouts_obj())
+    device = process_device(cfg)
+    grp = group_context(cfg, cfg.timeouts_obj(), device)
     lighthouses = {"global": cfg.lighthouse.global_addr}
     if cfg.sync.mode == "hier":
         lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
@@ -288,8 +308,10 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
     # -- data, model, inner optimizer -------------------------------------------
     tp = None  # group.parallel=tp: this rank's TP group, model shard and TP links (tp.py)
-    data = build_data(cfg, 0 if cfg.group.parallel == "tp" else grp.rank)  # TP ranks share their group's batches
-    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
+    data = build_data(cfg, 0 if cfg.group.parallel == "tp" else grp.rank, device)  # TP ranks share their group's batches
+    # Built on the CPU from the seed (identical everywhere), then moved: model, inner
+    # optimizer and live parameters on train.device, in train.param_dtype (fp32 master weights).
+    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed).to(device=device, dtype=DTYPES[tr.param_dtype])
     if cfg.group.parallel == "tp":
         from hier_localsgd.train.tp import group_tp, shard_llama3
 
@@ -305,10 +327,13 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     if grp.pg is not None and tp is None:
         from torch.nn.parallel import DistributedDataParallel
 
-        fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False)
+        fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False,
+                                      device_ids=[device.index] if device.type == "cuda" else None)
+    if tr.compile:
+        fwd = torch.compile(fwd)  # type: ignore[assignment]
     eval_set = data.eval_batches()
     floor = data.entropy_floor
-    eval_start = evaluate(model, eval_set)
+    eval_start = evaluate(model, eval_set, tr.precision)
     pub.update(model_params=flat.numel, model_bytes=flat.nbytes, entropy_floor=floor, eval_loss_start=eval_start)
     pub.event("eval", step=0, loss=eval_start, floor=floor)
     tb.add(0, eval__loss=eval_start, eval__excess=None if floor is None else eval_start - floor)
@@ -322,7 +347,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     ck = cfg.checkpoint
     ckpt = None
     if ck.every or ck.resume:
-        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank)
+        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank,
+                            layout={"ranks_per_replica": grp.size, "device": device.type})
         rt.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
     if ck.resume:
         assert ckpt is not None
@@ -356,7 +382,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         t_step = time.time()
         t_perf = time.perf_counter()
         x, y = data.batch(c.step)
-        loss = lm_loss(fwd, x, y)
+        loss = lm_loss(fwd, x, y, tr.precision)
         loss.backward()  # with G > 1 ranks, DDP has averaged the gradients across the group on return
         if sync.before_optimizer_step():  # ddp: gradient all-reduce + commit vote
             opt.step()
@@ -369,6 +395,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         c.step += 1  # every replica advances its own step counter (I5)
         synced = sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
         if not synced:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step's kernels, not just their launch
             local_step_times.append(time.perf_counter() - t_perf)
         if ckpt is not None and ck.every and c.outer_round > last_ckpt_round and c.outer_round % ck.every == 0:
             last_ckpt_round = c.outer_round  # right after the outer round committed
@@ -387,13 +415,13 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
                    work__steps_discarded=work.get("steps_discarded"),
                    **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
         if tr.eval_every and c.step % tr.eval_every == 0 and c.step < tr.steps:
-            ev = evaluate(model, eval_set)
+            ev = evaluate(model, eval_set, tr.precision)
             pub.event("eval", step=c.step, loss=ev, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
             pub.update(eval_loss=ev, eval_step=c.step)
             tb.add(c.step, eval__loss=ev, eval__excess=None if floor is None else ev - floor)
 
     # -- final evaluation and result ---------------------------------------------
-    final = evaluate(model, eval_set)
+    final = evaluate(model, eval_set, tr.precision)
     pub.event("eval", step=c.step, loss=final, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
     tb.add(c.step, eval__loss=final, eval__excess=None if floor is None else final - floor)
     result = {
@@ -416,6 +444,10 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
         "work": _work(sync),
         "local_step_s": trimmed_mean(local_step_times),
+        "device": str(device),
+        "precision": tr.precision,
+        "param_dtype": str(flat.data.dtype),
+        **memory_stats(device),
         "local_steps_timed": len(local_step_times),
         "wall_s": time.time() - t0,
     }
