@@ -366,6 +366,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     sync.start()  # join round: a restarted group heals here, before any local step
     loss_val = float("nan")
     local_step_times: list = []  # durations of steps without a sync (overhead measurements)
+    t_loop, step_loop = time.perf_counter(), c.step
 
     while c.step < tr.steps:
         sync.before_forward()  # ddp: quorum (and heal) for this step
@@ -420,6 +421,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             pub.update(eval_loss=ev, eval_step=c.step)
             tb.add(c.step, eval__loss=ev, eval__excess=None if floor is None else ev - floor)
 
+    loop_s = time.perf_counter() - t_loop  # every step, syncs included
     # -- final evaluation and result ---------------------------------------------
     final = evaluate(model, eval_set, tr.precision)
     pub.event("eval", step=c.step, loss=final, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
@@ -444,6 +446,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
         "work": _work(sync),
         "local_step_s": trimmed_mean(local_step_times),
+        "step_s": loop_s / max(1, c.step - step_loop),  # mean over the loop, syncs included
+        "tokens_per_step": tr.batch_size * tr.seq_len,  # per rank
         "device": str(device),
         "precision": tr.precision,
         "param_dtype": str(flat.data.dtype),

@@ -41,13 +41,14 @@ def _flavor_args(flavor: str, path: str) -> Dict[str, Any]:
     if name.lower() in PRESETS:
         return dict(PRESETS[name.lower()], multiple_of=256, ffn_dim_multiplier=None)
     try:
-        from torchtitan.models.llama3 import llama3_args
+        from hier_localsgd.train.model import llama3_flavor_args, llama3_flavors
+
+        known = sorted(set(llama3_flavors()) | set(PRESETS))
     except Exception as e:  # pragma: no cover - torchtitan is a dependency
         raise ValueError(f"{path}: {flavor!r} needs torchtitan to resolve ({e}); give explicit dims with flavor=''") from e
-    if name not in llama3_args:
-        known = sorted(set(llama3_args) | set(PRESETS))
+    if name not in known:
         raise ValueError(f"{path}: unknown flavor {flavor!r} (known: {known}, or '' with explicit dims)")
-    a = llama3_args[name]
+    a = llama3_flavor_args(name)
     return dict(
         dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads or a.n_heads,
         ffn_dim=0, vocab_size=a.vocab_size, multiple_of=a.multiple_of, ffn_dim_multiplier=a.ffn_dim_multiplier,
