@@ -188,7 +188,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     cfg.sweep.check()
     cfg.checkpoint.check(s.mode)
     cfg.bench.check()
-    cfg.group.check(t.ranks_per_replica, cfg.model.name, command)
+    cfg.group.check(t.ranks_per_replica, cfg.model.name, command, s.mode)
     try:
         check_tp_sweep(cfg.tp_sweep)
     except ValueError as e:

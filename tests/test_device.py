@@ -205,3 +205,32 @@ def test_gloo_link_stages_device_tensors_through_pinned_host_buffers():
     pg.broadcast([t], b).wait()
     assert t.is_cuda and t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert pg.staged_bytes > 0 and all(buf.is_pinned() for buf in pg._staging.values())
+
+
+# -- FSDP2 inside a replica group ------------------------------------------------------------------
+G2_SMALL = ["topology.ranks_per_replica=2", "topology.replicas_per_cluster=1", "train.steps=10", "sync.inner.every=5",
+            "sync.outer.every=2", "train.device=cpu"]
+
+
+@pytest.mark.slow
+def test_fsdp_in_a_replica_group_on_gloo_matches_the_ddp_run(tmp_path):
+    """group.sharding=fsdp (FSDP2 over Gloo on CPU, each rank syncing its own shard across
+    groups) trains the same model as ddp (each rank a whole replica, gradients averaged):
+    the same averaged gradients, the same elementwise updates, so the loss matches up to
+    floating-point reduction order."""
+    from hier_localsgd.core.status import read_json, replica_dir
+
+    ddp = run_job(tmp_path / "ddp", [*G2_SMALL, "group.sharding=ddp"])
+    assert all(c == 0 for c in ddp.codes.values()), logs_tail(ddp)
+    fsdp = run_job(tmp_path / "fsdp", [*G2_SMALL, "group.sharding=fsdp"])
+    assert all(c == 0 for c in fsdp.codes.values()), logs_tail(fsdp)
+    # rank k of every group holds the same shard; the two ranks' shards differ
+    assert fsdp.summary["consistent"] is True and len(fsdp.summary["checksums"]) == 4
+    res = {(c, k): read_json(replica_dir(fsdp.job.run_dir, c, 0, k) / "result.json") for c in (0, 1) for k in (0, 1)}
+    assert res[(0, 0)]["checksum"] == res[(1, 0)]["checksum"] != res[(0, 1)]["checksum"] == res[(1, 1)]["checksum"]
+    full = read_json(replica_dir(ddp.job.run_dir, 0, 0) / "result.json")["model_params"]
+    assert res[(0, 0)]["model_params"] + res[(0, 1)]["model_params"] == full  # two halves of the model
+    a, b = ddp.summary["final_eval_loss"], fsdp.summary["final_eval_loss"]
+    assert b < fsdp.summary["eval_loss_start"]
+    assert abs(a - b) < 1e-4 * a, (a, b)
+    assert fsdp.summary["outer_rounds_committed"] == ddp.summary["outer_rounds_committed"] == 1

@@ -106,10 +106,14 @@ def host_copy(t: torch.Tensor, pin: Optional[bool] = None) -> torch.Tensor:
 def host_state(obj: Any, pin: bool = False) -> Any:
     """A deep copy of a (nested) state dict with every tensor on the host (an
     optimizer's state for a rollback snapshot, a heal or a checkpoint). Non-tensor
-    leaves are copied by :func:`copy.deepcopy`."""
+    leaves are copied by :func:`copy.deepcopy`. DTensors (``group.sharding=fsdp``) are
+    cloned where they are: on CUDA that snapshot (1/G of the optimizer state) stays on
+    the device — a known gap."""
     import copy
 
     if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "device_mesh"):  # a DTensor (FSDP2's optimizer state): a clone in place;
+            return obj.detach().clone()  # from_local would move a host copy back to the mesh's device
         return host_copy(obj, pin=pin)
     if isinstance(obj, dict):
         return {k: host_state(v, pin) for k, v in obj.items()}

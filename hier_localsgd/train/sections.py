@@ -112,10 +112,26 @@ class GroupConfig:
     parallel: str = "dp"  # dp: every rank a whole replica on its own data | tp: the model split over the ranks (train/tp.py)
     tp_variant: str = "megatron"  # megatron | naive
     tp_links: TPLinksConfig = field(default_factory=TPLinksConfig)
+    sharding: str = "ddp"  # parallel=dp with several ranks: ddp (whole replica per rank) | fsdp (FSDP2 shards, train/fsdp.py)
 
-    def check(self, ranks_per_replica: int, model_name: str, command: str) -> None:
+    def rank_shards(self, ranks_per_replica: int) -> bool:
+        """Whether each rank of a group holds its own shard of the model (tp, or fsdp with
+        several ranks): it syncs all of it with rank k of the other groups, and final
+        checksums agree per rank, not across a group's ranks."""
+        return self.parallel == "tp" or (ranks_per_replica > 1 and self.sharding == "fsdp")
+
+    def check(self, ranks_per_replica: int, model_name: str, command: str, mode: str = "hier") -> None:
         """Checks ``group.*`` (and the TP links) against the topology and model; one line naming the field."""
+        from hier_localsgd.train.fsdp import SHARDINGS
         from hier_localsgd.train.tp import PARALLEL, VARIANTS
+
+        if self.sharding not in SHARDINGS:
+            fail("group.sharding", f"{self.sharding!r} — expected one of {SHARDINGS}")
+        if self.sharding == "fsdp":
+            if self.parallel != "dp":
+                fail("group.sharding", "fsdp shards a data-parallel group (group.parallel=dp)")
+            if mode != "hier":
+                fail("group.sharding", f"fsdp needs sync.mode=hier (got {mode!r}: the baselines sync whole replicas)")
 
         if self.parallel not in PARALLEL:
             fail("group.parallel", f"{self.parallel!r} — expected one of {PARALLEL}")

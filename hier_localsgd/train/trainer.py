@@ -188,7 +188,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outer_link=cfg.link_spec("outer"),
             group_rank=grp.rank,
             group_world_size=grp.size,
-            group_shards=cfg.group.parallel == "tp",
+            group_shards=cfg.group.rank_shards(grp.size),
             quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
             outage_limit=timedelta(seconds=s.outage_limit_s),
             outer_delay=s.outer.delay,
@@ -318,13 +318,20 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         tp = group_tp(cfg, grp.pg, grp.rank, grp.size)
         shard_llama3(model, tp, cfg.group.tp_variant)
     # Gradients as one flat buffer for the ddp baseline, which all-reduces it across replica groups.
-    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
+    fsdp = grp.pg is not None and tp is None and cfg.group.sharding == "fsdp"
+    if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (train/fsdp.py)
+        from hier_localsgd.train.fsdp import ShardedParams, shard_model
+
+        shard_model(model, grp.pg, device)
+        flat: Any = ShardedParams(model)
+    else:
+        flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
     # group (bucketed gradient averaging overlapped with backward), never across the
     # fault-tolerant dimension.
     fwd: torch.nn.Module = model
-    if grp.pg is not None and tp is None:
+    if grp.pg is not None and tp is None and not fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False,
