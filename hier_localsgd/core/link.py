@@ -21,7 +21,8 @@ quorum change. The wrapper:
 * runs on the level's backend (``train.backends.<level>``, core/device.py): Gloo, or
   torchft's NCCL groups. Tensors not on the backend's device are staged: device tensors
   handed to Gloo go through pinned host buffers (one buffer per tensor slot, shape and
-  dtype, reused across rounds), host tensors handed to NCCL through device buffers;
+  dtype, reused across rounds), host tensors handed to NCCL through device buffers
+  (allocated per collective);
   the copy back happens when the collective completes (a chained future), so a waiter
   that abandons the collective (peers.py) is never blocked by the copy. Loss masks are
   sampled on the host (one flag per packet, a seeded stream independent of the device,
@@ -306,6 +307,11 @@ class LinkProcessGroup(ProcessGroupWrapper):
 
     # -- staging to the backend's device -----------------------------------------------
     def _buffer(self, slot: int, t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        """A staging buffer for ``t`` on ``dev``: pinned host buffers are kept for reuse
+        (pinning is costly), device buffers are fresh (freed when the collective is done,
+        so staging holds no device memory between rounds)."""
+        if dev.type != "cpu":
+            return torch.empty(t.shape, dtype=t.dtype, device=dev)
         key = (slot, tuple(t.shape), t.dtype, dev)
         buf = self._staging.get(key)
         if buf is None:

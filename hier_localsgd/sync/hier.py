@@ -645,7 +645,7 @@ class HierarchicalSync:
         c = self.counters
         if self.stage is not None and self.stage.busy:
             return  # the cluster's own outer round is still in flight
-        result = self._outer_round(self.flat.data[self.part].clone(), contribute=True, inner_ok=True)
+        result = self._outer_round(host_copy(self.flat.data[self.part]), contribute=True, inner_ok=True)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
         self.inner.set_backup(result.params)

@@ -67,10 +67,11 @@ def human(p: Dict[str, Any]) -> str:
         f"per rank step ({f['tokens_per_rank_step']} tokens): {fmt_count(f['per_rank_step'])}FLOP; "
         f"compute time per step {fmt_time(p['step_time_s'])} ({p['step_time_source']})",
         "",
-        "Peak memory per rank",
+        "Peak memory per rank (device; host_*: host memory the sync holds, pinned on CUDA)",
     ]
     rows = []
-    keys = ["parameters", "gradients", "optimizer", "sync_backups", "rollback_snapshot", "sync_scratch", "activations", "activations_checkpointed", "peak", "peak_checkpointed"]
+    keys = ["parameters", "gradients", "optimizer", "sync_backups", "rollback_snapshot", "sync_scratch", "activations", "activations_checkpointed", "peak", "peak_checkpointed",
+            "host_sync_state", "host_rollback_snapshot", "host_scratch", "host_peak"]
     for k in keys:
         rows.append([k] + [fmt_bytes(p["modes"][mode]["memory"][k]) for mode in REPORT_ORDER])
     out.append(table(["", *REPORT_ORDER], rows))
