@@ -194,6 +194,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
+    if cfg.group.rank_shards(t.ranks_per_replica) and cfg.group.sharding == "fsdp" and (cfg.checkpoint.every or cfg.checkpoint.resume):
+        fail("group.sharding", "fsdp with durable checkpoints is not supported yet (the optimizer state is DTensor shards); set checkpoint.every=0")
+
     if command == "chaos" and s.mode not in ("hier", "flat"):
         fail("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")
 
