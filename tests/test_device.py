@@ -14,7 +14,7 @@ from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp, TCPS
 from harness import logs_tail, run_job
 from hier_localsgd.config import ConfigError, load_config
 from hier_localsgd.core.checkpoint import Checkpointer, LayoutMismatch
-from hier_localsgd.core.device import host_copy, host_state, resolve_backend, resolve_device
+from hier_localsgd.core.device import host_copy, host_state, one_host_backends, resolve_backend, resolve_device
 from hier_localsgd.core.level import Level, LevelAlgorithm
 from hier_localsgd.core.link import LinkProcessGroup
 from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec, LossModel
@@ -60,6 +60,19 @@ def test_backend_defaults_per_level_and_device():
     assert resolve_backend("outer", "nccl", cuda) == "nccl"
     with pytest.raises(ValueError, match="^train.backends.inner: nccl needs a CUDA device"):
         resolve_backend("inner", "nccl", cpu)
+
+
+def test_the_local_launcher_keeps_cpu_backends_as_configured():
+    auto = {"group": "auto", "inner": "auto", "outer": "auto"}
+    assert one_host_backends("cpu", auto, 2) == {}
+
+
+@cuda_only
+def test_the_local_launcher_picks_gloo_for_groups_sharing_a_gpu():
+    auto = {"group": "auto", "inner": "auto", "outer": "auto"}
+    assert one_host_backends("cuda", auto, 1) == {"inner": "gloo", "outer": "gloo"}
+    assert one_host_backends("cuda", {**auto, "inner": "nccl"}, 1) == {"outer": "gloo"}  # explicit choices kept
+    assert one_host_backends("cuda", auto, torch.cuda.device_count() + 1)["group"] == "gloo"
 
 
 # -- host state ---------------------------------------------------------------------------

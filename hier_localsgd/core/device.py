@@ -78,6 +78,20 @@ def resolve_backend(level: str, name: str, device: torch.device) -> str:
     return name
 
 
+def one_host_backends(device: str, backends: Dict[str, str], ranks_per_replica: int) -> Dict[str, str]:
+    """Backends for ``auto`` levels when every replica group of a job runs on this host
+    (the local launcher): rank k of every group takes GPU k, so groups share GPUs and
+    processes sharing a GPU cannot form an NCCL communicator. On CUDA the inner and outer
+    levels then use Gloo (device tensors staged through pinned host buffers), and the group
+    level too when a group has more ranks than GPUs. Levels set explicitly are kept."""
+    if resolve_device(device).type != "cuda":
+        return {}
+    out = {lv: "gloo" for lv in ("inner", "outer") if backends.get(lv) == "auto"}
+    if backends.get("group") == "auto" and ranks_per_replica > torch.cuda.device_count():
+        out["group"] = "gloo"
+    return out
+
+
 def comm_device(backend: str) -> torch.device:
     """Where a backend's collectives want their tensors: NCCL on the current CUDA device,
     Gloo on the host (Gloo handed device tensors: staged through pinned host buffers)."""
@@ -122,14 +136,6 @@ def host_state(obj: Any, pin: bool = False) -> Any:
     if isinstance(obj, tuple):
         return tuple(host_state(v, pin) for v in obj)
     return copy.deepcopy(obj)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; a host-to-device copy from pinned memory is non-blocking
-    (stream-ordered before any later kernel that reads it)."""
-    if t.device == device:
-        return t
-    return t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned())
 
 
 def memory_stats(device: torch.device) -> Dict[str, Optional[int]]:
