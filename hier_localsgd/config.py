@@ -191,6 +191,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     t.check(s.mode, runs=runs)
     s.check(t)
     cfg.train.check(s, runs=runs)
+    cfg.train.check_device(trains=command in TRAINING_COMMANDS)
     cfg.data.check(cfg.train.seq_len, cfg.num_shards, read_input=command in TRAINING_COMMANDS)
     cfg.model.check()
     cfg.lighthouse.check(
@@ -202,11 +203,14 @@ def validate(cfg: Config, command: str = "train") -> None:
     cfg.sweep.check()
     cfg.checkpoint.check(s.mode)
     cfg.bench.check()
-    cfg.group.check(t.ranks_per_replica, cfg.model.name, command)
+    cfg.group.check(t.ranks_per_replica, cfg.model.name, command, s.mode)
     try:
         check_tp_sweep(cfg.tp_sweep)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+    if cfg.group.rank_shards(t.ranks_per_replica) and cfg.group.sharding == "fsdp" and (cfg.checkpoint.every or cfg.checkpoint.resume):
+        fail("group.sharding", "fsdp with durable checkpoints is not supported yet (the optimizer state is DTensor shards); set checkpoint.every=0")
 
     if command == "chaos" and s.mode not in ("hier", "flat"):
         fail("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")

@@ -142,18 +142,26 @@ def test_memory_per_rank_debugmodel_by_hand():
     hier, ddp, flat = (p["modes"][m]["memory"] for m in ("hier", "ddp", "flat"))
     assert hier["parameters"] == hier["gradients"] == s
     assert hier["optimizer"] == 2 * s  # AdamW, 2 float32 states
-    assert hier["sync_backups"] == 3 * s  # inner localsgd backup + outer diloco backup and momentum
-    assert hier["rollback_snapshot"] == 2 * s
-    assert hier["sync_scratch"] == 6 * s  # inner pseudo-grad + staged backup; outer pseudo-grad + staged (2) + clone
+    # hier keeps its sync state on the host (core/device.py); only the round's scratch is on
+    # the device: the backup's device copy and the pseudo-gradient
+    assert hier["sync_backups"] == hier["rollback_snapshot"] == 0
+    assert hier["sync_scratch"] == 2 * s
+    # host: committed model + inner localsgd backup + outer diloco backup and momentum + the outer link's staging buffer
+    assert hier["host_sync_state"] == 5 * s
+    assert hier["host_rollback_snapshot"] == 2 * s
+    assert hier["host_scratch"] == 3 * s  # staged inner backup; staged outer backup and momentum
     # activations: 256 tokens x (6*256 + 2*256 + 4*768 = 5120 elements) x 6 layers x 4 B = 31,457,280
     # plus the head: 256 x (2*256 x 4 B + 2*2048 x 4 B) = 4,718,592
     assert hier["activations"] == 31_457_280 + 4_718_592
     # checkpointed: 256 x (256 x 6 + 5120) x 4 B = 6,815,744, plus the head
     assert hier["activations_checkpointed"] == 6_815_744 + 4_718_592
-    assert hier["peak"] == 9 * s + max(36_175_872, 6 * s)  # the sync scratch (147.9 MB) is the larger
-    assert ddp["sync_backups"] == ddp["sync_scratch"] == 0
+    assert hier["peak"] == 4 * s + max(36_175_872, 2 * s)  # the sync scratch (49.3 MB) is the larger
+    assert ddp["sync_backups"] == ddp["sync_scratch"] == ddp["host_peak"] == 0
     assert ddp["peak"] == 4 * s + 36_175_872
-    assert flat["sync_backups"] == 2 * s and flat["sync_scratch"] == s
+    # flat (torchft DiLoCo): outer momentum on the device, backup on the host; pseudo-gradients + bucket
+    assert flat["sync_backups"] == s and flat["sync_scratch"] == 2 * s and flat["host_sync_state"] == s
+    # the bound: hier's device memory is no more than flat DiLoCo's
+    assert hier["peak"] <= flat["peak"] and hier["peak_checkpointed"] <= flat["peak_checkpointed"]
 
 
 def test_fsdp_divides_model_sized_memory_by_g():

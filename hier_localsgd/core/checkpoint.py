@@ -17,6 +17,14 @@ sees a partial file under a checkpoint's name). Each file carries a checksum of 
 tensors; :meth:`Checkpointer.load_latest` skips, with a clear message, any file that does
 not load or whose checksum does not match, and falls back to the previous one. The newest
 ``checkpoint.keep`` checkpoints are kept.
+
+Devices: the snapshot holds host tensors only (sync.snapshot() serves from the host,
+core/device.py) and loading maps every tensor to the CPU (``map_location``); the state is
+then copied onto ``train.device``, so a checkpoint written on a GPU resumes on a CPU and
+back. The CUDA RNG states travel too (restored when the resuming process has as many GPUs).
+Each file records its layout (``ranks_per_replica``: one device per rank); a resume with
+another layout is refused with :class:`LayoutMismatch` naming both, since each rank's
+file holds its own slice of the levels' state and the slices differ with the rank count.
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ def rng_state() -> Dict[str, Any]:
         "torch": torch.get_rng_state(),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
     }
 
 
@@ -93,6 +102,13 @@ def set_rng_state(st: Dict[str, Any]) -> None:
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
     p = st["python"]
     random.setstate((p[0], tuple(p[1]), p[2]))
+    cuda = st.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class LayoutMismatch(RuntimeError):
+    """A checkpoint written with another number of ranks (devices) per replica group."""
 
 
 class Checkpointer:
@@ -104,7 +120,11 @@ class Checkpointer:
         events: where to report writes and skipped files.
     """
 
-    def __init__(self, root: str | Path, cluster: int, replica: int, keep: int, events: Callable[..., None], rank: int = 0) -> None:
+    def __init__(self, root: str | Path, cluster: int, replica: int, keep: int, events: Callable[..., None], rank: int = 0,
+                 layout: Optional[Dict[str, Any]] = None) -> None:
+        """``layout``: written into every checkpoint and required of one to resume from
+        (``ranks_per_replica``; ``device``, informative)."""
+        self.layout = dict(layout or {})
         # every rank of a multi-rank group writes its own (its slice of the levels' state)
         self.dir = Path(root) / f"c{cluster}r{replica}" / (f"rank{rank}" if rank else "")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +137,7 @@ class Checkpointer:
     def save_async(self, step: int, state: Dict[str, Any]) -> None:
         """Writes ``state`` (already a snapshot: the caller cloned it) in the background."""
         self.wait()  # one write at a time; outer rounds are far apart
-        payload = {"format": FORMAT, "step": step, "state": state, "checksum": state_checksum(state)}
+        payload = {"format": FORMAT, "step": step, "state": state, "checksum": state_checksum(state), "layout": self.layout}
         self._writer = threading.Thread(target=self._write, args=(step, payload), name="checkpoint-writer", daemon=True)
         self._writer.start()
 
@@ -171,7 +191,19 @@ class Checkpointer:
                 logger.warning(msg)
                 self.events("checkpoint_skipped", path=str(path), reason=str(e)[:300])
                 continue
+            self._check_layout(path, payload.get("layout") or {})
             logger.info("resuming from checkpoint %s (step %d)", path, payload["step"])
             self.events("resume", path=str(path), step=payload["step"])
             return payload
         return None
+
+    def _check_layout(self, path: Path, saved: Dict[str, Any]) -> None:
+        """Refuses a checkpoint of another ranks-per-replica layout (one line, both values)."""
+        want, got = self.layout.get("ranks_per_replica"), saved.get("ranks_per_replica")
+        if want is not None and got is not None and want != got:
+            raise LayoutMismatch(
+                f"checkpoint {path} was written with topology.ranks_per_replica={got} (one device per rank) but this "
+                f"job has {want}: each rank's file holds its slice of the levels' state, so resume with "
+                f"ranks_per_replica={got} or start fresh (checkpoint.resume=false)")
+        if saved.get("device") and self.layout.get("device") and saved["device"] != self.layout["device"]:
+            logger.info("checkpoint %s was written on %s; loading it onto %s", path, saved["device"], self.layout["device"])

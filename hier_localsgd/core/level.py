@@ -12,6 +12,11 @@ Both algorithms are "outer SGD on a pseudo-gradient" over the level's backup:
 Every level owns its backup tensor and its momentum buffer (invariant I2: they are
 never the model's parameters and never another level's tensors).
 
+Placement (core/device.py): the backup and the momentum live in host memory, pinned
+when the model is on CUDA, whatever device the model is on; they cost no device memory.
+:meth:`Level.pseudo_grad` computes ``backup - live`` on ``live``'s device (the
+collective's tensor), :meth:`Level.stage` the update on the host.
+
 Updates are *staged*: :meth:`Level.stage` computes the new backup and momentum
 into fresh tensors without touching the committed ones, and :meth:`Level.commit`
 adopts them only after the level's commit vote succeeds. A failed round therefore
@@ -25,6 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from hier_localsgd.core.device import host_copy, wants_pinned
 from hier_localsgd.core.flat import checksum_int
 
 ALGORITHMS = ("localsgd", "diloco")
@@ -57,13 +63,13 @@ class OuterSGD:
     the same first step as torch's lazily created buffer when dampening is 0.
     """
 
-    def __init__(self, numel: int, lr: float, momentum: float, nesterov: bool, dtype: torch.dtype) -> None:
+    def __init__(self, numel: int, lr: float, momentum: float, nesterov: bool, dtype: torch.dtype, pin: bool = False) -> None:
         if lr <= 0:
             raise ValueError(f"lr={lr}: must be positive")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum={momentum}: must be in [0, 1)")
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
-        self.buf: Optional[torch.Tensor] = torch.zeros(numel, dtype=dtype) if momentum > 0 else None
+        self.buf: Optional[torch.Tensor] = torch.zeros(numel, dtype=dtype, pin_memory=pin) if momentum > 0 else None
 
     @torch.no_grad()
     def stage(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -92,22 +98,28 @@ class Level:
     Args:
         name: "inner" or "outer".
         algorithm: the level's outer update.
-        init: the initial model vector (copied; the level owns its backup).
+        init: the initial model vector (copied to the host; the level owns its backup).
+        pin: pin the host state (default: when ``init`` is on CUDA or pinned; a no-op
+            without CUDA).
     """
 
-    def __init__(self, name: str, algorithm: LevelAlgorithm, init: torch.Tensor) -> None:
+    def __init__(self, name: str, algorithm: LevelAlgorithm, init: torch.Tensor, pin: Optional[bool] = None) -> None:
         self.name = name
         self.algorithm = algorithm
-        self.backup = init.detach().clone()
-        self.opt = OuterSGD(init.numel(), algorithm.lr, algorithm.momentum, algorithm.nesterov, init.dtype)
+        pin = wants_pinned(init) if pin is None else pin
+        self.backup = host_copy(init, pin=pin)
+        self.opt = OuterSGD(init.numel(), algorithm.lr, algorithm.momentum, algorithm.nesterov, init.dtype, pin=pin and self.backup.is_pinned())
 
     @torch.no_grad()
     def pseudo_grad(self, live: torch.Tensor) -> torch.Tensor:
-        """``backup - live``: a fresh tensor (safe to all-reduce in place)."""
-        return self.backup - live
+        """``backup - live`` on ``live``'s device: a fresh tensor (safe to all-reduce in place).
+        From pinned host memory the backup's copy to the device is non-blocking."""
+        backup = self.backup if live.device == self.backup.device else self.backup.to(live.device, non_blocking=self.backup.is_pinned())
+        return backup - live
 
     def stage(self, avg_grad: torch.Tensor) -> Staged:
-        backup, buf = self.opt.stage(self.backup, avg_grad)
+        """The staged update, computed on the host from ``avg_grad`` (any device)."""
+        backup, buf = self.opt.stage(self.backup, avg_grad.to(self.backup.device))
         return Staged(backup=backup, buf=buf)
 
     def unchanged(self) -> Staged:

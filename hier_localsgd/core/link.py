@@ -17,7 +17,17 @@ quorum change. The wrapper:
 
 * emulates a lossy, slow link when the level has a ``links.<level>`` spec
   (:mod:`hier_localsgd.emulation.lossy`): payload collectives lose packets and fill them,
-  every collective takes at least its latency/bandwidth bound.
+  every collective takes at least its latency/bandwidth bound;
+* runs on the level's backend (``train.backends.<level>``, core/device.py): Gloo, or
+  torchft's NCCL groups. Tensors not on the backend's device are staged: device tensors
+  handed to Gloo go through pinned host buffers (one buffer per tensor slot, shape and
+  dtype, reused across rounds), host tensors handed to NCCL through device buffers
+  (allocated per collective);
+  the copy back happens when the collective completes (a chained future), so a waiter
+  that abandons the collective (peers.py) is never blocked by the copy. Loss masks are
+  sampled on the host (one flag per packet, a seeded stream independent of the device,
+  so a CPU and a GPU run lose the same packets), moved to the tensor's device once per
+  collective, and every fill runs on that device.
 
 The compressed outer reduce (``sync.outer.compression``,
 :mod:`hier_localsgd.core.compressed_allreduce`) runs an all-to-all and an all-gather of
@@ -44,10 +54,11 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions, Work
-from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
+from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.addresses import probe_store
+from hier_localsgd.core.device import NCCL_BACKENDS, comm_device
 from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
 
@@ -134,17 +145,55 @@ class _FailedWork(Work):
         return self._work.get_future().then(fail)
 
 
+class _ChainedWork(Work):
+    """A collective's work followed by the copy of its staged result back (``fut``)."""
+
+    def __init__(self, work: Work, fut: torch.futures.Future) -> None:
+        super().__init__()
+        self._work, self._fut = work, fut
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self._work.wait()
+        self._fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+def backend_pg(backend: str, timeout: timedelta) -> ProcessGroup:
+    """A fresh reconfigurable torchft process group of ``backend`` (core/device.py):
+    ``gloo`` ProcessGroupGloo, ``nccl`` ProcessGroupBabyNCCL (NCCL in a subprocess),
+    ``nccl_inproc`` ProcessGroupNCCL."""
+    if backend == "gloo":
+        return ProcessGroupGloo(timeout=timeout)
+    if backend == "nccl":
+        from torchft.process_group import ProcessGroupBabyNCCL
+
+        return ProcessGroupBabyNCCL(timeout=timeout)
+    if backend == "nccl_inproc":
+        from torchft.process_group import ProcessGroupNCCL
+
+        return ProcessGroupNCCL(timeout=timeout)
+    raise ValueError(f"unknown backend {backend!r} (expected gloo, nccl or nccl_inproc)")
+
+
 class LinkProcessGroup(ProcessGroupWrapper):
     """A level's process group (see module docstring).
 
     Args:
         level: "inner", "outer", or a baseline's name; used in stats and errors.
-        timeout: Gloo timeout for rendezvous and every collective.
+        timeout: the backend's timeout for rendezvous and every collective.
         distinct_clusters: enforce invariant I1 at configure time (outer level).
+        backend: ``gloo`` (default), ``nccl`` or ``nccl_inproc`` (:func:`backend_pg`).
     """
 
-    def __init__(self, level: str, timeout: timedelta, distinct_clusters: bool = False, emulation: Optional[LinkSpec] = None) -> None:
-        super().__init__(pg=ProcessGroupGloo(timeout=timeout))
+    def __init__(self, level: str, timeout: timedelta, distinct_clusters: bool = False, emulation: Optional[LinkSpec] = None,
+                 backend: str = "gloo") -> None:
+        super().__init__(pg=backend_pg(backend, timeout))
+        self.backend = backend
+        self._staging: Dict[tuple, torch.Tensor] = {}  # (slot, shape, dtype) -> reused staging buffer
+        self.staged_bytes = 0  # bytes copied to and from staging buffers (both ways)
         self.level = level
         self.stats = LinkStats()
         self.set_emulation(emulation)
@@ -231,7 +280,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             # A fresh reconfigurable Gloo wrapper (torchft's configure aborts only a group it
             # still holds). Not None: with no inner group, torchft's configure would call this
             # wrapper's own _create_pg, which is not implemented, and every later quorum fails.
-            self._pg = ProcessGroupGloo(timeout=self._timeout)
+            self._pg = backend_pg(self.backend, self._timeout)
         self._retire_pending = False
         # A store whose host died after the quorum formed: fail now (torchft records the
         # error; the round's collectives fail at once and its commit vote fails), not
@@ -271,8 +320,63 @@ class LinkProcessGroup(ProcessGroupWrapper):
     def _nbytes(tensors: List[torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    # -- staging to the backend's device -----------------------------------------------
+    def _buffer(self, slot: int, t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        """A staging buffer for ``t`` on ``dev``: pinned host buffers are kept for reuse
+        (pinning is costly), device buffers are fresh (freed when the collective is done,
+        so staging holds no device memory between rounds)."""
+        if dev.type != "cpu":
+            return torch.empty(t.shape, dtype=t.dtype, device=dev)
+        key = (slot, tuple(t.shape), t.dtype, dev)
+        buf = self._staging.get(key)
+        if buf is None:
+            pin = dev.type == "cpu" and t.is_cuda  # pinned host memory for device tensors
+            buf = self._staging[key] = torch.empty(t.shape, dtype=t.dtype, device=dev, pin_memory=pin)
+        return buf
+
+    def _staged(self, inputs: List[torch.Tensor], outputs: List[torch.Tensor], run: object) -> Work:
+        """Runs ``run(staged_inputs, staged_outputs)`` on the backend's device and copies the
+        outputs back on completion; without staging, ``run(inputs, outputs)``."""
+        dev = comm_device(self.backend) if self.backend in NCCL_BACKENDS or any(t.is_cuda for t in inputs + outputs) else torch.device("cpu")
+        if all(t.device == dev for t in inputs + outputs):
+            return run(inputs, outputs)  # type: ignore[operator]
+        s_in = [self._buffer(i, t, dev) for i, t in enumerate(inputs)]
+        for b, t in zip(s_in, inputs):
+            b.copy_(t)  # synchronous: the backend reads the buffer at once
+        aliased = [next((j for j, t in enumerate(inputs) if t is o), -1) for o in outputs]
+        s_out = [s_in[j] if j >= 0 else self._buffer(len(inputs) + i, o, dev) for i, (o, j) in enumerate(zip(outputs, aliased))]
+        self.staged_bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+        work: Work = run(s_in, s_out)  # type: ignore[operator]
+
+        def back(fut: torch.futures.Future) -> List[torch.Tensor]:
+            fut.value()  # a failed collective fails the chained future
+            for o, b in zip(outputs, s_out):
+                o.copy_(b)
+            return outputs
+
+        return _ChainedWork(work, work.get_future().then(back))
+
     # -- collectives -----------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: object) -> Work:
+        return self._staged(tensors, tensors, lambda i, o: self._allreduce(i, opts))
+
+    def broadcast(self, tensor_list: List[torch.Tensor], opts: object) -> Work:
+        return self._staged(tensor_list, tensor_list, lambda i, o: self._broadcast(i, opts))
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: object) -> Work:
+        flat_out = [t for row in output_tensors for t in row]
+        shape = [len(row) for row in output_tensors]
+
+        def run(i: List[torch.Tensor], o: List[torch.Tensor]) -> Work:
+            rows, k = [], 0
+            for n in shape:
+                rows.append(o[k : k + n])
+                k += n
+            return self._allgather(rows, i, opts)
+
+        return self._staged(input_tensor, flat_out, run)
+
+    def _allreduce(self, tensors: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(tensors)
         self.stats.record("allreduce", self._kind, n, ring_allreduce_bytes(n, self._world))
         emu = self.emu
@@ -295,7 +399,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         timeout = getattr(opts, "timeout", None)
         per, npk = emu.packets(t.numel(), t.element_size())
         if emu.spec.where == "per_sender":
-            lost = torch.from_numpy(emu.stream(self._ids[self._rank]).sample(npk))
+            lost = torch.from_numpy(emu.stream(self._ids[self._rank]).sample(npk)).to(t.device)
             # Arrival counts first (tiny; emulation machinery, not counted): then only
             # the packets that will miss a contribution need this rank's own values kept.
             arrived = (~lost).to(torch.int32)
@@ -318,7 +422,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         emu.payload_bytes_sent += t.numel() * t.element_size()
         emu.collectives += 1
 
-    def broadcast(self, tensor_list: List[torch.Tensor], opts: object) -> Work:
+    def _broadcast(self, tensor_list: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(tensor_list)
         root = getattr(opts, "rootRank", 0)
         sent = float((self._world - 1) * n) if self._rank == root else 0.0
@@ -344,9 +448,9 @@ class LinkProcessGroup(ProcessGroupWrapper):
         per, npk = emu.packets(t.numel(), t.element_size())
         own = t.detach().clone()
         if emu.spec.where == "per_sender":
-            lost = torch.zeros(npk, dtype=torch.uint8)
+            lost = torch.zeros(npk, dtype=torch.uint8, device=t.device)
             if self._rank == root:
-                lost = torch.from_numpy(emu.stream(self._ids[root]).sample(npk)).to(torch.uint8)
+                lost = torch.from_numpy(emu.stream(self._ids[root]).sample(npk)).to(device=t.device, dtype=torch.uint8)
             self.parent.broadcast([t], opts).wait()
             mask_opts = BroadcastOptions()
             mask_opts.rootRank = root
@@ -356,9 +460,9 @@ class LinkProcessGroup(ProcessGroupWrapper):
             lost_b = lost.bool()
         else:
             self.parent.broadcast([t], opts).wait()
-            lost_b = torch.zeros(npk, dtype=torch.bool)
+            lost_b = torch.zeros(npk, dtype=torch.bool, device=t.device)
             if self._rank != root:
-                lost_b = torch.from_numpy(emu.stream(self._ids[root], self._ids[self._rank]).sample(npk))
+                lost_b = torch.from_numpy(emu.stream(self._ids[root], self._ids[self._rank]).sample(npk)).to(t.device)
         if self._rank != root and bool(lost_b.any()):
             if emu.spec.fill == "zero":
                 emu.zero_packets(t, lost_b, per)
@@ -368,7 +472,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         emu.payload_bytes_sent += t.numel() * t.element_size()
         emu.collectives += 1
 
-    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: object) -> Work:
+    def _allgather(self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(input_tensor)
         self.stats.record("allgather", self._kind, n, float((self._world - 1) * n))
         emu = self.emu

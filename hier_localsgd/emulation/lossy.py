@@ -347,8 +347,9 @@ class LinkEmulation:
         """Sums ``parts`` (one per sender) as receiver ``me`` sees them, into ``out``."""
         n = len(parts)
         per, npk = self.packets(out.numel(), out.element_size())
-        lost = {j: torch.from_numpy(self.stream(ids[j], ids[me]).sample(npk)) for j in range(n) if j != me}
-        arrived = n - sum(m.to(torch.int64) for m in lost.values()) if lost else torch.full((npk,), n)
+        dev = out.device  # masks: sampled on the host per collective, used on the tensor's device
+        lost = {j: torch.from_numpy(self.stream(ids[j], ids[me]).sample(npk)).to(dev) for j in range(n) if j != me}
+        arrived = n - sum(m.to(torch.int64) for m in lost.values()) if lost else torch.full((npk,), n, device=dev)
         saved = self.save_rows(parts[me], arrived, n, per)
         total = parts[me].clone()
         for j, m in lost.items():

@@ -79,7 +79,7 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         "links": links,
         "slow_link_payload_bytes_per_outer_round": (outer_payload / outer_rounds) if outer_payload and outer_rounds else None,
         "slow_link_payload_bytes_per_outer_round_expected": expected_outer,
-        "consistent": len(got) == len(keys) and not ranks_missing and consistent_checksums(checksums, cfg.group.parallel == "tp"),
+        "consistent": len(got) == len(keys) and not ranks_missing and consistent_checksums(checksums, cfg.group.rank_shards(cfg.topology.ranks_per_replica)),
         "checksums": checksums,
         "exit_codes": {f"c{c}r{r}": code for (c, r), code in codes.items()},
         "missing_results": [f"c{c}r{r}" for (c, r) in keys if (c, r) not in got] + ranks_missing,

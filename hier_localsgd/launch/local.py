@@ -165,7 +165,17 @@ class LocalJob:
 
     # -- processes -------------------------------------------------------------
     def _args(self) -> List[str]:
-        return list(self.overrides) + self.addr_overrides + [f"run.dir={self.run_dir}"]
+        return list(self.overrides) + self.addr_overrides + self._backend_overrides() + [f"run.dir={self.run_dir}"]
+
+    def _backend_overrides(self) -> List[str]:
+        """Every group on this host: Gloo for the ``auto`` levels that groups sharing a GPU
+        cannot run over NCCL (core/device.py one_host_backends)."""
+        from hier_localsgd.core.device import one_host_backends
+
+        b = self.cfg.train.backends
+        chosen = one_host_backends(self.cfg.train.device, {"group": b.group, "inner": b.inner, "outer": b.outer},
+                                   self.cfg.topology.ranks_per_replica)
+        return [f"train.backends.{lv}={name}" for lv, name in sorted(chosen.items())]
 
     def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None) -> Proc:
         if self.netns is not None and where is not None:

@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from hier_localsgd.core.comm import LevelComm
 from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.invariants import CollectiveGate
+from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.core.managers import LevelManager, QuorumFailed
@@ -73,7 +74,10 @@ class _Baseline:
         max_quorum_failures: int,
         max_commit_failures: Optional[int],
         link_spec: Optional[LinkSpec] = None,
+        backend: str = "gloo",
     ) -> None:
+        """``backend``: the process group's (core/device.py); a baseline's ring spans the
+        clusters, so it takes the outer level's (``train.backends.outer``)."""
         self.id, self.t, self.flat, self.opt = identity, timeouts, flat, optimizer
         self.tracker, self.events = tracker, events
         tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
@@ -82,7 +86,7 @@ class _Baseline:
         self._max_quorum_failures = max_quorum_failures
         self._quorum_failures = 0
         # Every baseline ring spans the clusters, so it runs at the slow links' speed.
-        self.link = LinkProcessGroup(self.level, timeouts.inner_pg, emulation=link_spec)
+        self.link = LinkProcessGroup(self.level, timeouts.inner_pg, emulation=link_spec, backend=backend)
         self.mgr = LevelManager(
             level=self.level,
             replica_id=baseline_replica_id(identity, replicas_per_cluster),
@@ -100,8 +104,8 @@ class _Baseline:
     def _state_dict(self) -> Dict[str, object]:
         c = self.counters
         return {
-            "model": self.flat.data.clone(),
-            "optimizer": copy.deepcopy(self.opt.state_dict()),
+            "model": host_copy(self.flat.data),  # served from the host (core/device.py)
+            "optimizer": host_state(self.opt.state_dict()),
             "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
         }
 
@@ -220,7 +224,7 @@ class FlatSync(_Baseline):
             # buffer: per-parameter all-reduces would pay the WAN latency once per tensor.
             self.algo = DiLoCo(
                 manager, [model], self.opt, outer, sync_every=every, backup_device=torch.device("cpu"),
-                pin_memory=False, use_bucketization=True,
+                pin_memory=self.flat.data.is_cuda, use_bucketization=True,
                 # torchft's own overlap (Streaming DiLoCo's tau): the all-reduce starts `delay`
                 # local steps before the sync point and is waited for at it.
                 fragment_sync_delay=delay,

@@ -38,7 +38,8 @@ class CommittedState:
         else:
             import torch.distributed as dist
 
-            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype)
+            dev = self.flat.data.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")  # type: ignore[arg-type]
+            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype, device=dev)
             mine[: self.part.stop - self.part.start] = self.inner.backup
             parts = [torch.empty_like(mine) for _ in range(g)]
             dist.all_gather(parts, mine, group=self.group)

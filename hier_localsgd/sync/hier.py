@@ -59,7 +59,6 @@ the process only if it persists.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import signal
@@ -73,6 +72,7 @@ from torch.optim import Optimizer
 
 from hier_localsgd.core import guard
 from hier_localsgd.core.comm import LevelComm, is_timeout
+from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.faults import FaultPlan, InjectedFault
 from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
@@ -118,6 +118,9 @@ class HierSettings:
     # group.parallel=tp: every rank holds its own shard of the model (tp.py) and syncs all
     # of it with the same rank of the other groups; no slicing, no group all-gather.
     group_shards: bool = False
+    # Process-group backend of each level (core/device.py; link.py stages tensors to it).
+    inner_backend: str = "gloo"
+    outer_backend: str = "gloo"
     # Lighthouse outages (outage.py): each quorum request waits at most quorum_slice (the
     # lighthouse heartbeat timeout) before the lighthouse is probed; a level whose
     # lighthouse has not answered for outage_limit ends the process.
@@ -183,7 +186,8 @@ class HierarchicalSync(OuterRound, CommittedState):
         # parameters; each level owns its backup and its momentum buffer.
         self.inner = Level("inner", settings.inner, flat.data[self.part])
         self.outer = Level("outer", settings.outer, flat.data[self.part])
-        self._committed = flat.data.detach().clone()  # the full model at the last commit
+        # Host state (core/device.py): pinned host memory when the model is on CUDA.
+        self._committed = host_copy(flat.data)  # the full model at the last commit
         # The cluster's error-feedback residual of a compressed outer reduce (compression.py):
         # replicated in the cluster like the outer backup; the overlapped stage works on a copy.
         self.comp: Optional[OuterCompression] = build_compression(
@@ -198,7 +202,7 @@ class HierarchicalSync(OuterRound, CommittedState):
                 ("outer compression residual", [] if self.comp is None else [self.comp.residual]),
             ]
         )
-        self._opt_backup = copy.deepcopy(inner_optimizer.state_dict())
+        self._opt_backup = host_state(inner_optimizer.state_dict())
         # Overlapped outer sync (overlap.py): the leader's inner and outer groups may each
         # have a collective in flight (they share no pair of processes, I1).
         self._overlap = settings.outer_delay > 0
@@ -209,7 +213,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         if self.stage is not None:
             self.stage.tracker.budgets = timeouts
         # Every member: the committed model the last launched outer round started from (θ_s).
-        self._snap: Optional[torch.Tensor] = flat.data[self.part].detach().clone() if self._overlap else None
+        self._snap: Optional[torch.Tensor] = host_copy(flat.data[self.part]) if self._overlap else None
         self._snap_step = 0
         self._snap_since_outer = 0  # inner-committed steps the launched outer round carries
         self._stage_outer: Optional[Level] = None  # the stage's copy of the outer level
@@ -236,7 +240,7 @@ class HierarchicalSync(OuterRound, CommittedState):
             "outer": LighthouseHealth("outer", settings.global_lighthouse_field, settings.global_lighthouse, probe, settings.quorum_slice, settings.outage_limit),
         }
         self._published_outage: Dict[str, bool] = {"inner": False, "outer": False}
-        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link)
+        self.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link, backend=settings.inner_backend)
         self.inner_mgr = self._manager("inner", self.inner_link, "store/inner")
         self.inner_comm = LevelComm(self.inner_mgr, self.inner_link, tracker, self._gate, events,
                                     watch=QuorumWatch(settings.cluster_lighthouse, settings.quorum_slice))
@@ -509,7 +513,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         if plan.total_weight > 0 or adopted:
             c.inner_round += 1
         self._publish_committed()
-        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self._opt_backup = host_state(self.opt.state_dict())
         self.tracker.set_counters(step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self.tracker.mark_commit("inner", c.inner_round)
         self.events(

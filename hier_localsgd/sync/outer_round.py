@@ -9,7 +9,6 @@ stage only; inner work is never discarded for it.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from datetime import timedelta
@@ -20,6 +19,7 @@ import torch
 from hier_localsgd.core import guard
 from hier_localsgd.core.addresses import LighthouseUnreachable
 from hier_localsgd.core.comm import LevelComm
+from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.flat import checksum
 from hier_localsgd.core.level import Level
 from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
@@ -237,7 +237,7 @@ class OuterRound:
         c = self.counters
         if self.stage is not None and self.stage.busy:
             return  # the cluster's own outer round is still in flight
-        result = self._outer_round(self.flat.data[self.part].clone(), contribute=True, inner_ok=True)
+        result = self._outer_round(host_copy(self.flat.data[self.part]), contribute=True, inner_ok=True)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
         self.inner.set_backup(result.params)
@@ -247,7 +247,7 @@ class OuterRound:
         self._since_outer = 0
         self.tracker.set_extra(**self.work_counters())
         self._publish_committed()  # the model becomes the new global model
-        self._opt_backup = copy.deepcopy(self.opt.state_dict())
+        self._opt_backup = host_state(self.opt.state_dict())
         self.tracker.set_counters(step=c.step, outer_round=c.outer_round)
 
     def _adopt_outer(self, result: OuterResult, now: torch.Tensor) -> None:
@@ -272,7 +272,7 @@ class OuterRound:
     def _ensure_outer(self, tracker: Optional[PhaseTracker] = None) -> tuple[LevelManager, LevelComm]:
         if self.outer_mgr is None or self.outer_comm is None:
             t = self.t
-            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link)
+            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=self.s.outer_link, backend=self.s.outer_backend)
             link.share_stats(self.outer_stats)  # one account (and loss streams) across leadership changes
             self.outer_link = link
             self.outer_mgr = self._manager("outer", link, f"store/outer/{self._outer_epoch}")  # one store per leadership term

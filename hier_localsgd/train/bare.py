@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
+from hier_localsgd.core.device import DTYPES, memory_stats
 from hier_localsgd.train.model import build_model, evaluate, lm_loss
-from hier_localsgd.train.trainer import build_data, trimmed_mean
+from hier_localsgd.train.trainer import build_data, process_device, trimmed_mean
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -25,21 +26,25 @@ def bare_loop(cfg: Config) -> Dict[str, Any]:
     """Trains ``train.steps`` steps; returns the mean step time (warm-up skipped) and the count."""
     tr = cfg.train
     torch.set_num_threads(tr.threads)
-    data = build_data(cfg)
-    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
+    device = process_device(cfg)
+    data = build_data(cfg, device=device)
+    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed).to(device=device, dtype=DTYPES[tr.param_dtype])
+    fwd = torch.compile(model) if tr.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     times = []
     for step in range(tr.steps):
         t0 = time.perf_counter()
         x, y = data.batch(step)
-        loss = lm_loss(model, x, y)
+        loss = lm_loss(fwd, x, y, tr.precision)
         loss.backward()
         opt.step()
         opt.zero_grad()
         if tr.min_step_time_s > 0:
             time.sleep(max(0.0, tr.min_step_time_s - (time.perf_counter() - t0)))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return {"step_s": trimmed_mean(times), "steps": len(times)}
+    return {"step_s": trimmed_mean(times), "steps": len(times), "device": str(device), **memory_stats(device)}
 
 
 def pilot_loop(cfg: Config, groups: int) -> Dict[str, Any]:

@@ -411,3 +411,29 @@ def _count_parquet_tokens(path: Path, column: str, need: int, where: str) -> int
 
 def uniform_loss(vocab: int) -> float:
     return math.log(vocab)
+
+
+class DeviceData:
+    """Feeds another data source's batches as tensors on ``device`` (``train.device``).
+
+    On CUDA a batch is copied to pinned host memory and then to the device without
+    blocking (stream-ordered before the forward that reads it); on CPU the source's
+    tensors are returned as they are. Eval batches are moved once."""
+
+    def __init__(self, source: Dataset, device: torch.device) -> None:
+        self.source = source
+        self.device = device
+        self.vocab_size = source.vocab_size
+        self.entropy_floor = source.entropy_floor
+
+    def _to(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def batch(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.source.batch(step)
+        return self._to(x), self._to(y)
+
+    def eval_batches(self) -> list[Tuple[torch.Tensor, torch.Tensor]]:
+        return [(self._to(x), self._to(y)) for x, y in self.source.eval_batches()]

@@ -16,8 +16,10 @@ Every replica builds the same initial weights from ``train.seed``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -54,10 +56,34 @@ class TinyLM(nn.Module):
         return self.out(F.gelu(self.hidden(self.embed(tokens))))
 
 
+# Flavors torchtitan 0.2.2 lacks (its smallest above debugmodel is 8B): ``1B`` has the
+# shape of Llama 3.2 1B with untied embeddings, 1.50 B parameters (fits one 80 GB GPU per
+# process in fp32 with AdamW; benchmarks/gpu_check.sh). Derived from 8B's arguments.
+EXTRA_LLAMA3 = {"1B": dict(base="8B", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, multiple_of=256, ffn_dim_multiplier=1.5)}
+
+
 def llama3_flavors() -> list[str]:
     from torchtitan.models.llama3 import llama3_args
 
-    return sorted(llama3_args)
+    return sorted(set(llama3_args) | set(EXTRA_LLAMA3))
+
+
+def llama3_flavor_args(flavor: str, field: str = "model.name"):  # type: ignore[no-untyped-def]
+    """A copy of the flavor's torchtitan ``TransformerModelArgs`` (torchtitan's or :data:`EXTRA_LLAMA3`).
+
+    Raises:
+        ValueError: naming ``field`` for an unknown flavor."""
+    from torchtitan.models.llama3 import llama3_args
+
+    if flavor in EXTRA_LLAMA3:
+        extra = dict(EXTRA_LLAMA3[flavor])
+        args = copy.deepcopy(llama3_args[extra.pop("base")])
+        for k, v in extra.items():
+            setattr(args, k, v)
+        return args
+    if flavor not in llama3_args:
+        raise ValueError(f"{field}={LLAMA3_PREFIX}{flavor}: unknown llama3 flavor (known: {llama3_flavors()})")
+    return copy.deepcopy(llama3_args[flavor])
 
 
 def build_model(name: str, vocab_size: int, seq_len: int, dim: int, seed: int) -> nn.Module:
@@ -74,12 +100,9 @@ def build_model(name: str, vocab_size: int, seq_len: int, dim: int, seed: int) -
     if name == TINY:
         return TinyLM(vocab_size, dim)
     if name.startswith(LLAMA3_PREFIX):
-        from torchtitan.models.llama3 import Transformer, llama3_args
+        from torchtitan.models.llama3 import Transformer
 
-        flavor = name[len(LLAMA3_PREFIX) :]
-        if flavor not in llama3_args:
-            raise ValueError(f"model.name={name!r}: unknown llama3 flavor (known: {sorted(llama3_args)})")
-        args = copy.deepcopy(llama3_args[flavor])
+        args = llama3_flavor_args(name[len(LLAMA3_PREFIX) :])
         if args.attn_type != "sdpa":
             raise ValueError(f"model.name={name!r}: attention {args.attn_type!r} has no CPU backward; use an sdpa flavor")
         args.max_seq_len = seq_len
@@ -91,17 +114,28 @@ def build_model(name: str, vocab_size: int, seq_len: int, dim: int, seed: int) -
     raise ValueError(f"model.name={name!r}: expected {TINY!r} or {LLAMA3_PREFIX}<flavor>")
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
+def precision_context(device: torch.device, precision: str) -> ContextManager[object]:
+    """``train.precision``: ``bf16`` autocasts forward (and so backward) to bfloat16 on
+    ``device`` (CPU autocast included), the parameters keeping their own dtype (fp32
+    master weights by default); ``fp32`` changes nothing."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Next-token cross-entropy (computed in fp32 whatever the autocast)."""
+    with precision_context(x.device, precision):
+        logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str = "fp32") -> float:
     was_training = model.training
     model.eval()
     total = 0.0
     for x, y in batches:
-        total += float(lm_loss(model, x, y))
+        total += float(lm_loss(model, x, y, precision))
     model.train(was_training)
     return total / len(batches)

@@ -9,9 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
+from hier_localsgd.core.device import PARAM_DTYPES, PRECISIONS
 from hier_localsgd.emulation.lossy import LinkConfig, LinkSpec
 from hier_localsgd.schema import ConfigError, fail
 from hier_localsgd.sync.types import SyncConfig
+
+
+@dataclass
+class BackendsConfig:
+    """Process-group backend per level (core/device.py): ``auto`` = NCCL inside a replica
+    group and at the inner level on CUDA, Gloo on CPU; the outer (WAN) level Gloo over
+    pinned host buffers. ``nccl`` at the inner/outer level is torchft's
+    ProcessGroupBabyNCCL (survives an abort: NCCL runs in a subprocess), ``nccl_inproc``
+    its in-process ProcessGroupNCCL."""
+
+    group: str = "auto"  # auto | gloo | nccl   (torch.distributed inside a replica group)
+    inner: str = "auto"  # auto | gloo | nccl | nccl_inproc
+    outer: str = "auto"  # auto | gloo | nccl | nccl_inproc
 
 
 @dataclass
@@ -30,6 +44,31 @@ class TrainConfig:
     threads: int = 1
     seed: int = 0
     min_step_time_s: float = 0.0  # pad each local step to this duration (emulates a bigger model)
+    device: str = "auto"  # auto | cpu | cuda (auto: cuda when available)
+    backends: BackendsConfig = field(default_factory=BackendsConfig)
+    precision: str = "fp32"  # fp32 | bf16 (autocast of forward and backward)
+    param_dtype: str = "fp32"  # the master weights (and the levels' backups): fp32 | bf16
+    compile: bool = False  # torch.compile the model
+
+    def check_device(self, trains: bool) -> None:
+        """``train.device``, ``train.backends.*``, ``train.precision``, ``train.param_dtype``;
+        one line naming the field. ``trains``: this command trains here, so ``cuda`` (also
+        what ``auto`` and an NCCL backend need) must be available."""
+        import torch
+
+        from hier_localsgd.core.device import resolve_backend, resolve_device
+
+        if self.precision not in PRECISIONS:
+            fail("train.precision", f"{self.precision!r} — expected one of {PRECISIONS}")
+        if self.param_dtype not in PARAM_DTYPES:
+            fail("train.param_dtype", f"{self.param_dtype!r} — expected one of {PARAM_DTYPES}")
+        try:  # the resolvers' messages start with the field
+            # a command that does not train here (plan, lighthouse) may name cuda for elsewhere
+            device = torch.device("cuda") if self.device == "cuda" and not trains else resolve_device(self.device)
+            for level in ("group", "inner", "outer"):
+                resolve_backend(level, getattr(self.backends, level), device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
     def check(self, sync: SyncConfig, runs: bool = True) -> None:
         """``runs=False`` (plan, simulate: a model of a deployment) skips the rule that a run
@@ -80,10 +119,26 @@ class GroupConfig:
     parallel: str = "dp"  # dp: every rank a whole replica on its own data | tp: the model split over the ranks (train/tp.py)
     tp_variant: str = "megatron"  # megatron | naive
     tp_links: TPLinksConfig = field(default_factory=TPLinksConfig)
+    sharding: str = "ddp"  # parallel=dp with several ranks: ddp (whole replica per rank) | fsdp (FSDP2 shards, train/fsdp.py)
 
-    def check(self, ranks_per_replica: int, model_name: str, command: str) -> None:
+    def rank_shards(self, ranks_per_replica: int) -> bool:
+        """Whether each rank of a group holds its own shard of the model (tp, or fsdp with
+        several ranks): it syncs all of it with rank k of the other groups, and final
+        checksums agree per rank, not across a group's ranks."""
+        return self.parallel == "tp" or (ranks_per_replica > 1 and self.sharding == "fsdp")
+
+    def check(self, ranks_per_replica: int, model_name: str, command: str, mode: str = "hier") -> None:
         """Checks ``group.*`` (and the TP links) against the topology and model; one line naming the field."""
+        from hier_localsgd.train.fsdp import SHARDINGS
         from hier_localsgd.train.tp import PARALLEL, VARIANTS
+
+        if self.sharding not in SHARDINGS:
+            fail("group.sharding", f"{self.sharding!r} — expected one of {SHARDINGS}")
+        if self.sharding == "fsdp":
+            if self.parallel != "dp":
+                fail("group.sharding", "fsdp shards a data-parallel group (group.parallel=dp)")
+            if mode != "hier":
+                fail("group.sharding", f"fsdp needs sync.mode=hier (got {mode!r}: the baselines sync whole replicas)")
 
         if self.parallel not in PARALLEL:
             fail("group.parallel", f"{self.parallel!r} — expected one of {PARALLEL}")

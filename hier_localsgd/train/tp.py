@@ -394,12 +394,11 @@ def build_llama3(name: str, vocab_size: int, seq_len: int, seed: int, n_layers: 
         raise ValueError(f"model.name={name!r}: tensor parallelism shards a llama3_<flavor> model")
     if not n_layers and not dim and not exact_vocab:
         return build_model(name, vocab_size, seq_len, 0, seed)
-    from torchtitan.models.llama3 import Transformer, llama3_args
+    from torchtitan.models.llama3 import Transformer
 
-    flavor = name[len(LLAMA3_PREFIX):]
-    if flavor not in llama3_args:
-        raise ValueError(f"model.name={name!r}: unknown llama3 flavor (known: {sorted(llama3_args)})")
-    args = copy.deepcopy(llama3_args[flavor])
+    from hier_localsgd.train.model import llama3_flavor_args
+
+    args = llama3_flavor_args(name[len(LLAMA3_PREFIX):])
     if n_layers:
         args.n_layers = n_layers
     if dim:

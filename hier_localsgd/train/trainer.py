@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 import torch
 
 from hier_localsgd.core.checkpoint import Checkpointer, rng_state, set_rng_state
-from hier_localsgd.train.data import ByteTextData, MarkovChain, MarkovData
+from hier_localsgd.core.device import DTYPES, memory_stats, resolve_backend, resolve_device
+from hier_localsgd.train.data import ByteTextData, DeviceData, MarkovChain, MarkovData
 from hier_localsgd.core.faults import FaultPlan, InjectedFault
 from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.level import LevelAlgorithm
@@ -59,12 +60,24 @@ class Scalars:
             self.w.close()
 
 
-def build_data(cfg: Config, rank: int = 0):  # type: ignore[no-untyped-def]
+def build_data(cfg: Config, rank: int = 0, device: Optional[torch.device] = None):  # type: ignore[no-untyped-def]
+    """The rank's data shard; with ``device``, feeding tensors on that device."""
     d, tr = cfg.data, cfg.train
     if d.kind == "markov":
         chain = MarkovChain(d.states, d.branching, d.seed, d.concentration)
-        return MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches, d.stream)
-    return ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard(rank), cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
+        src = MarkovData(chain, d.seed, cfg.shard(rank), tr.batch_size, tr.seq_len, tr.eval_batches, d.stream)
+    else:
+        src = ByteTextData(d.path, d.kind, d.text_column, d.seed, cfg.shard(rank), cfg.num_shards, tr.batch_size, tr.seq_len, tr.eval_batches, d.eval_fraction)
+    return src if device is None else DeviceData(src, device)
+
+
+def process_device(cfg: Config) -> torch.device:
+    """``train.device`` for this process: rank k of a replica group (torchrun's LOCAL_RANK)
+    takes GPU k (mod the GPUs visible); the CUDA device becomes the current one."""
+    device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 @dataclass
@@ -77,7 +90,8 @@ class GroupContext:
     store: Optional[Any] = None  # torchrun's store: where rank 0 publishes its Managers' stores
 
 
-def group_context(cfg: Config, t: Any) -> GroupContext:
+def group_context(cfg: Config, t: Any, device: torch.device = torch.device("cpu")) -> GroupContext:
+    """The replica group's own process group (``train.backends.group`` on ``device``)."""
     g = cfg.topology.ranks_per_replica
     if g == 1:
         return GroupContext()
@@ -94,7 +108,9 @@ def group_context(cfg: Config, t: Any) -> GroupContext:
     # attempt's (dead) peers' addresses. Every attempt gets a key space of its own.
     store, rank, _ = next(dist.rendezvous("env://", timeout=max(t.inner_reduce, t.local_step)))
     store = dist.PrefixStore(f"hier/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=g, timeout=max(t.inner_reduce, t.local_step))
+    backend = resolve_backend("group", cfg.train.backends.group, device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=g, timeout=max(t.inner_reduce, t.local_step),
+                            **({"device_id": device} if backend == "nccl" else {}))
     return GroupContext(rank=rank, size=g, pg=dist.group.WORLD, store=store)
 
 
@@ -173,13 +189,15 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outer_link=cfg.link_spec("outer"),
             group_rank=grp.rank,
             group_world_size=grp.size,
-            group_shards=cfg.group.parallel == "tp",
+            group_shards=cfg.group.rank_shards(grp.size),
             quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
             outage_limit=timedelta(seconds=s.outage_limit_s),
             outer_delay=s.outer.delay,
             final_step=cfg.train.steps,
             outer_compression=s.outer.compression,
             outer_compression_block=s.outer.compression_block,
+            inner_backend=resolve_backend("inner", cfg.train.backends.inner, flat.data.device),
+            outer_backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
         )
         faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,
@@ -200,6 +218,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
         max_quorum_failures=s.max_quorum_failures,
         max_commit_failures=s.max_commit_failures,
         link_spec=cfg.link_spec("outer"),
+        backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
     )
     if s.mode == "ddp":
         return DDPSync(**common)
@@ -251,7 +270,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     t0 = time.time()
     identity = Identity(cfg.run.cluster, cfg.run.replica)
     tr = cfg.train
-    grp = group_context(cfg, cfg.timeouts_obj())
+    device = process_device(cfg)
+    grp = group_context(cfg, cfg.timeouts_obj(), device)
     lighthouses = {"global": cfg.lighthouse.global_addr}
     if cfg.sync.mode == "hier":
         lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
@@ -284,27 +304,39 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
     # -- data, model, inner optimizer -------------------------------------------
     tp = None  # group.parallel=tp: this rank's TP group, model shard and TP links (tp.py)
-    data = build_data(cfg, 0 if cfg.group.parallel == "tp" else grp.rank)  # TP ranks share their group's batches
-    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed)
+    data = build_data(cfg, 0 if cfg.group.parallel == "tp" else grp.rank, device)  # TP ranks share their group's batches
+    # Built on the CPU from the seed (identical everywhere), then moved: model, inner
+    # optimizer and live parameters on train.device, in train.param_dtype (fp32 master weights).
+    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed).to(device=device, dtype=DTYPES[tr.param_dtype])
     if cfg.group.parallel == "tp":
         from hier_localsgd.train.tp import group_tp, shard_llama3
 
         tp = group_tp(cfg, grp.pg, grp.rank, grp.size)
         shard_llama3(model, tp, cfg.group.tp_variant)
     # Gradients as one flat buffer for the ddp baseline, which all-reduces it across replica groups.
-    flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
+    fsdp = grp.pg is not None and tp is None and cfg.group.sharding == "fsdp"
+    if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (train/fsdp.py)
+        from hier_localsgd.train.fsdp import ShardedParams, shard_model
+
+        shard_model(model, grp.pg, device)
+        flat: Any = ShardedParams(model)
+    else:
+        flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
     # group (bucketed gradient averaging overlapped with backward), never across the
     # fault-tolerant dimension.
     fwd: torch.nn.Module = model
-    if grp.pg is not None and tp is None:
+    if grp.pg is not None and tp is None and not fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
-        fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False)
+        fwd = DistributedDataParallel(model, process_group=grp.pg, forward_sync_buffers=False,
+                                      device_ids=[device.index] if device.type == "cuda" else None)
+    if tr.compile:
+        fwd = torch.compile(fwd)  # type: ignore[assignment]
     eval_set = data.eval_batches()
     floor = data.entropy_floor
-    eval_start = evaluate(model, eval_set)
+    eval_start = evaluate(model, eval_set, tr.precision)
     pub.update(model_params=flat.numel, model_bytes=flat.nbytes, entropy_floor=floor, eval_loss_start=eval_start)
     pub.event("eval", step=0, loss=eval_start, floor=floor)
     tb.add(0, eval__loss=eval_start, eval__excess=None if floor is None else eval_start - floor)
@@ -318,7 +350,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     ck = cfg.checkpoint
     ckpt = None
     if ck.every or ck.resume:
-        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank)
+        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank,
+                            layout={"ranks_per_replica": grp.size, "device": device.type})
         rt.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
     if ck.resume:
         assert ckpt is not None
@@ -336,6 +369,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     sync.start()  # join round: a restarted group heals here, before any local step
     loss_val = float("nan")
     local_step_times: list = []  # durations of steps without a sync (overhead measurements)
+    t_loop, step_loop = time.perf_counter(), c.step
 
     while c.step < tr.steps:
         sync.before_forward()  # ddp: quorum (and heal) for this step
@@ -352,7 +386,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         t_step = time.time()
         t_perf = time.perf_counter()
         x, y = data.batch(c.step)
-        loss = lm_loss(fwd, x, y)
+        loss = lm_loss(fwd, x, y, tr.precision)
         loss.backward()  # with G > 1 ranks, DDP has averaged the gradients across the group on return
         if sync.before_optimizer_step():  # ddp: gradient all-reduce + commit vote
             opt.step()
@@ -365,6 +399,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         c.step += 1  # every replica advances its own step counter (I5)
         synced = sync.after_optimizer_step()  # hier/flat: a sync round at round boundaries
         if not synced:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step's kernels, not just their launch
             local_step_times.append(time.perf_counter() - t_perf)
         if ckpt is not None and ck.every and c.outer_round > last_ckpt_round and c.outer_round % ck.every == 0:
             last_ckpt_round = c.outer_round  # right after the outer round committed
@@ -384,13 +420,14 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
                    **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
         if tr.eval_every and c.step % tr.eval_every == tr.eval_offset and c.step < tr.steps:
             t_eval = time.perf_counter()
-            ev = evaluate(model, eval_set)  # eval_s: the bench takes evaluation time out of its time axis
+            ev = evaluate(model, eval_set, tr.precision)  # eval_s: the bench takes evaluation time out of its time axis
             pub.event("eval", step=c.step, loss=ev, floor=floor, bytes=_bytes_by_level(sync.link_stats()), eval_s=time.perf_counter() - t_eval)
             pub.update(eval_loss=ev, eval_step=c.step)
             tb.add(c.step, eval__loss=ev, eval__excess=None if floor is None else ev - floor)
 
+    loop_s = time.perf_counter() - t_loop  # every step, syncs included
     # -- final evaluation and result ---------------------------------------------
-    final = evaluate(model, eval_set)
+    final = evaluate(model, eval_set, tr.precision)
     pub.event("eval", step=c.step, loss=final, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
     tb.add(c.step, eval__loss=final, eval__excess=None if floor is None else final - floor)
     result = {
@@ -413,6 +450,12 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
         "work": sync.work_counters(),
         "local_step_s": trimmed_mean(local_step_times),
+        "step_s": loop_s / max(1, c.step - step_loop),  # mean over the loop, syncs included
+        "tokens_per_step": tr.batch_size * tr.seq_len,  # per rank
+        "device": str(device),
+        "precision": tr.precision,
+        "param_dtype": str(flat.data.dtype),
+        **memory_stats(device),
         "local_steps_timed": len(local_step_times),
         "wall_s": time.time() - t0,
     }

@@ -45,13 +45,14 @@ def _flavor_args(flavor: str, path: str) -> Dict[str, Any]:
     if name.lower() in PRESETS:
         return dict(PRESETS[name.lower()], multiple_of=256, ffn_dim_multiplier=None)
     try:
-        from torchtitan.models.llama3 import llama3_args
+        from hier_localsgd.train.model import llama3_flavor_args, llama3_flavors
+
+        known = sorted(set(llama3_flavors()) | set(PRESETS))
     except Exception as e:  # pragma: no cover - torchtitan is a dependency
         raise ValueError(f"{path}: {flavor!r} needs torchtitan to resolve ({e}); give explicit dims with flavor=''") from e
-    if name not in llama3_args:
-        known = sorted(set(llama3_args) | set(PRESETS))
+    if name not in known:
         raise ValueError(f"{path}: unknown flavor {flavor!r} (known: {known}, or '' with explicit dims)")
-    a = llama3_args[name]
+    a = llama3_flavor_args(name)
     return dict(
         dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads or a.n_heads,
         ffn_dim=0, vocab_size=a.vocab_size, multiple_of=a.multiple_of, ffn_dim_multiplier=a.ffn_dim_multiplier,
@@ -123,21 +124,40 @@ def activation_elements_per_token(d: ModelDims) -> Dict[str, float]:
 
 
 def sync_state_copies(mode: str, sync: SyncConfig, optimizer_states: int, rollback_snapshot: bool) -> Dict[str, int]:
-    """Model-sized copies the sync keeps: persistent (backups, momenta, rollback snapshot)
-    and transient (pseudo-gradient and staged state during a round; sync/hier.py)."""
+    """Model-sized copies the sync keeps, by where they are allocated (core/device.py):
+
+    * ``device``: persistent on the accelerator. hier: none — its level backups, momenta,
+      committed model and optimizer snapshot are host tensors. flat (torchft DiLoCo): the
+      outer optimizer's momentum (an SGD over the model's own parameters, on the device);
+      its backup is on the host (``backup_device=cpu``).
+    * ``device_transient``: during a round, on the device. hier: the backup's device copy
+      and the pseudo-gradient ``backup - live`` (core/level.py); the all-reduce runs in
+      place (NCCL) or through a pinned host buffer (Gloo). flat: the pseudo-gradients and
+      the all-reduce bucket (torchft's ``use_bucketization``).
+    * ``host``: persistent host memory (pinned where the model is on CUDA). hier: the
+      committed model, a backup per level plus a momentum for a ``diloco`` level, and the
+      pinned staging buffer of the Gloo outer link (core/link.py); flat: the backup.
+    * ``host_snapshot``: hier's rollback copy of the inner optimizer (``optimizer_states``
+      model-sized tensors, host).
+    * ``host_transient``: hier's staged update of each level (backup, + momentum).
+    """
 
     def level(alg: str) -> int:
         return 1 + (1 if alg == "diloco" else 0)  # backup (+ momentum)
 
     if mode == "ddp":
-        return {"persistent": 0, "transient": 0}
-    if mode == "flat":  # torchft DiLoCo: original parameters + outer momentum; pseudo-gradient
-        return {"persistent": level(sync.flat.algorithm), "transient": 1}
-    persistent = level(sync.inner.algorithm) + level(sync.outer.algorithm) + (optimizer_states if rollback_snapshot else 0)
-    # inner round: pseudo-gradient + staged backup (+ staged momentum);
-    # outer round on the leader, on top: pseudo-gradient, staged backup (+ momentum), result clone.
-    transient = level(sync.inner.algorithm) + 1 + level(sync.outer.algorithm) + 2
-    return {"persistent": persistent, "transient": transient}
+        return {"device": 0, "device_transient": 0, "host": 0, "host_snapshot": 0, "host_transient": 0}
+    if mode == "flat":
+        momentum = 1 if sync.flat.algorithm == "diloco" else 0
+        return {"device": momentum, "device_transient": 2, "host": 1, "host_snapshot": 0, "host_transient": 0}
+    return {
+        "device": 0,
+        "device_transient": 2,
+        "host": 1 + level(sync.inner.algorithm) + level(sync.outer.algorithm) + 1,
+        "host_snapshot": optimizer_states if rollback_snapshot else 0,
+        "host_transient": level(sync.inner.algorithm) + level(sync.outer.algorithm),
+    }
+
 
 
 def shard_factor(cfg: "Config") -> int:
@@ -146,7 +166,8 @@ def shard_factor(cfg: "Config") -> int:
 
 
 def memory_per_rank(cfg: "Config", d: ModelDims, mode: str) -> Dict[str, float]:
-    """Peak bytes per rank (see the module docstring), with and without checkpointing."""
+    """Peak bytes per rank on the device (see the module docstring), with and without
+    checkpointing, and the host memory the sync holds (``host_*``, :func:`sync_state_copies`)."""
     t = cfg.plan.train
     n = param_counts(d)["total"]
     shard = shard_factor(cfg)
@@ -160,10 +181,13 @@ def memory_per_rank(cfg: "Config", d: ModelDims, mode: str) -> Dict[str, float]:
         "gradients": n * gb / shard,
         "optimizer": n * ob * t.optimizer_states / shard,
     }
-    snapshot = t.optimizer_states if (mode == "hier" and t.rollback_snapshot) else 0
-    out["sync_backups"] = (copies["persistent"] - snapshot) * n * pb / shard
-    out["rollback_snapshot"] = snapshot * n * ob / shard
-    out["sync_scratch"] = copies["transient"] * n * pb / shard
+    out["sync_backups"] = copies["device"] * n * pb / shard  # on the device (flat's outer momentum)
+    out["rollback_snapshot"] = 0.0  # hier keeps it on the host (host_rollback_snapshot)
+    out["sync_scratch"] = copies["device_transient"] * n * pb / shard
+    out["host_sync_state"] = copies["host"] * n * pb / shard
+    out["host_rollback_snapshot"] = copies["host_snapshot"] * n * ob / shard
+    out["host_scratch"] = copies["host_transient"] * n * pb / shard
+    out["host_peak"] = out["host_sync_state"] + out["host_rollback_snapshot"] + out["host_scratch"]
     tokens = cfg.train.batch_size * cfg.train.seq_len
     act = activation_elements_per_token(d)
     head = tokens * (act["head"] * ab + act["logits_fp32"] * 4)

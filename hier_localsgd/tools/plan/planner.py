@@ -26,10 +26,11 @@ instantiated):
    causal discount, no recomputation counted). A step is this times the tokens of the
    step (``batch_size x seq_len`` per rank).
 
-3. **Peak memory per rank** (bytes): parameters, gradients, AdamW state (2 tensors),
-   the copies the sync algorithm keeps (per level: a backup, plus a momentum buffer for
-   ``diloco``; this project also snapshots the inner optimizer for rollback), the sync
-   scratch (pseudo-gradient and staged state, sync/hier.py) and activations, with and
+3. **Peak memory per rank** (bytes) on the device: parameters, gradients, AdamW state
+   (2 tensors), the sync copies kept on the device and the sync scratch
+   (model.sync_state_copies: hier keeps its backups, momenta, rollback snapshot and staged
+   state on the host, as core/device.py places them; torchft's flat DiLoCo its outer
+   momentum on the device), reported apart as ``host_*``, and activations, with and
    without per-block activation checkpointing. With ``sharding=fsdp`` the model-sized
    terms are divided by G. Activations per token per block (elements):
    ``6d + 2 k hd + 4F`` (norm inputs/outputs, q/k/v and the attention output saved by

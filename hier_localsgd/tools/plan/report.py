@@ -80,8 +80,9 @@ def _model_lines(p: Dict[str, Any]) -> List[str]:
 
 
 def _memory_lines(p: Dict[str, Any]) -> List[str]:
-    out = ["", "Peak memory per rank"]
-    keys = ["parameters", "gradients", "optimizer", "sync_backups", "rollback_snapshot", "sync_scratch", "activations", "activations_checkpointed", "peak", "peak_checkpointed"]
+    out = ["", "Peak memory per rank (device; host_*: host memory the sync holds, pinned on CUDA)"]
+    keys = ["parameters", "gradients", "optimizer", "sync_backups", "rollback_snapshot", "sync_scratch", "activations", "activations_checkpointed", "peak", "peak_checkpointed",
+            "host_sync_state", "host_rollback_snapshot", "host_scratch", "host_peak"]
     rows = [[k] + [fmt_bytes(p["modes"][mode]["memory"][k]) for mode in REPORT_ORDER] for k in keys]
     out.append(table(["", *REPORT_ORDER], rows))
     fits = p["fits_memory"]

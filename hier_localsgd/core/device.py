@@ -1,0 +1,146 @@
+"""Where tensors live and which backend each level's process group uses.
+
+One home for the device concepts the issue (#15) names:
+
+* ``train.device`` (``auto | cpu | cuda``; ``auto`` = cuda when available): the model,
+  the inner optimizer and the live parameters live there, and the data pipeline feeds
+  tensors there (:func:`resolve_device`).
+* Per-level backends (``train.backends.{group,inner,outer}``, :func:`resolve_backend`):
+  ``group`` (torch.distributed inside a replica group of several ranks: DDP/FSDP) and
+  ``inner`` default to NCCL on CUDA and Gloo on CPU; ``outer`` (the slow WAN level)
+  defaults to Gloo over pinned host buffers, NCCL selectable. For the fault-tolerant
+  levels ``nccl`` is torchft's ``ProcessGroupBabyNCCL`` (NCCL in a subprocess: an abort
+  or a hang kills the subprocess, never this process; ~1 GB more device memory for the
+  subprocess's CUDA context) and ``nccl_inproc`` torchft's ``ProcessGroupNCCL``
+  (in-process, non-blocking communicators aborted with ``ncclCommAbort`` on NCCL >= 2.25;
+  its own docstring warns of deadlocks in NCCL's error handling).
+* Host state (:func:`host_copy`, :func:`host_state`): level backups, the rollback
+  snapshots, the outer momenta and the optimizer snapshot stay in host memory, pinned
+  when the model is on CUDA (as torchft DiLoCo's ``backup_device``), so they cost no
+  device memory. On CPU "pinned" is a no-op: a plain CPU tensor (pinning needs a CUDA
+  build and would only cost page-locked memory).
+
+A Gloo group can be handed device tensors: :class:`hier_localsgd.core.link.LinkProcessGroup`
+copies them to pinned host buffers and back (:func:`comm_device`), and an NCCL group
+handed host tensors stages them on the device the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+LEVEL_BACKENDS = ("auto", "gloo", "nccl", "nccl_inproc")  # the inner and outer (fault-tolerant) levels
+GROUP_BACKENDS = ("auto", "gloo", "nccl")  # torch.distributed inside a replica group
+NCCL_BACKENDS = ("nccl", "nccl_inproc")
+PRECISIONS = ("fp32", "bf16")  # train.precision: autocast of forward/backward
+PARAM_DTYPES = ("fp32", "bf16")  # train.param_dtype: the master weights' dtype
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``. With several GPUs, rank ``k`` of a
+    replica group takes GPU ``k mod count``.
+
+    Raises:
+        ValueError: naming ``train.device`` for an unknown value or cuda without CUDA.
+    """
+    if name not in DEVICES:
+        raise ValueError(f"train.device: {name!r} — expected one of {DEVICES}")
+    if name == "cpu" or (name == "auto" and not cuda_available()):
+        return torch.device("cpu")
+    if not cuda_available():
+        raise ValueError(f"train.device: cuda requested but torch.cuda.is_available() is False (torch {torch.__version__}); use cpu or auto")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def resolve_backend(level: str, name: str, device: torch.device) -> str:
+    """The backend of ``level`` (``group``, ``inner``, ``outer``) for ``device``.
+
+    Raises:
+        ValueError: naming ``train.backends.<level>``: unknown, or NCCL without a CUDA device.
+    """
+    allowed = GROUP_BACKENDS if level == "group" else LEVEL_BACKENDS
+    if name not in allowed:
+        raise ValueError(f"train.backends.{level}: {name!r} — expected one of {allowed}")
+    if name == "auto":
+        if device.type != "cuda" or level == "outer":
+            return "gloo"
+        return "nccl"
+    if name in NCCL_BACKENDS and device.type != "cuda":
+        raise ValueError(f"train.backends.{level}: {name} needs a CUDA device (train.device resolves to {device.type} here)")
+    return name
+
+
+def one_host_backends(device: str, backends: Dict[str, str], ranks_per_replica: int) -> Dict[str, str]:
+    """Backends for ``auto`` levels when every replica group of a job runs on this host
+    (the local launcher): rank k of every group takes GPU k, so groups share GPUs and
+    processes sharing a GPU cannot form an NCCL communicator. On CUDA the inner and outer
+    levels then use Gloo (device tensors staged through pinned host buffers), and the group
+    level too when a group has more ranks than GPUs. Levels set explicitly are kept."""
+    if resolve_device(device).type != "cuda":
+        return {}
+    out = {lv: "gloo" for lv in ("inner", "outer") if backends.get(lv) == "auto"}
+    if backends.get("group") == "auto" and ranks_per_replica > torch.cuda.device_count():
+        out["group"] = "gloo"
+    return out
+
+
+def comm_device(backend: str) -> torch.device:
+    """Where a backend's collectives want their tensors: NCCL on the current CUDA device,
+    Gloo on the host (Gloo handed device tensors: staged through pinned host buffers)."""
+    if backend in NCCL_BACKENDS:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def wants_pinned(t: torch.Tensor) -> bool:
+    """Host copies of ``t`` are pinned when ``t`` is on CUDA or already pinned (CPU-only
+    builds: never; pinning there is a no-op this project skips)."""
+    return cuda_available() and (t.is_cuda or (t.device.type == "cpu" and t.is_pinned()))
+
+
+def host_copy(t: torch.Tensor, pin: Optional[bool] = None) -> torch.Tensor:
+    """A host copy of ``t`` (pinned if ``pin``, by default :func:`wants_pinned`).
+
+    The device-to-host copy is synchronous: the copy is complete on return, so the
+    caller may read or send it at once."""
+    pin = wants_pinned(t) if pin is None else (pin and cuda_available())
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    out.copy_(t.detach())
+    return out
+
+
+def host_state(obj: Any, pin: bool = False) -> Any:
+    """A deep copy of a (nested) state dict with every tensor on the host (an
+    optimizer's state for a rollback snapshot, a heal or a checkpoint). Non-tensor
+    leaves are copied by :func:`copy.deepcopy`. DTensors (``group.sharding=fsdp``) are
+    cloned where they are: on CUDA that snapshot (1/G of the optimizer state) stays on
+    the device — a known gap."""
+    import copy
+
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "device_mesh"):  # a DTensor (FSDP2's optimizer state): a clone in place;
+            return obj.detach().clone()  # from_local would move a host copy back to the mesh's device
+        return host_copy(obj, pin=pin)
+    if isinstance(obj, dict):
+        return {k: host_state(v, pin) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [host_state(v, pin) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(host_state(v, pin) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def memory_stats(device: torch.device) -> Dict[str, Optional[int]]:
+    """Device memory figures for results (None on CPU: not tracked there)."""
+    if device.type != "cuda":
+        return {"max_memory_allocated": None, "memory_allocated": None}
+    return {"max_memory_allocated": int(torch.cuda.max_memory_allocated(device)),
+            "memory_allocated": int(torch.cuda.memory_allocated(device))}
