@@ -329,7 +329,7 @@ def test_plan_reads_the_shared_topology_links_and_sync():
     assert h["modes"]["hier"]["sync_per_step_s"] == pytest.approx(st["inner_s"] / 20 + (st["outer_allreduce_s"] + st["broadcast_s"]) / 100)
     assert h["modes"]["flat"]["sync_per_step_s"] == pytest.approx(st["flat_s"] / 7)
     # an outer localsgd level keeps no momentum: one model-sized copy less than diloco
-    assert base["modes"]["hier"]["memory"]["sync_backups"] - h["modes"]["hier"]["memory"]["sync_backups"] == S_DEBUG
+    assert base["modes"]["hier"]["memory"]["host_sync_state"] - h["modes"]["hier"]["memory"]["host_sync_state"] == S_DEBUG  # on the host (core/device.py)
     # train: the batch is train.*'s
     assert _plan("train.batch_size=2")["flops"]["tokens_per_rank_step"] == 2 * 64
 
