@@ -119,8 +119,12 @@ def test_cluster_lighthouse_killed_and_restarted_costs_no_process(tmp_path):
     assert [e for e in run.kinds((0, 0), "commit", level="outer") if t_kill + HB_S < e["t"] < t_up], logs_tail(run)
     times = sorted(e["t"] for e in run.kinds((1, 1), "loss") if t_kill <= e["t"] <= t_up + 5)
     pause = max(b - a for a, b in zip(times, times[1:]))
-    # c0r1 missed those outer rounds: the guard resyncs it from its leader once it can.
-    assert [e for e in run.kinds((0, 1), "resync", level="inner") if e["t"] > t_up], logs_tail(run)
+    # c0r1 missed those outer rounds: it takes its leader's model once it can, by the guard's
+    # resync (equal training progress), or by a heal when the outage cut a round that only
+    # one of the two committed (their progress then differs: torchft heals the one behind;
+    # seen on a loaded machine).
+    caught_up = [e for e in run.kinds((0, 1), "resync", level="inner") + run.kinds((0, 1), "heal", level="inner") if e["t"] > t_up]
+    assert caught_up, logs_tail(run)
     print(f"cluster lighthouse outage: inner commits resumed {resumed:.2f}s after it answered (inner period {period:.2f}s); "
           f"cluster 1's longest pause between two steps during the outage {pause:.1f}s")
     assert pause <= HB_S + 2.0, pause
