@@ -266,54 +266,30 @@ def train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         return {"job_finished": str(e)}
 
 
-def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
-    t0 = time.time()
-    identity = Identity(cfg.run.cluster, cfg.run.replica)
+@dataclass
+class Built:
+    """What the loop trains: the model (``fwd`` wraps it for the forward pass: DDP inside a
+    multi-rank group, torch.compile), its parameters as the sync sees them, the inner
+    optimizer, and this rank's TP group (group.parallel=tp)."""
+
+    model: torch.nn.Module
+    fwd: torch.nn.Module
+    flat: Any  # FlatParams, or train/fsdp.ShardedParams
+    opt: torch.optim.Optimizer
+    tp: Any = None
+
+
+def build_trainee(cfg: Config, grp: GroupContext, device: torch.device, vocab_size: int) -> Built:
+    """Model, parameters and inner optimizer, built on the CPU from the seed (identical
+    everywhere), then moved to train.device in train.param_dtype (fp32 master weights)."""
     tr = cfg.train
-    device = process_device(cfg)
-    grp = group_context(cfg, cfg.timeouts_obj(), device)
-    lighthouses = {"global": cfg.lighthouse.global_addr}
-    if cfg.sync.mode == "hier":
-        lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
-    ran_before = trained_before(cfg, identity, grp.rank)  # before the publisher overwrites the status
-    pub = ReplicaPublisher(
-        cfg.run.dir,
-        identity.cluster,
-        identity.replica,
-        {"cluster": identity.cluster, "replica": identity.replica, "mode": cfg.sync.mode, "steps_total": tr.steps,
-         "lighthouses": lighthouses, "group_rank": grp.rank,
-         "topology": {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster, "ranks_per_replica": grp.size}},
-        rank=grp.rank,
-    )
-
-    def closing(code: int, reason: str) -> None:
-        if code == EXIT_WATCHDOG:  # a hang: hier-localsgd chaos counts these
-            pub.event("watchdog", reason=reason, pid=os.getpid())
-        pub.close("done" if code == 0 else f"failed ({reason})")
-
-    rt.on_exit(closing)
-    LOG_TAG.set_role("member")
-    tracker = PhaseTracker(
-        describe=str(identity) + (f"g{grp.rank}" if grp.size > 1 else ""),
-        listeners=[pub.on_transition, lambda tr, snap: LOG_TAG.set_role("leader" if snap.get("leader") else "member")],
-    )
-    rt.watch(tracker)
-    torch.set_num_threads(tr.threads)
-    tb = Scalars(cfg, identity)
-    rt.on_exit(lambda code, reason: tb.close())
-
-    # -- data, model, inner optimizer -------------------------------------------
-    tp = None  # group.parallel=tp: this rank's TP group, model shard and TP links (tp.py)
-    data = build_data(cfg, 0 if cfg.group.parallel == "tp" else grp.rank, device)  # TP ranks share their group's batches
-    # Built on the CPU from the seed (identical everywhere), then moved: model, inner
-    # optimizer and live parameters on train.device, in train.param_dtype (fp32 master weights).
-    model = build_model(cfg.model.name, data.vocab_size, tr.seq_len, cfg.model.dim, tr.seed).to(device=device, dtype=DTYPES[tr.param_dtype])
+    tp = None
+    model = build_model(cfg.model.name, vocab_size, tr.seq_len, cfg.model.dim, tr.seed).to(device=device, dtype=DTYPES[tr.param_dtype])
     if cfg.group.parallel == "tp":
         from hier_localsgd.train.tp import group_tp, shard_llama3
 
         tp = group_tp(cfg, grp.pg, grp.rank, grp.size)
         shard_llama3(model, tp, cfg.group.tp_variant)
-    # Gradients as one flat buffer for the ddp baseline, which all-reduces it across replica groups.
     fsdp = grp.pg is not None and tp is None and cfg.group.sharding == "fsdp"
     if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (train/fsdp.py)
         from hier_localsgd.train.fsdp import ShardedParams, shard_model
@@ -321,6 +297,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
         shard_model(model, grp.pg, device)
         flat: Any = ShardedParams(model)
     else:
+        # Gradients as one flat buffer for the ddp baseline, which all-reduces it across replica groups.
         flat = FlatParams(model, flat_grads=cfg.sync.mode == "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
@@ -334,6 +311,92 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
                                       device_ids=[device.index] if device.type == "cuda" else None)
     if tr.compile:
         fwd = torch.compile(fwd)  # type: ignore[assignment]
+    return Built(model, fwd, flat, opt, tp)
+
+
+def publisher(cfg: Config, rt: Runtime, identity: Identity, grp: GroupContext) -> ReplicaPublisher:
+    """The replica's status file and event log; closed with the process's exit reason."""
+    lighthouses = {"global": cfg.lighthouse.global_addr}
+    if cfg.sync.mode == "hier":
+        lighthouses["cluster"] = cfg.lighthouse.cluster_addrs[identity.cluster]
+    pub = ReplicaPublisher(
+        cfg.run.dir,
+        identity.cluster,
+        identity.replica,
+        {"cluster": identity.cluster, "replica": identity.replica, "mode": cfg.sync.mode, "steps_total": cfg.train.steps,
+         "lighthouses": lighthouses, "group_rank": grp.rank,
+         "topology": {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster, "ranks_per_replica": grp.size}},
+        rank=grp.rank,
+    )
+
+    def closing(code: int, reason: str) -> None:
+        if code == EXIT_WATCHDOG:  # a hang: hier-localsgd chaos counts these
+            pub.event("watchdog", reason=reason, pid=os.getpid())
+        pub.close("done" if code == 0 else f"failed ({reason})")
+
+    rt.on_exit(closing)
+    return pub
+
+
+def open_checkpoints(cfg: Config, rt: Runtime, identity: Identity, grp: GroupContext, device: torch.device,
+                     pub: ReplicaPublisher, sync: SyncStrategy) -> Optional[Checkpointer]:
+    """The durable checkpoints (checkpoint.*), resuming ``sync`` from the newest usable one."""
+    ck = cfg.checkpoint
+    if not (ck.every or ck.resume):
+        return None
+    ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank,
+                        layout={"ranks_per_replica": grp.size, "device": device.type})
+    rt.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
+    if ck.resume:
+        payload = ckpt.load_latest()
+        if payload is not None:
+            sync.restore(payload["state"])  # type: ignore[attr-defined]  # hier only (config.py)
+            set_rng_state(payload["state"]["rng"])
+            logger.info("%s resumed at step %d (outer round %d)", identity, sync.counters.step, sync.counters.outer_round)
+        else:
+            logger.warning("%s: checkpoint.resume=true but no usable checkpoint under %s; starting fresh", identity, ckpt.dir)
+    return ckpt
+
+
+def injected_loop_fault(plan: FaultPlan, step: int) -> None:
+    """faults=[...] actions of the training loop itself (core/faults.py): raise, hang, exit."""
+    if plan.take(step, Phase.LOCAL.value, ("raise",)):
+        # As in seed 004, another non-daemon thread is still blocked when the loop
+        # dies; an interpreter exit would wait for it, heartbeat and all.
+        threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
+        raise InjectedFault(f"injected exception in the training loop at step {step}")
+    if plan.take(step, Phase.LOCAL.value, ("hang",)):
+        while True:  # the watchdog ends this
+            time.sleep(1.0)
+    if plan.take(step, Phase.LOCAL.value, ("exit",)):
+        os._exit(17)
+
+
+def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
+    """Set-up, the loop, the result: one function on purpose (a newcomer reads the whole
+    training of a replica group here in one sitting, as in nanoGPT); the parts that are not
+    the loop itself live in the functions above and below."""
+    t0 = time.time()
+    identity = Identity(cfg.run.cluster, cfg.run.replica)
+    tr = cfg.train
+    device = process_device(cfg)
+    grp = group_context(cfg, cfg.timeouts_obj(), device)
+    ran_before = trained_before(cfg, identity, grp.rank)  # before the publisher overwrites the status
+    pub = publisher(cfg, rt, identity, grp)
+    LOG_TAG.set_role("member")
+    tracker = PhaseTracker(
+        describe=str(identity) + (f"g{grp.rank}" if grp.size > 1 else ""),
+        listeners=[pub.on_transition, lambda tr, snap: LOG_TAG.set_role("leader" if snap.get("leader") else "member")],
+    )
+    rt.watch(tracker)
+    torch.set_num_threads(tr.threads)
+    tb = Scalars(cfg, identity)
+    rt.on_exit(lambda code, reason: tb.close())
+
+    # -- data, model, inner optimizer -------------------------------------------
+    data = build_data(cfg, 0 if cfg.group.parallel == "tp" else grp.rank, device)  # TP ranks share their group's batches
+    b = build_trainee(cfg, grp, device, data.vocab_size)
+    model, fwd, flat, opt, tp = b.model, b.fwd, b.flat, b.opt, b.tp
     eval_set = data.eval_batches()
     floor = data.entropy_floor
     eval_start = evaluate(model, eval_set, tr.precision)
@@ -348,20 +411,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     c = sync.counters
     plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
     ck = cfg.checkpoint
-    ckpt = None
-    if ck.every or ck.resume:
-        ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), identity.cluster, identity.replica, ck.keep, pub.event, rank=grp.rank,
-                            layout={"ranks_per_replica": grp.size, "device": device.type})
-        rt.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
-    if ck.resume:
-        assert ckpt is not None
-        payload = ckpt.load_latest()
-        if payload is not None:
-            sync.restore(payload["state"])
-            set_rng_state(payload["state"]["rng"])
-            logger.info("%s resumed at step %d (outer round %d)", identity, c.step, c.outer_round)
-        else:
-            logger.warning("%s: checkpoint.resume=true but no usable checkpoint under %s; starting fresh", identity, ckpt.dir)
+    ckpt = open_checkpoints(cfg, rt, identity, grp, device, pub, sync)
     last_ckpt_round = c.outer_round
     pub.update(state="ready")
     wait_for_gate(cfg.run.start_gate, cfg.timeouts_obj().startup.total_seconds())
@@ -373,16 +423,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
     while c.step < tr.steps:
         sync.before_forward()  # ddp: quorum (and heal) for this step
-        if plan.take(c.step, Phase.LOCAL.value, ("raise",)):
-            # As in seed 004, another non-daemon thread is still blocked when the loop
-            # dies; an interpreter exit would wait for it, heartbeat and all.
-            threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
-            raise InjectedFault(f"injected exception in the training loop at step {c.step}")
-        if plan.take(c.step, Phase.LOCAL.value, ("hang",)):
-            while True:  # the watchdog ends this
-                time.sleep(1.0)
-        if plan.take(c.step, Phase.LOCAL.value, ("exit",)):
-            os._exit(17)
+        injected_loop_fault(plan, c.step)
         t_step = time.time()
         t_perf = time.perf_counter()
         x, y = data.batch(c.step)
@@ -404,20 +445,12 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             local_step_times.append(time.perf_counter() - t_perf)
         if ckpt is not None and ck.every and c.outer_round > last_ckpt_round and c.outer_round % ck.every == 0:
             last_ckpt_round = c.outer_round  # right after the outer round committed
-            ckpt.save_async(c.step, {**sync.snapshot(), "rng": rng_state()})
+            ckpt.save_async(c.step, {**sync.snapshot(), "rng": rng_state()})  # type: ignore[attr-defined]
         loss_val = float(loss.detach())
         # Every step: a killed process's last status says how much work it had done.
         pub.update(step=c.step, loss=loss_val, loss_step=c.step, **sync.work_counters())
-
         if c.step % tr.log_every == 0 or c.step == tr.steps:
-            logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
-            links = sync.link_stats()
-            pub.update(loss=loss_val, loss_step=c.step, link=links, **({"tp": tp.stats()} if tp is not None else {}))
-            pub.event("loss", step=c.step, loss=loss_val)
-            work = sync.work_counters()
-            tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
-                   work__steps_discarded=work.get("steps_discarded"),
-                   **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
+            log_progress(identity, tr, c, loss_val, sync, pub, tb, tp)
         if tr.eval_every and c.step % tr.eval_every == tr.eval_offset and c.step < tr.steps:
             t_eval = time.perf_counter()
             ev = evaluate(model, eval_set, tr.precision)  # eval_s: the bench takes evaluation time out of its time axis
@@ -431,32 +464,11 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     pub.event("eval", step=c.step, loss=final, floor=floor, bytes=_bytes_by_level(sync.link_stats()))
     tb.add(c.step, eval__loss=final, eval__excess=None if floor is None else final - floor)
     result = {
-        "cluster": identity.cluster,
-        "replica": identity.replica,
-        "group_rank": grp.rank,
-        "mode": cfg.sync.mode,
-        "steps": c.step,
-        "inner_rounds": c.inner_round,
-        "outer_rounds": c.outer_round,
-        "leader": sync.leader,
-        "eval_loss_start": eval_start,
-        "eval_loss": final,
-        "entropy_floor": floor,
-        "train_loss": loss_val,
-        "checksum": checksum(flat.data),
-        "model_params": flat.numel,
-        "model_bytes": flat.nbytes,
-        "link": sync.link_stats(),
-        **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
-        "work": sync.work_counters(),
-        "local_step_s": trimmed_mean(local_step_times),
+        **result_of(cfg, identity, grp.rank, c, sync, flat, tp),
+        "eval_loss_start": eval_start, "eval_loss": final, "entropy_floor": floor, "train_loss": loss_val,
+        "local_step_s": trimmed_mean(local_step_times), "local_steps_timed": len(local_step_times),
         "step_s": loop_s / max(1, c.step - step_loop),  # mean over the loop, syncs included
-        "tokens_per_step": tr.batch_size * tr.seq_len,  # per rank
-        "device": str(device),
-        "precision": tr.precision,
-        "param_dtype": str(flat.data.dtype),
-        **memory_stats(device),
-        "local_steps_timed": len(local_step_times),
+        "device": str(device), **memory_stats(device),
         "wall_s": time.time() - t0,
     }
     flat.check_in_place()
@@ -468,3 +480,30 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
     tracker.enter(Phase.STOPPED, None, reason="finished")
     logger.info("%s finished: eval loss %.4f (floor %s) checksum %s", identity, final, floor, result["checksum"])
     return result
+
+
+def log_progress(identity: Identity, tr: Any, c: Any, loss_val: float, sync: SyncStrategy, pub: ReplicaPublisher, tb: "Scalars", tp: Any) -> None:
+    """Every train.log_every steps: the log line, status, a loss event and TensorBoard scalars."""
+    logger.info("%s step %d/%d loss %.4f inner_round %d outer_round %d%s", identity, c.step, tr.steps, loss_val, c.inner_round, c.outer_round, " leader" if sync.leader else "")
+    links = sync.link_stats()
+    pub.update(loss=loss_val, loss_step=c.step, link=links, **({"tp": tp.stats()} if tp is not None else {}))
+    pub.event("loss", step=c.step, loss=loss_val)
+    work = sync.work_counters()
+    tb.add(c.step, train__loss=loss_val, sync__inner_round=c.inner_round, sync__outer_round=c.outer_round,
+           work__steps_discarded=work.get("steps_discarded"),
+           **{f"link__{lv}_bytes": st["sent_bytes_total"] for lv, st in links.items()})
+
+
+def result_of(cfg: Config, identity: Identity, rank: int, c: Any, sync: SyncStrategy, flat: Any, tp: Any) -> Dict[str, Any]:
+    """The result's fields that describe the replica group and its final model."""
+    tr = cfg.train
+    return {
+        "cluster": identity.cluster, "replica": identity.replica, "group_rank": rank, "mode": cfg.sync.mode,
+        "steps": c.step, "inner_rounds": c.inner_round, "outer_rounds": c.outer_round, "leader": sync.leader,
+        "checksum": checksum(flat.data), "model_params": flat.numel, "model_bytes": flat.nbytes,
+        "link": sync.link_stats(),
+        **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
+        "work": sync.work_counters(),
+        "tokens_per_step": tr.batch_size * tr.seq_len,  # per rank
+        "precision": tr.precision, "param_dtype": str(flat.data.dtype),
+    }
