@@ -212,3 +212,17 @@ def test_two_leaders_of_one_cluster_in_the_outer_group_violate_i1():
         assert rep.kinds("commit", level="outer") == []  # no collective ran in a refused group
         refusals = [e for e in rep.kinds("quorum_failed", level="outer") if "group refused" in e["detail"]]
         assert len(refusals) == 3, rep.kinds("quorum_failed")
+
+
+def test_training_progress_orders_outer_rounds_then_steps_then_committed_rounds():
+    """Who heals from whom inside a cluster (sync/common.training_progress)."""
+    from hier_localsgd.sync.common import training_progress as p
+
+    # a leader that kept syncing across clusters through its cluster lighthouse's outage is
+    # ahead of a member that only took more local steps meanwhile
+    assert p(15, 180, 6) > p(3, 185, 6)
+    assert p(3, 185, 6) > p(3, 180, 6)  # then training progress
+    assert p(3, 180, 7) > p(3, 180, 6)  # then a committed round over a rolled-back one
+    assert p(0, 5, 3) < p(0, 10, 0)  # a restart's no-op join rounds are no progress
+    # fields saturate instead of spilling into the next: still an int64, still ordered
+    assert p(2**40, 2**40, 5) < 2**63 and p(2**40, 0, 0) > p(2**22 - 2, 2**40, 0)

@@ -217,8 +217,8 @@ class LevelManager:
 
         ``progress``: what this replica announces as its step (torchft heals everyone
         below the quorum's highest step from a member at it). By default torchft counts
-        commits; the inner level announces its training step, then its committed rounds
-        (``step << 32 | inner_round``), so who heals from whom follows training progress
+        commits; the inner level announces its outer round, training step and committed
+        rounds (``sync.common.training_progress``), so who heals from whom follows progress
         (and, at equal steps, a member that rolled a round back heals from one that
         committed it): a replica group restarted at step 0 that
         committed a few no-op join rounds alone (its lighthouse had just come back) must

@@ -72,6 +72,32 @@ class OuterResult:
     residual: Optional[torch.Tensor] = None  # compressed: the leader's committed residual, as received
 
 
+# What a replica announces as its step at the inner quorum (torchft heals every member
+# below the quorum's highest step from one at it), packed into torchft's int64 step:
+# outer rounds first, then local steps, then committed inner rounds. Each field saturates.
+_OUTER_BITS, _STEP_BITS, _INNER_BITS = 22, 31, 10
+
+
+def training_progress(outer_round: int, step: int, inner_round: int) -> int:
+    """Who is ahead, in the order that decides who heals from whom inside a cluster:
+
+    1. ``outer_round``: a group holding a later global model is ahead, whatever its local
+       steps (a leader that kept syncing across clusters through its cluster lighthouse's
+       outage must not heal from a member that only took more local steps meanwhile —
+       seen: the leader fell back 12 outer rounds and the other cluster's leader, alone
+       ahead, exited after max_quorum_failures);
+    2. ``step``: then training progress (a restarted group's no-op join rounds are not);
+    3. ``inner_round``: at equal steps, a member that committed a round is ahead of one
+       that rolled it back. Only its low 10 bits count: the two differ by a round or two,
+       so only a wrap between them (one case in 1024) can invert the order, and then the
+       committed member re-adopts the rolled-back one's model — one round lost, never
+       consistency.
+    """
+    o = min(max(outer_round, 0), (1 << _OUTER_BITS) - 1)
+    s = min(max(step, 0), (1 << _STEP_BITS) - 1)
+    return (o << (_STEP_BITS + _INNER_BITS)) | (s << _INNER_BITS) | (inner_round & ((1 << _INNER_BITS) - 1))
+
+
 class SyncStrategy(Protocol):
     """What the training loop calls, every mode alike (hier: HierarchicalSync; flat, ddp:
     baselines.py). Checkpoints (``snapshot``/``restore``) are the hierarchy's only

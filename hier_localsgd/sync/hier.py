@@ -87,7 +87,7 @@ from hier_localsgd.sync.compression import DEFAULT_BLOCK, NONE as NO_COMPRESSION
 from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.sync.committed import CommittedState
-from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status
+from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status, training_progress
 from hier_localsgd.sync.outer_round import OuterRound
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -320,7 +320,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
-            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=(c.step << 32) + c.inner_round)
+            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             self._outage("inner", e)
