@@ -182,6 +182,25 @@ class HierarchicalSync(OuterRound, CommittedState):
         self.group, self.group_store = group, group_store  # group_store is already per attempt (trainer.py)
         if g > 1 and (group is None or group_store is None):
             raise ValueError("a replica group of several ranks needs its process group and store")
+        self._init_state(settings, flat, inner_optimizer)
+        self._init_overlap(settings, identity, timeouts, tracker, flat)
+        self._leader = False
+        self._quorum_failures = {"inner": 0, "outer": 0}
+        self._outer_healed: Optional[tuple[int, int]] = None
+        self._last_quorum_size = 0
+        self._last_rank = 0
+        self._last_healed = False
+        self._outer_epoch = 0
+        # Work accounting: local steps run, and those discarded by a rollback (or
+        # contributed with weight 0) — what chaos.py's goodput starts from.
+        self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
+        self._since_outer = 0  # steps committed at the inner level since the last outer commit
+        tracker.set_extra(**self.work_counters())
+
+        self._init_levels_comm(settings, timeouts, tracker, events)
+
+    def _init_state(self, settings: HierSettings, flat: FlatParams, inner_optimizer: Optimizer) -> None:
+        """The levels, the committed model, the compression residual, the optimizer snapshot."""
         # Three optimizers, three owners (I2): the inner optimizer owns the model's
         # parameters; each level owns its backup and its momentum buffer.
         self.inner = Level("inner", settings.inner, flat.data[self.part])
@@ -203,6 +222,9 @@ class HierarchicalSync(OuterRound, CommittedState):
             ]
         )
         self._opt_backup = host_state(inner_optimizer.state_dict())
+
+    def _init_overlap(self, settings: HierSettings, identity: Identity, timeouts: Timeouts, tracker: PhaseTracker, flat: FlatParams) -> None:
+        """The overlapped outer stage and its snapshot (overlap.py), when sync.outer.delay > 0."""
         # Overlapped outer sync (overlap.py): the leader's inner and outer groups may each
         # have a collective in flight (they share no pair of processes, I1).
         self._overlap = settings.outer_delay > 0
@@ -221,19 +243,10 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._outer_view: Optional[tuple[int, int]] = None  # the stage's (outer_round, step)
         if self._snap is not None:
             check_disjoint_tensors([("model parameters (inner optimizer)", [flat.data]), ("outer stage snapshot", [self._snap])])
-        self._leader = False
-        self._quorum_failures = {"inner": 0, "outer": 0}
-        self._outer_healed: Optional[tuple[int, int]] = None
-        self._last_quorum_size = 0
-        self._last_rank = 0
-        self._last_healed = False
-        self._outer_epoch = 0
-        # Work accounting: local steps run, and those discarded by a rollback (or
-        # contributed with weight 0) — what chaos.py's goodput starts from.
-        self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
-        self._since_outer = 0  # steps committed at the inner level since the last outer commit
-        tracker.set_extra(**self.work_counters())
 
+    def _init_levels_comm(self, settings: HierSettings, timeouts: Timeouts, tracker: PhaseTracker, events: EventSink) -> None:
+        """Lighthouse health, the inner level's link, Manager and collectives; the outer
+        level's are made while this group leads (_ensure_outer)."""
         probe = min(timedelta(seconds=1), settings.quorum_slice)
         self.health = {
             "inner": LighthouseHealth("inner", settings.cluster_lighthouse_field, settings.cluster_lighthouse, probe, settings.quorum_slice, settings.outage_limit),
