@@ -78,3 +78,53 @@ def test_an_unreadable_page_reports_nothing():
     watch = QuorumWatch("http://127.0.0.1:1", timedelta(seconds=1), poll=timedelta(milliseconds=1), fetch=lambda addr, t: None)
     assert watch.lapsed(3, "x") is None
     assert parse_status("<html>not a lighthouse</html>").quorum_id is None
+
+
+def test_a_member_asking_for_a_new_quorum_is_reported_after_the_heartbeat_timeout(lighthouse):
+    """b leaves our collective and asks for a new quorum (its earlier request had reached the
+    lighthouse after b gave up on it, seen after a lighthouse restart). With two replica
+    groups the lighthouse cannot form b's quorum while a heartbeats (split-brain rule), so a
+    would wait its whole phase: the watch reports it once it lasted the heartbeat timeout.
+    A joiner outside the quorum (a heartbeating restart) asking is not reported."""
+    import threading
+
+    a, b = manager(lighthouse, "a0"), manager(lighthouse, "b1")
+    c = None
+    try:
+        ths = [threading.Thread(target=m.start_quorum, kwargs={"timeout": timedelta(seconds=10)}) for m in (a, b)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        q = a._quorum_id
+        watch = QuorumWatch(lighthouse.address(), timedelta(milliseconds=HB_MS), poll=timedelta(milliseconds=50))
+        assert watch.lapsed(q, full_id(a)) is None  # a and b both in the collective
+        # a joiner (outside the quorum) asks: not a member leaving us
+        c = manager(lighthouse, "c2")
+        tc = threading.Thread(target=lambda: c.start_quorum(timeout=timedelta(seconds=3)) if c else None, daemon=True)
+        tc.start()
+        t0, seen_asking = time.time(), 0
+        while time.time() - t0 < 2 * HB_MS / 1000:
+            time.sleep(0.06)
+            view = parse_status(fetch_status(lighthouse.address(), timedelta(seconds=2)))
+            seen_asking = max(seen_asking, view.pending)
+            assert watch.lapsed(q, full_id(a)) is None, view
+        assert seen_asking == 1  # c's request was pending all along: the page shows it
+        tc.join(10)
+        c.shutdown(wait=False)
+        c = None
+        time.sleep(HB_MS / 1000 + 0.3)  # c's heartbeat lapses
+        # b asks for a new quorum while a waits in their collective
+        tb = threading.Thread(target=lambda: b.start_quorum(timeout=timedelta(seconds=8)), daemon=True)
+        tb.start()
+        t0 = time.time()
+        why = None
+        while why is None and time.time() - t0 < 6:
+            time.sleep(0.06)
+            why = watch.lapsed(q, full_id(a))
+        assert why is not None and "asks the lighthouse for a new quorum" in why, why
+        assert time.time() - t0 >= HB_MS / 1000  # only after it lasted the heartbeat timeout
+    finally:
+        for m in (a, b, c):
+            if m is not None:
+                m.shutdown(wait=False)
