@@ -8,8 +8,7 @@ While a collective waits, :class:`QuorumWatch` reads the lighthouse's status pag
 most every ``poll``) and reports a member of *our* quorum (same quorum id) whose last
 heartbeat is older than the lighthouse's heartbeat timeout, or a quorum newer than ours
 (a process that was itself stopped returns into a collective its peers abandoned long
-ago, and would otherwise wait to its deadline), or, for longer than the heartbeat
-timeout, a member of our quorum asking for a new one (:meth:`QuorumWatch._left`); the caller
+ago, and would otherwise wait to its deadline); the caller
 (:class:`hier_localsgd.core.comm.LevelComm`) then abandons the collective, reports the
 error so the round's commit vote fails, and the round rolls back. Survivors lose at
 most the heartbeat timeout plus one poll (torchft#164 asks for the same upstream).
@@ -37,7 +36,6 @@ from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 _QUORUM_ID = re.compile(r"Previous quorum id:\s*(\d+)")
-_PENDING = re.compile(r"Next quorum status:.*?\[(\d+)/\d+ participants healthy\]", re.S)
 _MEMBER = re.compile(r"<b>([^<]+)</b>")
 _SEEN = re.compile(r"([^\s<>]+): seen ([0-9.]+)(ns|µs|us|ms|s) ago")
 _UNITS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -48,7 +46,6 @@ class LighthouseView:
     quorum_id: Optional[int]  # the last quorum the lighthouse formed
     members: List[str]  # its members' full replica ids
     heartbeat_age_s: Dict[str, float]  # replica id -> seconds since its last heartbeat
-    pending: int = 0  # healthy replicas asking the lighthouse for the next quorum now
 
 
 def parse_status(html: str) -> LighthouseView:
@@ -60,7 +57,6 @@ def parse_status(html: str) -> LighthouseView:
         quorum_id=int(m.group(1)) if m else None,
         members=[x.strip() for x in _MEMBER.findall(section)],
         heartbeat_age_s={rid: float(v) * _UNITS[u] for rid, v, u in _SEEN.findall(beats)},
-        pending=int(p.group(1)) if (p := _PENDING.search(prev)) else 0,
     )
 
 
@@ -97,7 +93,6 @@ class QuorumWatch:
         self._fetch = fetch or fetch_status
         self._clock = clock
         self._last = float("-inf")
-        self._waiting: Optional[tuple[int, float]] = None  # (quorum id, since when a member asks anew)
 
     def lapsed(self, quorum_id: int, own_id: str) -> Optional[str]:
         """Why waiting in quorum ``quorum_id`` is pointless, or None (also when not due yet):
@@ -124,26 +119,4 @@ class QuorumWatch:
             age = view.heartbeat_age_s.get(member)
             if age is not None and age > limit:
                 return f"member {member} stopped heartbeating"
-        return self._left(view, quorum_id, now, limit)
-
-    def _left(self, view: LighthouseView, quorum_id: int, now: float, limit: float) -> Optional[str]:
-        """A member of our quorum asks the lighthouse for a *new* quorum: it is not in our
-        collective. torchft's lighthouse keeps a quorum request whose client gave up (seen:
-        a member's request reached a restarting lighthouse, the member took the round for
-        skipped, the lighthouse then formed a quorum with it and its peer; the peer waited
-        the whole 30 s phase for it, while the member's next request waited for the peer:
-        with two groups neither may form a quorum alone, torchft's split-brain rule). The
-        page shows how many healthy replicas ask, not which: more than the heartbeating
-        replicas outside our quorum (joiners, say a restart) means a member of ours. It is
-        reported once that has lasted the heartbeat timeout (a member that just finished
-        the collective and moved on is a transient, not this)."""
-        outsiders = sum(1 for rid, age in view.heartbeat_age_s.items() if rid not in view.members and age <= limit)
-        if view.pending <= outsiders:
-            self._waiting = None
-            return None
-        if self._waiting is None or self._waiting[0] != quorum_id:
-            self._waiting = (quorum_id, now)
-            return None
-        if now - self._waiting[1] >= limit:
-            return f"a member of quorum {quorum_id} asks the lighthouse for a new quorum ({view.pending} asking, {outsiders} outside the quorum)"
         return None
