@@ -371,17 +371,27 @@ def links_unavailable(cfg: Config) -> Optional[str]:
     return shaping_available()
 
 
-def run_bench(cfg: Config, overrides: List[str]) -> int:
-    """One bench at ``bench.wan_gbps`` with one seed (cli.py runs bench_sweep.py instead when
-    ``bench.sweep_gbps`` names WAN rates). Exit 0, 1 (a run failed), 2 (kernel links unavailable)."""
+def prepare(cfg: Config, overrides: List[str]) -> Optional[Tuple[Path, Dict[str, List[str]], int, List[str]]]:
+    """The output folder, the arms, the steps per replica group and the overrides every arm
+    shares (a single bench and a sweep alike); None, said in one line, if bench.links=kernel
+    cannot run here."""
     out = Path(cfg.bench.out or Path(cfg.run.dir) / "bench")
     out.mkdir(parents=True, exist_ok=True)
     why = links_unavailable(cfg)
     if why:
         print(f"bench: bench.links=kernel: {why}", flush=True)
-        return 2
+        return None
     common, arms, steps = plan_arms(cfg)
-    base = [*overrides, *common]
+    return out, arms, steps, [*overrides, *common]
+
+
+def run_bench(cfg: Config, overrides: List[str]) -> int:
+    """One bench at ``bench.wan_gbps`` with one seed (cli.py runs bench_sweep.py instead when
+    ``bench.sweep_gbps`` names WAN rates). Exit 0, 1 (a run failed), 2 (kernel links unavailable)."""
+    prepared = prepare(cfg, overrides)
+    if prepared is None:
+        return 2
+    out, arms, steps, base = prepared
     wan_bps = cfg.bench.wan_gbps * 1e9 if cfg.bench.links == "kernel" else 0.0
     print(f"bench ({cfg.bench.mode}, {cfg.bench.links} links): {list(arms)} + bare loop, {steps} steps per replica group -> {out}", flush=True)
     t0 = time.time()

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hier_localsgd.config import Config, load_config
-from hier_localsgd.experiments.bench import KERNEL_NOTE, links_unavailable, plan_arms, run_arm, run_bare
+from hier_localsgd.experiments.bench import KERNEL_NOTE, prepare, run_arm, run_bare
 from hier_localsgd.experiments.bench_chaos import run_chaos_arm
 from hier_localsgd.experiments.bench_chaos import table as chaos_table
 from hier_localsgd.launch.local import child_env
@@ -175,14 +175,10 @@ def plots(points: List[Dict[str, Any]], runs: List[Dict[str, Any]], out: Path) -
 
 def run_sweep(cfg: Config, overrides: List[str]) -> int:
     b = cfg.bench
-    out = Path(b.out or Path(cfg.run.dir) / "bench")
-    out.mkdir(parents=True, exist_ok=True)
-    why = links_unavailable(cfg)
-    if why:
-        print(f"bench: bench.links=kernel: {why}", flush=True)
+    prepared = prepare(cfg, overrides)
+    if prepared is None:
         return 2
-    common, arms, steps = plan_arms(cfg)
-    base = [*overrides, *common]
+    out, arms, steps, base = prepared
     no_net = [o for o in base if o != "run.netns=true"]  # pilot and bare loops: no network
     t0 = time.time()
     print(f"bench sweep ({b.mode}, {b.links} links): WAN {b.sweep_gbps} Gbit/s x {list(arms)} x seeds {b.seeds}, {steps} steps -> {out}", flush=True)

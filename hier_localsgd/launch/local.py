@@ -68,6 +68,7 @@ class Proc:
     log: Path
     extra: Sequence[str] = ()
     restarts: int = 0
+    spare: str = ""  # a restart run in a spare: "ready" (it had finished its imports) or "started"
 
 
 RUN_OUTPUTS = ("replicas", "logs", "tensorboard", JOB_EVENTS_FILE, "summary.json")
@@ -127,6 +128,7 @@ class LocalJob:
     warm_spares: bool = False
     _spare: Optional[subprocess.Popen] = None
     _spare_due: float = 0.0  # when the next spare may start
+    _spare_ready_pid: Optional[int] = None  # the spare whose log said it finished its imports
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
@@ -261,14 +263,12 @@ class LocalJob:
         self.replicas[(cluster, replica)] = proc
         how = {}
         if prev is not None:
-            spare = proc.name.partition("(")[2].rstrip(")")  # "", "spare" or "spare ready"
             # warm: the spare had finished its imports when it got the restart
-            how = {"spare": bool(spare), "warm": spare == "spare ready"}
-            if spare:
+            how = {"spare": bool(proc.spare), "warm": proc.spare == "ready"}
+            if proc.spare:
                 # The next spare starts a little later: importing beside a restart that is
                 # starting up would slow both on a small machine.
                 self._spare_due = time.time() + SPARE_RESPAWN_S
-        proc.name = name
         self._record({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid, **how})
         return proc
 
@@ -290,8 +290,11 @@ class LocalJob:
         spare = self._spare
         if spare is None or spare.poll() is not None:
             return False
-        log = self.run_dir / "logs" / "spare.log"
-        return log.exists() and f"spare: ready (pid {spare.pid})" in log.read_text(errors="replace")
+        if self._spare_ready_pid != spare.pid:  # the log is read until it says so, not after
+            log = self.run_dir / "logs" / "spare.log"
+            if log.exists() and f"spare: ready (pid {spare.pid})" in log.read_text(errors="replace"):
+                self._spare_ready_pid = spare.pid
+        return self._spare_ready_pid == spare.pid
 
     def _from_spare(self, name: str, argv: List[str]) -> Optional[Proc]:
         """Hands ``argv`` (``hier_localsgd`` arguments) to the waiting spare; None if there is none."""
@@ -305,7 +308,7 @@ class LocalJob:
             spare.stdin.close()
         except OSError:
             return None  # it died just now: start cold
-        return Proc(name=f"{name}(spare ready)" if ready else f"{name}(spare)", popen=spare, started=time.time(), log=log)
+        return Proc(name=name, popen=spare, started=time.time(), log=log, spare="ready" if ready else "started")
 
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None
