@@ -41,7 +41,6 @@ are cut at multiples of 4 bytes so a scale is lost whole, never in part.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -60,6 +59,7 @@ from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.addresses import probe_store
 from hier_localsgd.core.device import NCCL_BACKENDS, comm_device
 from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
+from hier_localsgd.core.presence import quorum_tag
 from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
 
 logger = logging.getLogger(__name__)
@@ -232,12 +232,10 @@ class LinkProcessGroup(ProcessGroupWrapper):
         torchft's rendezvous prefix is ``<store>/torchft/<quorum id>/<group rank>``, and a
         restarted lighthouse numbers quorums from 1 again: a reissued id would read keys
         an earlier quorum of that id left in the same store (a dead peer's address:
-        "connection refused", seen in a chaos run). The prefix therefore also carries a
-        tag of the quorum's id, max step and full member ids (uuids included), the same on
-        every member; a collision needs the same members at the same id and step."""
-        ids = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
-        text = f"{getattr(quorum, 'quorum_id', '')}|{getattr(quorum, 'max_step', '')}|{ids}"
-        self._quorum_tag = hashlib.sha1(text.encode()).hexdigest()[:12]
+        "connection refused", seen in a chaos run). The prefix therefore also carries
+        the quorum's tag (presence.quorum_tag: its id, max step and full member ids, the
+        same on every member)."""
+        self._quorum_tag = quorum_tag(quorum)
 
     def retire(self) -> None:
         """A collective on the current group was abandoned: the next configure sets the

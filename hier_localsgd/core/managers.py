@@ -48,6 +48,7 @@ from hier_localsgd.core.addresses import probe_lighthouse
 from hier_localsgd.core.invariants import check_group_rank
 from hier_localsgd.core.link import LinkProcessGroup
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage
+from hier_localsgd.core.presence import PresenceCheck, QuorumAbsent
 from hier_localsgd.core.timeouts import Timeouts, ran_into_deadline
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,10 @@ STORE_TIMEOUT_FLOOR = timedelta(seconds=15)
 class QuorumFailed(RuntimeError):
     """No quorum formed. ``timed_out``: the wait ran into its deadline (the clock's verdict)."""
 
-    def __init__(self, msg: str, timed_out: bool = False) -> None:
+    def __init__(self, msg: str, timed_out: bool = False, dropped: bool = False) -> None:
         super().__init__(msg)
         self.timed_out = timed_out
+        self.dropped = dropped  # formed, but a member did not confirm it (presence.py): ask again
 
 
 class GroupRefused(QuorumFailed):
@@ -122,6 +124,8 @@ class LevelManager:
         group_rank / group_world_size: this rank inside its replica group.
         max_commit_failures: consecutive failed commits before the Manager raises.
         use_async_quorum: False for hier/flat (sync quorum, heal before the round).
+        presence_timeout: every member of a formed quorum must confirm it within this
+            (presence.py; the lighthouse heartbeat timeout); None: quorums are used as formed.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class LevelManager:
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
         group_store: Optional[Any] = None,
         store_key: str = "",
+        presence_timeout: Optional[timedelta] = None,
     ) -> None:
         outer = level == "outer"
         quorum_timeout = timeouts.outer_quorum if outer else timeouts.inner_quorum
@@ -195,8 +200,12 @@ class LevelManager:
             init_sync=False,  # every replica builds identical initial weights from the seed
             max_retries=max_commit_failures,
         )
-        # Every quorum result reaches the link before torchft configures it (link.note_quorum).
-        self.manager._client = _QuorumTap(self.manager._client, pg.note_quorum)
+        # Every quorum result is checked (a reissued id) and reaches the link before
+        # torchft configures it (link.note_quorum).
+        self._members: Optional[tuple] = None  # the member ids the group was configured for
+        self._presence = PresenceCheck(presence_timeout, group_rank, group_world_size) if presence_timeout is not None else None
+        self._dropped = 0  # commit failures reported for dropped quorums (see _on_quorum)
+        self.manager._client = _QuorumTap(self.manager._client, self._on_quorum)
         self.manager.register_state_dict_fn(level, self._load_and_mark, state_dict)
         self._closed = False
         self.lighthouse_addr = lighthouse_addr
@@ -204,6 +213,43 @@ class LevelManager:
         # (its kill endpoint, its status page). Rank 0 wrote it to the store.
         self.full_replica_id = self.manager._store.get("replica_id").decode()
         logger.info("%s manager %s up (lighthouse %s)", level, replica_id, lighthouse_addr)
+
+    def _on_quorum(self, quorum: Any) -> None:
+        """Sees each quorum result before the torchft Manager acts on it (its thread).
+
+        torchft reconfigures the process group only when the quorum id changes, and a
+        restarted lighthouse numbers quorums from 1 again: a reissued id with other
+        members would run the round's collectives on the group of the old members (seen
+        in tests/test_outages.py: after its cluster lighthouse came back, a leader alone
+        in a new quorum 1 all-reduced on the old two-member group of quorum 1 and waited
+        its whole phase for a peer that was not there). Such a quorum is configured afresh.
+
+        First, every member must confirm the quorum (presence.py): one formed with a
+        request its replica had given up raises here, before torchft uses it. A dropped
+        quorum counts as a commit failure in the next request (torchft's lighthouse then
+        gives the next quorum a new id, presence.py says why), taken back once a quorum holds.
+        """
+        if self._presence is not None:
+            try:
+                self._presence.confirm(quorum, self.full_replica_id)
+            except Exception:
+                self.manager._commit_failures += 1
+                self._dropped += 1
+                raise
+            self.manager._commit_failures = max(0, self.manager._commit_failures - self._dropped)
+            self._dropped = 0
+        members = tuple(sorted(getattr(quorum, "replica_ids", None) or []))
+        reconfigure = quorum.quorum_id != self.manager._quorum_id
+        if not reconfigure and members != self._members:
+            logger.warning(
+                "%s quorum %d reissued with other members (%d, was %d; a restarted lighthouse): reconfiguring",
+                self.level, quorum.quorum_id, len(members), len(self._members or ()),
+            )
+            self.manager._quorum_id = -1
+            reconfigure = True
+        if reconfigure:
+            self._members = members
+        self.pg.note_quorum(quorum)
 
     def _load_and_mark(self, sd: Any) -> None:
         self._healed = True
@@ -249,6 +295,8 @@ class LevelManager:
             except GroupRefused:
                 raise  # asking again in this round would form the same group
             except QuorumFailed as e:
+                if e.dropped and time.monotonic() < deadline - 0.05:
+                    continue  # the members that are there ask again at once, sliced or not
                 if health is not None and not health.probe():
                     raise LighthouseOutage(health.message(f"quorum request failed: {e}")) from e
                 if this >= left or time.monotonic() >= deadline - 0.05:
@@ -279,7 +327,8 @@ class LevelManager:
             # torchft 0.2.0 would re-raise this failed future from every later
             # start_quorum; drop it so the next round starts from a fresh quorum.
             self.manager._quorum_future = None
-            raise QuorumFailed(f"{self.level} quorum failed: {e}", timed_out=ran_into_deadline(deadline)) from e
+            raise QuorumFailed(f"{self.level} quorum failed: {e}", timed_out=ran_into_deadline(deadline),
+                               dropped=isinstance(e, QuorumAbsent)) from e
         finally:
             self.manager._timeout = saved
         if self.pg.violation is not None:

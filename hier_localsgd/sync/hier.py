@@ -620,6 +620,7 @@ class HierarchicalSync(OuterRound, CommittedState):
             max_commit_failures=s.max_commit_failures,
             group_store=self.group_store,
             store_key=store_key,
+            presence_timeout=s.quorum_slice,  # a left-over quorum request costs this, not a phase
         )
 
 

@@ -1,0 +1,121 @@
+"""Quorum presence: every member of a formed quorum confirms it is in it before it is used.
+
+Why: torchft 0.2.0's lighthouse keeps a quorum request after its client gave up on it
+(the request timed out at the client; the lighthouse never hears of it) and forms the
+next quorum with it as soon as a peer asks. That peer then waits a whole phase for a
+member that is not there, in the process group's rendezvous or in a collective, while
+the member's next request waits for the peer. With equal phase timeouts the two waits
+lock in phase (each side arrives just after the other gave up), round after round;
+seen on CI in tests/test_outages.py: three 30 s outer quorums failed in a row and the
+leader exited.
+
+How: when a quorum result arrives, each member (each group rank of each member replica
+group) writes a key naming itself into the quorum's rendezvous store (the primary
+member's manager store, where torchft's process groups meet too) and waits at most
+``timeout`` (the lighthouse's heartbeat timeout) for the keys of every member. The
+verdict is one atomic ``compare_set`` of one verdict key per quorum: whoever saw every
+key first sets "go", whoever ran out of time first sets "abort", and every process acts
+on the verdict the store holds, so all ranks of all members use the quorum or all drop
+it. A member whose request was a left-over never writes its keys, so the others drop the
+quorum within ``timeout`` and ask again, this time together with that member's live
+request. Whoever drops a quorum reports a commit failure with its next request
+(managers.LevelManager._on_quorum), so torchft's lighthouse gives the next quorum of the
+same members a new id, and so a new tag: the dropped quorum's "abort" is never read again.
+
+Failure semantics: :func:`confirm_presence` raises :class:`QuorumAbsent` on an "abort"
+verdict and :class:`~hier_localsgd.core.addresses.StoreUnreachable` when the store's
+host is gone; the caller fails that quorum (LevelManager turns both into QuorumFailed).
+A quorum of one is not checked.
+
+Keys live under ``hier/present/<tag>/`` with ``<tag>`` from
+:func:`quorum_tag`: the same on every member of one formed quorum. Two formations share
+a tag only with the same id, highest step and member ids (uuids included): torchft
+changes the id when membership changes or a member reports a failed commit, and the
+step on every commit, so a repeat needs a round that ended without a commit vote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from datetime import timedelta
+from typing import Dict, Sequence
+
+from torch.distributed import TCPStore
+
+from hier_localsgd.core.addresses import probe_store
+
+logger = logging.getLogger(__name__)
+
+GO, ABORT = "go", "abort"
+
+
+class QuorumAbsent(RuntimeError):
+    """A member of the formed quorum did not confirm it within the timeout: do not use it."""
+
+
+def quorum_tag(quorum: object) -> str:
+    """A short tag of one formed quorum, the same on every member (see the module doc)."""
+    ids = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
+    text = f"{getattr(quorum, 'quorum_id', '')}|{getattr(quorum, 'max_step', '')}|{ids}"
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+class PresenceCheck:
+    """Confirms quorums for one Manager (one group rank of one replica group).
+
+    Args:
+        timeout: how long a member waits for the others' keys (the lighthouse heartbeat
+            timeout: a live member writes its key as soon as its quorum call returns).
+        group_rank / group_world_size: this process's rank in its replica group and the
+            group's size (every member replica group has as many ranks).
+    """
+
+    def __init__(self, timeout: timedelta, group_rank: int = 0, group_world_size: int = 1) -> None:
+        self.timeout, self.group_rank, self.group_world_size = timeout, group_rank, group_world_size
+        self._stores: Dict[str, TCPStore] = {}  # host:port -> client (one primary at a time, usually)
+
+    def _store(self, hostport: str) -> TCPStore:
+        store = self._stores.get(hostport)
+        if store is None:
+            probe_store(hostport, self.timeout)  # a dead host fails now, not after c10d's retries
+            host, _, port = hostport.rpartition(":")
+            store = TCPStore(host_name=host, port=int(port), is_master=False, wait_for_workers=False, timeout=self.timeout)
+            self._stores = {hostport: store}  # keep one client: the primary rarely changes
+        return store
+
+    def confirm(self, quorum: object, me: str) -> None:
+        """Raises :class:`QuorumAbsent` unless every member of ``quorum`` confirms it."""
+        members: Sequence[str] = list(getattr(quorum, "replica_ids", None) or [])
+        if len(members) <= 1:
+            return
+        hostport = str(getattr(quorum, "store_address")).split("/", 1)[0]
+        prefix = f"hier/present/{quorum_tag(quorum)}/"
+        try:
+            verdict, missing = self._vote(self._store(hostport), prefix, me, members)
+        except Exception:
+            self._stores.pop(hostport, None)  # a broken client: connect afresh next time
+            raise
+        if verdict != GO:
+            raise QuorumAbsent(
+                f"quorum {getattr(quorum, 'quorum_id', '?')} formed with member(s) {missing or '(another member timed out)'} "
+                f"not confirming it within {self.timeout.total_seconds():g}s: a quorum request its replica had "
+                "given up (torchft's lighthouse keeps those); asking again"
+            )
+
+    def _vote(self, store: TCPStore, prefix: str, me: str, members: Sequence[str]) -> tuple:
+        t0 = time.monotonic()
+        ranks = range(self.group_world_size)
+        store.set(f"{prefix}{me}/{self.group_rank}", "1")
+        try:
+            store.wait([f"{prefix}{m}/{r}" for m in members for r in ranks], self.timeout)
+            want, missing = GO, []
+        except Exception:  # c10d raises DistStoreError on its timeout
+            want = ABORT
+            missing = [f"{m}/{r}" for m in members for r in ranks if not store.check([f"{prefix}{m}/{r}"])]
+        verdict = store.compare_set(prefix + "verdict", "", want).decode()
+        if verdict != GO or missing:
+            logger.warning("quorum presence %s after %.1fs (missing %s)", verdict, time.monotonic() - t0, missing)
+        return verdict, missing
+

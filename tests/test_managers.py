@@ -1,0 +1,179 @@
+"""LevelManager against real torchft lighthouses: a lighthouse restarted on its address
+numbers quorums from 1 again, and a reissued quorum id with other members must get a
+freshly configured process group (managers.LevelManager._on_quorum); a quorum formed with
+a request its replica had given up is dropped within the presence timeout and formed
+again with the replica's live request (presence.py)."""
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch
+from torch.distributed import ReduceOp, TCPStore
+from torchft.coordination import LighthouseServer
+
+from hier_localsgd.core.link import LinkProcessGroup
+from hier_localsgd.core.managers import LevelManager, QuorumFailed
+from hier_localsgd.core.presence import PresenceCheck, QuorumAbsent
+from hier_localsgd.core.timeouts import Timeouts
+
+OP_S = 8  # each collective's timeout: a stale two-member group waits this long, then fails
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lighthouse(port: int) -> LighthouseServer:
+    return LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20,
+                            heartbeat_timeout_ms=1000)
+
+
+def level_manager(addr: str, rid: str, presence_s: float = 0.0) -> LevelManager:
+    t = Timeouts(connect=timedelta(seconds=5), inner_quorum=timedelta(seconds=15),
+                 inner_reduce=timedelta(seconds=OP_S), inner_commit=timedelta(seconds=OP_S))
+    pg = LinkProcessGroup("inner", timedelta(seconds=OP_S))
+    return LevelManager("inner", rid, addr, "lighthouse.cluster_addrs[0]", pg, state_dict=lambda: {},
+                        load_state_dict=lambda sd: None, min_replicas=1, timeouts=t, hostname="127.0.0.1",
+                        presence_timeout=timedelta(seconds=presence_s) if presence_s else None)
+
+
+def allreduce_sum(m: LevelManager, value: float) -> float:
+    t = torch.tensor([value])
+    m.manager._pg.allreduce([t], ReduceOp.SUM).wait()
+    return float(t.item())
+
+
+def test_a_restarted_lighthouse_reissuing_a_quorum_id_gets_a_fresh_group():
+    port = free_port()
+    lh = lighthouse(port)
+    addr = f"http://127.0.0.1:{port}"
+    a, b = level_manager(addr, "a_r0000"), level_manager(addr, "b_r0001")
+    try:
+        views = {}
+        ths = [threading.Thread(target=lambda m=m: views.__setitem__(m.replica_id, m.start_quorum(timedelta(seconds=15))))
+               for m in (a, b)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        assert {v.size for v in views.values()} == {2}, views
+        first_id = a.quorum_id
+        sums = {}
+        ths = [threading.Thread(target=lambda m=m, v=v: sums.__setitem__(m.replica_id, allreduce_sum(m, v)))
+               for m, v in ((a, 1.0), (b, 2.0))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        assert sums == {"a_r0000": 3.0, "b_r0001": 3.0}
+
+        # The lighthouse dies and comes back on its address; b is gone for good.
+        lh.shutdown()
+        b.shutdown()
+        b = None
+        lh = lighthouse(port)
+        view = a.start_quorum(timedelta(seconds=15))
+        assert view.size == 1
+        assert a.quorum_id == first_id, "the test needs the restarted lighthouse to reissue the id"
+        # Before the fix torchft kept the two-member group of the old quorum with this id and
+        # ran this all-reduce on it (it failed: b's end is closed; a live b elsewhere would
+        # have left it waiting OP_S). On a fresh group of one it is a's own value.
+        assert allreduce_sum(a, 5.0) == 5.0
+    finally:
+        for m in (a, b):
+            if m is not None:
+                m.shutdown()
+        lh.shutdown()
+
+
+def in_threads(*calls):
+    """Runs each (name, fn) in its own thread; returns name -> result or exception."""
+    out = {}
+
+    def run(name, fn):
+        try:
+            out[name] = fn()
+        except Exception as e:  # reported to the test, which asserts on it
+            out[name] = e
+
+    ths = [threading.Thread(target=run, args=c) for c in calls]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(60)
+    return out
+
+
+def test_a_quorum_formed_with_a_given_up_request_is_dropped_and_formed_again_with_the_live_one(caplog):
+    port = free_port()
+    lh = lighthouse(port)
+    addr = f"http://127.0.0.1:{port}"
+    a, b = level_manager(addr, "a_r0000", presence_s=1.0), level_manager(addr, "b_r0001", presence_s=1.0)
+    try:
+        q = timedelta(seconds=15)
+        views = in_threads(("a", lambda: a.start_quorum(q)), ("b", lambda: b.start_quorum(q)))
+        assert views["a"].size == views["b"].size == 2, views
+        assert in_threads(("a", lambda: allreduce_sum(a, 1.0)), ("b", lambda: allreduce_sum(b, 2.0))) == {"a": 3.0, "b": 3.0}
+        assert in_threads(("a", lambda: a.should_commit(q)), ("b", lambda: b.should_commit(q))) == {"a": True, "b": True}
+
+        # b asks alone and gives up (a heartbeats but does not ask: torchft's split-brain
+        # rule forms no quorum of one of two). Its request stays at the lighthouse.
+        try:
+            b.start_quorum(timedelta(seconds=1.5))
+            raise AssertionError("b formed a quorum alone")
+        except QuorumFailed:
+            pass
+        caplog.clear()
+        # a asks: the lighthouse forms a quorum with b's left-over request at once. b asks
+        # again 0.3 s later, too late for that quorum.
+        def b_later():
+            time.sleep(0.3)
+            return b.start_quorum(q)
+
+        views = in_threads(("a", lambda: a.start_quorum(q)), ("b", b_later))
+        assert not isinstance(views["a"], Exception) and not isinstance(views["b"], Exception), views
+        assert views["a"].size == views["b"].size == 2, views
+        assert a.quorum_id == b.quorum_id
+        dropped = [r.getMessage() for r in caplog.records if "quorum presence abort" in r.getMessage()]
+        assert dropped and "b_r0001" in dropped[0], [r.getMessage() for r in caplog.records]
+        # Both are in the same group: without the check a all-reduced in the quorum with
+        # b's left-over request while b waited for the next one (a failed after OP_S).
+        assert in_threads(("a", lambda: allreduce_sum(a, 1.0)), ("b", lambda: allreduce_sum(b, 2.0))) == {"a": 3.0, "b": 3.0}
+        assert a.manager._commit_failures == 0  # the dropped quorum's failure is taken back
+    finally:
+        for m in (a, b):
+            m.shutdown()
+        lh.shutdown()
+
+
+class FakeQuorum:
+    def __init__(self, store_address: str, ids, quorum_id: int = 7, max_step: int = 3):
+        self.store_address, self.replica_ids, self.quorum_id, self.max_step = store_address, list(ids), quorum_id, max_step
+
+
+def test_presence_verdict_is_one_for_every_member():
+    """A real TCPStore; three members of which one never comes: both present members drop
+    the quorum, the later one too although it saw no timeout of its own first; all three
+    present: all use it. A quorum of one is not checked."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    where = f"127.0.0.1:{store.port}/torchft/7/0"
+    ghost = FakeQuorum(where, ["x:1", "y:2", "z:3"])
+    checks = [PresenceCheck(timedelta(seconds=0.5)) for _ in range(3)]
+    t0 = time.monotonic()
+    out = in_threads(("x", lambda: checks[0].confirm(ghost, "x:1")), ("y", lambda: checks[1].confirm(ghost, "y:2")))
+    assert all(isinstance(e, QuorumAbsent) and "z:3" in str(e) for e in out.values()), out
+    assert time.monotonic() - t0 < 10
+    # z's own request arrives late: the verdict stands, z drops it too.
+    try:
+        checks[2].confirm(ghost, "z:3")
+        raise AssertionError("z used a dropped quorum")
+    except QuorumAbsent:
+        pass
+    whole = FakeQuorum(where, ["x:1", "y:2", "z:3"], max_step=4)  # the next formation: another tag
+    out = in_threads(*[(n, lambda c=c, n=n: c.confirm(whole, n)) for c, n in zip(checks, ["x:1", "y:2", "z:3"])])
+    assert out == {"x:1": None, "y:2": None, "z:3": None}, out
+    checks[0].confirm(FakeQuorum("127.0.0.1:1/none", ["x:1"]), "x:1")  # one member: no store is even asked
