@@ -256,18 +256,13 @@ def test_a_partitioned_cluster_trains_on_alone_and_rejoins(tmp_path):
     commits outer rounds alone (sync.min_clusters=1); cluster 1 keeps stepping and
     committing inner rounds; after the heal its leader heals its outer level from cluster 0.
 
-    Known failure (seen in 2 of 5 runs on main at 759f441, none in 6 on 0669b04; reported,
-    not hidden, and this test fails when it happens): the quorum request
-    cluster 1's leader made when the cut came reaches the global lighthouse only after the
-    heal (it sat in its Manager server's TCP connection). If cluster 0's leader reaches an
-    outer round then, the lighthouse forms a quorum with both, but cluster 1's leader gave
-    that request up long ago and never joins the process group: cluster 0 waits
-    timeouts.outer_quorum in the rendezvous. Meanwhile cluster 1's fresh request waits for
-    cluster 0 and times out just before cluster 0 is free, whose next request then meets
-    cluster 1's last abandoned slice request at the lighthouse again (torchft 0.2.0 keeps
-    abandoned requests as participants; managers.py). The two 30 s waits can lock in
-    phase for several rounds; after sync.max_quorum_failures the leader exits 1 and is
-    restarted (the job still ends consistent)."""
+    The quorum request cluster 1's leader made when the cut came can reach the global
+    lighthouse only after the heal (it sat in its Manager server's TCP connection); the
+    lighthouse then forms a quorum with it that cluster 1's leader no longer waits for.
+    This used to cost cluster 0 a whole timeouts.outer_quorum in the rendezvous, and with
+    torchft keeping given-up requests the two leaders' waits could lock in phase until one
+    exited (seen in 2 of 5 runs at 759f441). Every member now confirms a formed quorum
+    (core/presence.py): cluster 0 drops that quorum within a heartbeat timeout."""
     seen = {}
 
     def during(job):
