@@ -203,7 +203,7 @@ class LevelManager:
         # Every quorum result is checked (a reissued id) and reaches the link before
         # torchft configures it (link.note_quorum).
         self._members: Optional[tuple] = None  # the member ids the group was configured for
-        self._presence = PresenceCheck(presence_timeout, group_rank, group_world_size) if presence_timeout is not None else None
+        self._presence = PresenceCheck(presence_timeout, group_rank) if presence_timeout is not None else None
         self._dropped = 0  # commit failures reported for dropped quorums (see _on_quorum)
         self.manager._client = _QuorumTap(self.manager._client, self._on_quorum)
         self.manager.register_state_dict_fn(level, self._load_and_mark, state_dict)

@@ -9,25 +9,32 @@ lock in phase (each side arrives just after the other gave up), round after roun
 seen on CI in tests/test_outages.py: three 30 s outer quorums failed in a row and the
 leader exited.
 
-How: when a quorum result arrives, each member (each group rank of each member replica
-group) writes a key naming itself into the quorum's rendezvous store (the primary
-member's manager store, where torchft's process groups meet too) and waits at most
-``timeout`` (the lighthouse's heartbeat timeout) for the keys of every member. The
-verdict is one atomic ``compare_set`` of one verdict key per quorum: whoever saw every
-key first sets "go", whoever ran out of time first sets "abort", and every process acts
-on the verdict the store holds, so all ranks of all members use the quorum or all drop
-it. A member whose request was a left-over never writes its keys, so the others drop the
-quorum within ``timeout`` and ask again, this time together with that member's live
-request. Whoever drops a quorum reports a commit failure with its next request
-(managers.LevelManager._on_quorum), so torchft's lighthouse gives the next quorum of the
-same members a new id, and so a new tag: the dropped quorum's "abort" is never read again.
+How: when a quorum result arrives, each member writes a key naming itself into the
+quorum's rendezvous store (the primary member's manager store, where torchft's process
+group meets too) and waits at most ``timeout`` (the lighthouse's heartbeat timeout) for
+the keys of every member. The verdict is one atomic ``compare_set`` of one verdict key
+per quorum: whoever saw every key first sets "go", whoever ran out of time first sets
+"abort", and every member acts on the verdict the store holds, so all members use the
+quorum or all drop it. A member whose request was a left-over never writes its key, so
+the others drop the quorum within ``timeout`` and ask again, this time together with
+that member's live request. Whoever drops a quorum reports a commit failure with its
+next request (managers.LevelManager._on_quorum), so torchft's lighthouse gives the next
+quorum of the same members a new id, and so a new tag: the dropped quorum's "abort" is
+never read again.
+
+With several ranks per replica group, group rank k's Managers form their own quorums
+(their own stores: seen, the outer level's rank-0 and rank-1 quorums name different
+stores), so each group rank checks its own members under its own key prefix. A verdict
+can then differ between the ranks of one group only if a member's rank k confirmed
+and its rank j did not within the timeout; the round's commit, voted by all ranks of
+the group, then fails, and the round rolls back.
 
 Failure semantics: :func:`confirm_presence` raises :class:`QuorumAbsent` on an "abort"
 verdict and :class:`~hier_localsgd.core.addresses.StoreUnreachable` when the store's
 host is gone; the caller fails that quorum (LevelManager turns both into QuorumFailed).
 A quorum of one is not checked.
 
-Keys live under ``hier/present/<tag>/`` with ``<tag>`` from
+Keys live under ``hier/present/<tag>/<group rank>/`` with ``<tag>`` from
 :func:`quorum_tag`: the same on every member of one formed quorum. Two formations share
 a tag only with the same id, highest step and member ids (uuids included): torchft
 changes the id when membership changes or a member reports a failed commit, and the
@@ -68,12 +75,12 @@ class PresenceCheck:
     Args:
         timeout: how long a member waits for the others' keys (the lighthouse heartbeat
             timeout: a live member writes its key as soon as its quorum call returns).
-        group_rank / group_world_size: this process's rank in its replica group and the
-            group's size (every member replica group has as many ranks).
+        group_rank: this process's rank in its replica group (its quorum's members are the
+            same rank of each member replica group).
     """
 
-    def __init__(self, timeout: timedelta, group_rank: int = 0, group_world_size: int = 1) -> None:
-        self.timeout, self.group_rank, self.group_world_size = timeout, group_rank, group_world_size
+    def __init__(self, timeout: timedelta, group_rank: int = 0) -> None:
+        self.timeout, self.group_rank = timeout, group_rank
         self._stores: Dict[str, TCPStore] = {}  # host:port -> client (one primary at a time, usually)
 
     def _store(self, hostport: str) -> TCPStore:
@@ -91,7 +98,7 @@ class PresenceCheck:
         if len(members) <= 1:
             return
         hostport = str(getattr(quorum, "store_address")).split("/", 1)[0]
-        prefix = f"hier/present/{quorum_tag(quorum)}/"
+        prefix = f"hier/present/{quorum_tag(quorum)}/{self.group_rank}/"
         try:
             verdict, missing = self._vote(self._store(hostport), prefix, me, members)
         except Exception:
@@ -106,14 +113,13 @@ class PresenceCheck:
 
     def _vote(self, store: TCPStore, prefix: str, me: str, members: Sequence[str]) -> tuple:
         t0 = time.monotonic()
-        ranks = range(self.group_world_size)
-        store.set(f"{prefix}{me}/{self.group_rank}", "1")
+        store.set(prefix + me, "1")
         try:
-            store.wait([f"{prefix}{m}/{r}" for m in members for r in ranks], self.timeout)
+            store.wait([prefix + m for m in members], self.timeout)
             want, missing = GO, []
         except Exception:  # c10d raises DistStoreError on its timeout
             want = ABORT
-            missing = [f"{m}/{r}" for m in members for r in ranks if not store.check([f"{prefix}{m}/{r}"])]
+            missing = [m for m in members if not store.check([prefix + m])]
         verdict = store.compare_set(prefix + "verdict", "", want).decode()
         if verdict != GO or missing:
             logger.warning("quorum presence %s after %.1fs (missing %s)", verdict, time.monotonic() - t0, missing)
