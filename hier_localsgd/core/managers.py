@@ -125,7 +125,8 @@ class LevelManager:
         max_commit_failures: consecutive failed commits before the Manager raises.
         use_async_quorum: False for hier/flat (sync quorum, heal before the round).
         presence_timeout: every member of a formed quorum must confirm it within this
-            (presence.py; the lighthouse heartbeat timeout); None: quorums are used as formed.
+            (presence.py; the lighthouse heartbeat timeout); None, or a group of several
+            ranks: quorums are used as formed.
     """
 
     def __init__(
@@ -203,7 +204,11 @@ class LevelManager:
         # Every quorum result is checked (a reissued id) and reaches the link before
         # torchft configures it (link.note_quorum).
         self._members: Optional[tuple] = None  # the member ids the group was configured for
-        self._presence = PresenceCheck(presence_timeout, group_rank) if presence_timeout is not None else None
+        # Only for groups of one rank: each group rank confirms its own quorum, and in a
+        # 2-rank group under load one rank's quorum was dropped while the other's went ahead
+        # (a member's rank 0 confirmed 5 s late): the group's ranks then disagreed on the round.
+        self._presence = (PresenceCheck(presence_timeout, group_rank)
+                          if presence_timeout is not None and group_world_size == 1 else None)
         self._dropped = 0  # commit failures reported for dropped quorums (see _on_quorum)
         self.manager._client = _QuorumTap(self.manager._client, self._on_quorum)
         self.manager.register_state_dict_fn(level, self._load_and_mark, state_dict)

@@ -22,12 +22,13 @@ next request (managers.LevelManager._on_quorum), so torchft's lighthouse gives t
 quorum of the same members a new id, and so a new tag: the dropped quorum's "abort" is
 never read again.
 
-With several ranks per replica group, group rank k's Managers form their own quorums
-(their own stores: seen, the outer level's rank-0 and rank-1 quorums name different
-stores), so each group rank checks its own members under its own key prefix. A verdict
-can then differ between the ranks of one group only if a member's rank k confirmed
-and its rank j did not within the timeout; the round's commit, voted by all ranks of
-the group, then fails, and the round rolls back.
+Replica groups of one rank only. With several ranks, group rank k's Managers form their
+own quorums with their own stores (the outer level's rank-0 and rank-1 quorums name
+different stores), so each rank could only confirm its own; under load one rank's
+quorum was then dropped while another rank's went ahead (a member's rank 0 confirmed
+5 s late, seen in tests/test_multirank.py), and the group's ranks disagreed on the
+round. A verdict shared by all ranks of all members needs one store every rank reaches,
+which torchft's quorum does not name; those groups keep torchft's plain behaviour.
 
 Failure semantics: :func:`confirm_presence` raises :class:`QuorumAbsent` on an "abort"
 verdict and :class:`~hier_localsgd.core.addresses.StoreUnreachable` when the store's
