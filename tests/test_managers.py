@@ -129,9 +129,18 @@ def test_a_quorum_formed_with_a_given_up_request_is_dropped_and_formed_again_wit
             pass
         caplog.clear()
         # a asks: the lighthouse forms a quorum with b's left-over request at once. b asks
-        # again 0.3 s later, too late for that quorum.
+        # again once a holds that quorum (a starts confirming it): too late for it.
+        formed = threading.Event()
+        confirm = a._presence.confirm
+
+        def confirm_and_tell(quorum, me):
+            formed.set()
+            return confirm(quorum, me)
+
+        a._presence.confirm = confirm_and_tell
+
         def b_later():
-            time.sleep(0.3)
+            assert formed.wait(30), "a never got a quorum"
             return b.start_quorum(q)
 
         views = in_threads(("a", lambda: a.start_quorum(q)), ("b", b_later))

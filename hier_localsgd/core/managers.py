@@ -207,7 +207,7 @@ class LevelManager:
         # Only for groups of one rank: each group rank confirms its own quorum, and in a
         # 2-rank group under load one rank's quorum was dropped while the other's went ahead
         # (a member's rank 0 confirmed 5 s late): the group's ranks then disagreed on the round.
-        self._presence = (PresenceCheck(presence_timeout, group_rank)
+        self._presence = (PresenceCheck(presence_timeout)
                           if presence_timeout is not None and group_world_size == 1 else None)
         self._dropped = 0  # commit failures reported for dropped quorums (see _on_quorum)
         self.manager._client = _QuorumTap(self.manager._client, self._on_quorum)

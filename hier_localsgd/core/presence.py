@@ -35,7 +35,7 @@ verdict and :class:`~hier_localsgd.core.addresses.StoreUnreachable` when the sto
 host is gone; the caller fails that quorum (LevelManager turns both into QuorumFailed).
 A quorum of one is not checked.
 
-Keys live under ``hier/present/<tag>/<group rank>/`` with ``<tag>`` from
+Keys live under ``hier/present/<tag>/`` with ``<tag>`` from
 :func:`quorum_tag`: the same on every member of one formed quorum. Two formations share
 a tag only with the same id, highest step and member ids (uuids included): torchft
 changes the id when membership changes or a member reports a failed commit, and the
@@ -71,17 +71,15 @@ def quorum_tag(quorum: object) -> str:
 
 
 class PresenceCheck:
-    """Confirms quorums for one Manager (one group rank of one replica group).
+    """Confirms quorums for one Manager (of a replica group of one rank).
 
     Args:
         timeout: how long a member waits for the others' keys (the lighthouse heartbeat
             timeout: a live member writes its key as soon as its quorum call returns).
-        group_rank: this process's rank in its replica group (its quorum's members are the
-            same rank of each member replica group).
     """
 
-    def __init__(self, timeout: timedelta, group_rank: int = 0) -> None:
-        self.timeout, self.group_rank = timeout, group_rank
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
         self._stores: Dict[str, TCPStore] = {}  # host:port -> client (one primary at a time, usually)
 
     def _store(self, hostport: str) -> TCPStore:
@@ -99,7 +97,7 @@ class PresenceCheck:
         if len(members) <= 1:
             return
         hostport = str(getattr(quorum, "store_address")).split("/", 1)[0]
-        prefix = f"hier/present/{quorum_tag(quorum)}/{self.group_rank}/"
+        prefix = f"hier/present/{quorum_tag(quorum)}/"
         try:
             verdict, missing = self._vote(self._store(hostport), prefix, me, members)
         except Exception:
