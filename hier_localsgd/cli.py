@@ -28,9 +28,12 @@ import signal
 import stat
 import sys
 import traceback
-from typing import List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from hier_localsgd.core.runtime import EXIT_CONFIG
+
+if TYPE_CHECKING:
+    from hier_localsgd.config import Config
 
 COMMANDS = {
     "lighthouse": "serve the global and/or per-cluster lighthouses (lighthouse.serve=all|global|cluster)",
@@ -140,64 +143,82 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(dump(cfg))
         return 0
 
-    if args.command == "lighthouse":
-        setup_logging(cfg.run.log_level, "lighthouse")
-        from hier_localsgd.launch import lighthouse
-        return lighthouse.serve(cfg)
-    if args.command == "demo":
-        setup_logging(cfg.run.log_level, "demo")
-        from hier_localsgd.experiments.demo import run_demo
-
-        return run_demo(cfg, args.overrides)
-    if args.command in ("plan", "simulate"):
+    if args.command != "train":  # train logs under its replica tag (_train)
         setup_logging(cfg.run.log_level, args.command)
-        out = os.path.join(cfg.run.dir, args.command)
-        try:
-            if args.command == "plan":
-                from hier_localsgd.tools.plan.report import run_plan
-
-                return run_plan(cfg, out)
-            from hier_localsgd.tools.simulate.report import run_simulate
-
-            return run_simulate(cfg, out)
-        except ValueError as e:  # the message starts with the field, e.g. plan.model.dim
-            print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
-            return EXIT_CONFIG
-    if args.command == "dashboard":
-        setup_logging(cfg.run.log_level, "dashboard")
-        from hier_localsgd.tools.dashboard.server import serve
-
-        if not cfg.dashboard.run_dir:
-            cfg.dashboard.run_dir = cfg.run.dir
-        return serve(cfg.dashboard)
-    if args.command == "chaos":
-        setup_logging(cfg.run.log_level, "chaos")
-        from hier_localsgd.experiments.chaos import run_chaos
-
-        return run_chaos(cfg, args.overrides)
-    if args.command == "sweep":
-        setup_logging(cfg.run.log_level, "sweep")
-        from hier_localsgd.experiments.sweep import run_sweep
-
-        return run_sweep(cfg, args.overrides)
-    if args.command == "tp-sweep":
-        setup_logging(cfg.run.log_level, "tp-sweep")
-        from hier_localsgd.experiments.tp_sweep import run_tp_sweep
-
-        return run_tp_sweep(cfg, args.overrides)
-    if args.command == "bench":
-        setup_logging(cfg.run.log_level, "bench")
-        if cfg.bench.sweep_gbps:  # the sweep over WAN rates, arms and seeds
-            from hier_localsgd.experiments.bench_sweep import run_sweep
-
-            return run_sweep(cfg, args.overrides)
-        from hier_localsgd.experiments.bench import run_bench
-
-        return run_bench(cfg, args.overrides)
-    return _train(cfg)
+    return HANDLERS[args.command](cfg, args.overrides)
 
 
-def _train(cfg: "Config") -> int:  # type: ignore[name-defined]  # noqa: F821
+# -- one handler per command: (config, overrides) -> exit code; imports are lazy so that
+# a light command (plan) does not import torch.distributed or torchft.
+
+
+def _lighthouse(cfg: "Config", overrides: List[str]) -> int:
+    from hier_localsgd.launch import lighthouse
+
+    return lighthouse.serve(cfg)
+
+
+def _demo(cfg: "Config", overrides: List[str]) -> int:
+    from hier_localsgd.experiments.demo import run_demo
+
+    return run_demo(cfg, overrides)
+
+
+def _tool(command: str, cfg: "Config") -> int:
+    """plan and simulate: a ValueError from the model is a configuration error (its message
+    starts with the field, e.g. plan.model.dim)."""
+    out = os.path.join(cfg.run.dir, command)
+    try:
+        if command == "plan":
+            from hier_localsgd.tools.plan.report import run_plan
+
+            return run_plan(cfg, out)
+        from hier_localsgd.tools.simulate.report import run_simulate
+
+        return run_simulate(cfg, out)
+    except ValueError as e:
+        print(f"hier-localsgd {command}: configuration error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _dashboard(cfg: "Config", overrides: List[str]) -> int:
+    from hier_localsgd.tools.dashboard.server import serve
+
+    if not cfg.dashboard.run_dir:
+        cfg.dashboard.run_dir = cfg.run.dir
+    return serve(cfg.dashboard)
+
+
+def _chaos(cfg: "Config", overrides: List[str]) -> int:
+    from hier_localsgd.experiments.chaos import run_chaos
+
+    return run_chaos(cfg, overrides)
+
+
+def _sweep(cfg: "Config", overrides: List[str]) -> int:
+    from hier_localsgd.experiments.sweep import run_sweep
+
+    return run_sweep(cfg, overrides)
+
+
+def _tp_sweep(cfg: "Config", overrides: List[str]) -> int:
+    from hier_localsgd.experiments.tp_sweep import run_tp_sweep
+
+    return run_tp_sweep(cfg, overrides)
+
+
+def _bench(cfg: "Config", overrides: List[str]) -> int:
+    if cfg.bench.sweep_gbps:  # the sweep over WAN rates, arms and seeds
+        from hier_localsgd.experiments.bench_sweep import run_sweep
+
+        return run_sweep(cfg, overrides)
+    from hier_localsgd.experiments.bench import run_bench
+
+    return run_bench(cfg, overrides)
+
+
+def _train(cfg: "Config", overrides: List[str]) -> int:
+    """One replica group (or one rank of it) under the runtime, which ends the process."""
     from hier_localsgd.core.runtime import Runtime
     from hier_localsgd.train.trainer import train
 
@@ -210,6 +231,21 @@ def _train(cfg: "Config") -> int:  # type: ignore[name-defined]  # noqa: F821
     rt.install(watch_parent=under_torchrun)
     rt.run(lambda: train(cfg, rt))
     return 0  # not reached: Runtime.run exits the process
+
+
+HANDLERS: Dict[str, Callable[["Config", List[str]], int]] = {
+    "lighthouse": _lighthouse,
+    "train": _train,
+    "demo": _demo,
+    "dashboard": _dashboard,
+    "chaos": _chaos,
+    "sweep": _sweep,
+    "tp-sweep": _tp_sweep,
+    "bench": _bench,
+    "plan": lambda cfg, overrides: _tool("plan", cfg),
+    "simulate": lambda cfg, overrides: _tool("simulate", cfg),
+}
+assert HANDLERS.keys() == COMMANDS.keys(), "every command has one handler"
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ and what happens:
   payload collective (the model-sized transfer) completes on the wire but its
   result is reported as failed, as a broken link would be
   (:meth:`hier_localsgd.core.link.LinkProcessGroup.arm_failure`);
-* ``raise``: the training loop raises an exception at that step, while another
-  non-daemon thread of the process is still blocked (seed 004's failed process
-  that kept heartbeating: a normal interpreter exit would wait for that thread);
+* ``raise``: the process raises an exception at that step (in the training loop, or
+  in the given sync phase), while another non-daemon thread of the process is still
+  blocked (seed 004's failed process that kept heartbeating: a normal interpreter exit
+  would wait for that thread);
 * ``hang``: the process stops making progress at that step, inside the given
   phase (LOCAL by default), holding its heartbeat (only the watchdog can end it);
 * ``exit``: the process exits with code 17 at once, without any cleanup
@@ -17,13 +18,20 @@ and what happens:
 * ``stop``: the process SIGSTOPs itself at the start of a sync phase (every thread,
   heartbeats included, stops: a wedged host); whoever runs the test sends SIGCONT.
 
-Faults come from the ``faults`` list of the config.
+Faults come from the ``faults`` list of the config. Each process builds one
+:class:`FaultPlan`; the training loop (phase LOCAL) and the sync strategy (its phases)
+take their faults from it, and :func:`fire` carries every action out: one home for what
+a fault does.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
-from typing import Iterable, List, Mapping, Optional
+from typing import Callable, Iterable, List, Mapping, Optional
 
 ACTIONS = ("fail", "raise", "hang", "exit", "stop")
 FAIL_PHASES = ("INNER_REDUCE", "OUTER_REDUCE", "BROADCAST")
@@ -79,3 +87,27 @@ class FaultPlan:
                 self._fired.add(f)
                 return f
         return None
+
+
+def fire(fault: Fault, where: str, arm_failure: Optional[Callable[[Exception], None]] = None) -> None:
+    """Carries out ``fault`` (taken from a :class:`FaultPlan`) at ``where`` (a phase and
+    step, for messages). ``fail`` arms ``arm_failure`` with an :class:`InjectedFault` and
+    returns; ``raise`` raises one; ``hang`` never returns (only the watchdog or a signal
+    ends the process); ``exit`` ends the process with code 17 without cleanup; ``stop``
+    SIGSTOPs the whole process and returns once someone sends SIGCONT."""
+    if fault.action == "fail":
+        if arm_failure is None:
+            raise ValueError(f"fault {fault}: 'fail' needs a link to arm at {where}")
+        arm_failure(InjectedFault(f"injected {where} failure"))
+    elif fault.action == "raise":
+        # As in seed 004, another non-daemon thread is still blocked when the process
+        # dies; an interpreter exit would wait for it, heartbeat and all.
+        threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
+        raise InjectedFault(f"injected exception in {where}")
+    elif fault.action == "hang":
+        while True:  # only the watchdog (or a signal) ends this
+            time.sleep(1.0)
+    elif fault.action == "exit":
+        os._exit(17)
+    elif fault.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)

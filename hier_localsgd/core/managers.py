@@ -104,6 +104,29 @@ class QuorumView:
     healed: bool  # whether this replica loaded state from a peer in this quorum
 
 
+
+def _group_rank0_store(
+    level: str, hostname: str, group_rank: int, group_store: Optional[Any], store_key: str, connect_timeout: timedelta,
+) -> tuple[Optional[TCPStore], str, int]:
+    """The Manager's own store: group rank 0 hosts it (and publishes its address under
+    ``store_key`` in the group's store); other ranks wait for that address. Peers find it
+    through the quorum. Returns (the store if hosted here, host, port).
+
+    Its timeout has a floor: on the development VM about one c10d store connection in 25
+    stalls 5 s before c10d's own retry succeeds, so a shorter timeout turns that stall into
+    a failure (docs/runbook.md)."""
+    store_timeout = max(connect_timeout, STORE_TIMEOUT_FLOOR)
+    if group_rank == 0:
+        store = TCPStore(host_name=hostname, port=0, is_master=True, wait_for_workers=False, timeout=store_timeout)
+        if group_store is not None:
+            group_store.set(store_key, f"{hostname}:{store.port}")
+        return store, hostname, store.port
+    if group_store is None:
+        raise ValueError(f"{level} manager of group rank {group_rank} needs the group's store to find rank 0's")
+    group_store.wait([store_key], store_timeout)
+    host, _, port = group_store.get(store_key).decode().rpartition(":")
+    return None, host, int(port)
+
 class LevelManager:
     """A torchft Manager for one level of one replica group.
 
@@ -163,23 +186,7 @@ class LevelManager:
         self.pg = pg
         self._healed = False
         self._load = load_state_dict
-        # Our own store (group rank 0 hosts it): peers find it through the quorum.
-        # Its timeout has a floor: on the development VM about one c10d store
-        # connection in 25 stalls 5 s before c10d's own retry succeeds, so a
-        # shorter timeout turns that stall into a failure (docs/runbook.md).
-        store_timeout = max(connect_timeout, STORE_TIMEOUT_FLOOR)
-        self._store: Optional[TCPStore] = None
-        if group_rank == 0:
-            self._store = TCPStore(host_name=hostname, port=0, is_master=True, wait_for_workers=False, timeout=store_timeout)
-            store_host, store_port = hostname, self._store.port
-            if group_store is not None:
-                group_store.set(store_key, f"{hostname}:{store_port}")
-        else:
-            if group_store is None:
-                raise ValueError(f"{level} manager of group rank {group_rank} needs the group's store to find rank 0's")
-            group_store.wait([store_key], store_timeout)
-            store_host, _, port = group_store.get(store_key).decode().rpartition(":")
-            store_port = int(port)
+        self._store, store_host, store_port = _group_rank0_store(level, hostname, group_rank, group_store, store_key, connect_timeout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=None,

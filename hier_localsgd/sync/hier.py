@@ -60,8 +60,6 @@ the process only if it persists.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,7 +71,7 @@ from torch.optim import Optimizer
 from hier_localsgd.core import guard
 from hier_localsgd.core.comm import LevelComm, is_timeout
 from hier_localsgd.core.device import host_copy, host_state
-from hier_localsgd.core.faults import FaultPlan, InjectedFault
+from hier_localsgd.core.faults import ACTIONS, FaultPlan, fire
 from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
 from hier_localsgd.core.level import Level, LevelAlgorithm, Staged
@@ -627,28 +625,14 @@ class HierarchicalSync(OuterRound, CommittedState):
             presence_timeout=s.quorum_slice,  # a left-over quorum request costs this, not a phase
         )
 
-
-    # ------------------------------------------------------------------ state
-
-
     # ------------------------------------------------------------------ faults
     def _fault_point(self, phase: Phase, step: Optional[int] = None) -> None:
         """Fires a planned fault for this step (default: the current one) and phase (tests, experiments)."""
         step = self.counters.step if step is None else step
-        f = self.faults.take(step, phase.value, ("fail", "raise", "hang", "exit", "stop"))
+        f = self.faults.take(step, phase.value, ACTIONS)
         if f is None:
             return
         self.events("fault", action=f.action, phase=phase.value, step=step)
         logger.warning("%s injecting fault %s", self.id, f)
-        if f.action == "fail":
-            link = self.outer_link if phase == Phase.OUTER_REDUCE else self.inner_link
-            link.arm_failure(InjectedFault(f"injected {phase.value} failure at step {step}"))
-        elif f.action == "raise":
-            raise InjectedFault(f"injected exception in {phase.value} at step {step}")
-        elif f.action == "hang":
-            while True:  # only the watchdog (or a signal) ends this
-                time.sleep(1.0)
-        elif f.action == "exit":
-            os._exit(17)
-        elif f.action == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
+        link = self.outer_link if phase == Phase.OUTER_REDUCE else self.inner_link
+        fire(f, f"{phase.value} at step {step}", link.arm_failure)

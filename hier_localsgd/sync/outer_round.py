@@ -23,7 +23,7 @@ from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.flat import checksum
 from hier_localsgd.core.level import Level
 from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
-from hier_localsgd.core.managers import LevelManager, QuorumFailed
+from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseOutage
 from hier_localsgd.core.peers import QuorumWatch
 from hier_localsgd.core.phases import Phase, PhaseTracker
@@ -57,32 +57,10 @@ class OuterRound:
         fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
         if tr is not self.tracker and not self._leader:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
-        tr.enter(Phase.OUTER_QUORUM)
-        self._fault_point(Phase.OUTER_QUORUM, cur_step)
-        self._outer_healed = None
-        health = self.health["outer"]
-        try:
-            if self.outer_mgr is None:
-                health.before_quorum()
-                if not health.probe():  # a new Manager would wait timeouts.connect for it
-                    raise LighthouseOutage(health.message("no cluster Manager yet"))
-            mgr, comm = self._ensure_outer(tr)
-            comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
-            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
-        except LighthouseOutage as e:
-            # The clusters train and sync inside themselves until the global lighthouse returns.
-            self._outage("outer", e)
-            self.events("rollback", level="outer", reason=str(e), step=cur_step)
+        joined = self._outer_quorum(tr, cur_step)
+        if joined is None:
             return fallback
-        except (QuorumFailed, LighthouseUnreachable) as e:
-            self._quorum_failed("outer", e)
-            self.events("rollback", level="outer", reason=str(e), step=cur_step)
-            return fallback
-        self._lighthouse_ok("outer")
-        self._quorum_failures["outer"] = 0
-        self.tracker.set_extra(outer=mgr.describe(q.size))
-        if q.healed:
-            self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
+        mgr, comm, q = joined
 
         tr.enter(Phase.OUTER_REDUCE)
         self._fault_point(Phase.OUTER_REDUCE, cur_step)
@@ -121,6 +99,38 @@ class OuterRound:
             participants=q.size, total_weight=plan.total_weight, checksum=checksum(lvl.backup),
         )
         return OuterResult(Status.OUTER_COMMITTED, lvl.backup.clone(), new_round, view_step, plan.weights[q.rank])
+
+    def _outer_quorum(self, tr: PhaseTracker, cur_step: int) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
+        """OUTER_QUORUM: the leader's cluster Manager joins the outer quorum. Returns its
+        Manager, comm and quorum, or None when the quorum failed or the global lighthouse is
+        out (the event and the rollback are recorded here; the round stays inner-only)."""
+        tr.enter(Phase.OUTER_QUORUM)
+        self._fault_point(Phase.OUTER_QUORUM, cur_step)
+        self._outer_healed = None
+        health = self.health["outer"]
+        try:
+            if self.outer_mgr is None:
+                health.before_quorum()
+                if not health.probe():  # a new Manager would wait timeouts.connect for it
+                    raise LighthouseOutage(health.message("no cluster Manager yet"))
+            mgr, comm = self._ensure_outer(tr)
+            comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
+            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
+        except LighthouseOutage as e:
+            # The clusters train and sync inside themselves until the global lighthouse returns.
+            self._outage("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=cur_step)
+            return None
+        except (QuorumFailed, LighthouseUnreachable) as e:
+            self._quorum_failed("outer", e)
+            self.events("rollback", level="outer", reason=str(e), step=cur_step)
+            return None
+        self._lighthouse_ok("outer")
+        self._quorum_failures["outer"] = 0
+        self.tracker.set_extra(outer=mgr.describe(q.size))
+        if q.healed:
+            self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
+        return mgr, comm, q
 
     def _launch_outer(self, contribute: bool) -> None:
         """After the inner commit of an outer round (overlap.py): every member keeps the

@@ -23,7 +23,7 @@ import torch
 from hier_localsgd.core.checkpoint import Checkpointer, rng_state, set_rng_state
 from hier_localsgd.core.device import DTYPES, memory_stats, resolve_backend, resolve_device
 from hier_localsgd.train.data import ByteTextData, DeviceData, MarkovChain, MarkovData
-from hier_localsgd.core.faults import FaultPlan, InjectedFault
+from hier_localsgd.core.faults import FaultPlan, fire
 from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.train.model import build_model, evaluate, lm_loss
@@ -166,7 +166,9 @@ def wait_for_lighthouse(cfg: Config, identity: Identity, ran_before: bool) -> No
             time.sleep(1.0)
 
 
-def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext()) -> SyncStrategy:
+def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext(), faults: Optional[FaultPlan] = None) -> SyncStrategy:
+    """The sync strategy ``sync.mode`` names, built from the config; ``faults`` is the
+    process's one fault plan (its sync-phase faults fire inside hier's phases)."""
     s, t = cfg.sync, cfg.timeouts_obj()
     hostname = cfg.run.hostname or socket.gethostname()
     if s.mode == "hier":
@@ -199,7 +201,6 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             inner_backend=resolve_backend("inner", cfg.train.backends.inner, flat.data.device),
             outer_backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
         )
-        faults = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
         return HierarchicalSync(settings, identity, t, flat, opt, tracker, pub.event, faults, group=grp.pg, group_store=grp.store,
                                 job_done=job_done_check(cfg, identity))
 
@@ -359,17 +360,10 @@ def open_checkpoints(cfg: Config, rt: Runtime, identity: Identity, grp: GroupCon
 
 
 def injected_loop_fault(plan: FaultPlan, step: int) -> None:
-    """faults=[...] actions of the training loop itself (core/faults.py): raise, hang, exit."""
-    if plan.take(step, Phase.LOCAL.value, ("raise",)):
-        # As in seed 004, another non-daemon thread is still blocked when the loop
-        # dies; an interpreter exit would wait for it, heartbeat and all.
-        threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
-        raise InjectedFault(f"injected exception in the training loop at step {step}")
-    if plan.take(step, Phase.LOCAL.value, ("hang",)):
-        while True:  # the watchdog ends this
-            time.sleep(1.0)
-    if plan.take(step, Phase.LOCAL.value, ("exit",)):
-        os._exit(17)
+    """faults=[...] actions of the training loop itself (phase LOCAL): raise, hang, exit."""
+    f = plan.take(step, Phase.LOCAL.value, ("raise", "hang", "exit"))
+    if f is not None:
+        fire(f, f"the training loop at step {step}")
 
 
 def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
@@ -406,10 +400,10 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
     # -- sync strategy (hier / flat / ddp) --------------------------------------------
     wait_for_lighthouse(cfg, identity, ran_before)
-    sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp)
+    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)  # the loop's and the sync phases' faults
+    sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp, plan)
     rt.add_closer(sync.close)
     c = sync.counters
-    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)
     ck = cfg.checkpoint
     ckpt = open_checkpoints(cfg, rt, identity, grp, device, pub, sync)
     last_ckpt_round = c.outer_round
