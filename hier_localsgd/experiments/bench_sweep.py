@@ -208,7 +208,7 @@ def run_sweep(cfg: Config, overrides: List[str]) -> int:
         except Exception as e:  # the sweep's figures are kept; the chaos arm reports why it has none
             chaos = {"error": f"{type(e).__name__}: {e}"}
         chaos["wan_gbps"] = g
-    report = {"mode": b.mode, "links": b.links, "what_is_kernel": KERNEL_NOTE if b.links == "kernel" else None, "steps": steps,
+    report = {"overrides": list(overrides), "mode": b.mode, "links": b.links, "what_is_kernel": KERNEL_NOTE if b.links == "kernel" else None, "steps": steps,
               "seeds": b.seeds, "pilot": pilot, "pilot_seed": b.pilot_seed, "target_loss": target, "bare_step_s": bare_s,
               "fewest_steps_to_target": min((r["reached"]["step"] for r in runs if r.get("reached")), default=None),
               "points": points, "runs": runs, "chaos": chaos, "wall_s": time.time() - t0}

@@ -1,0 +1,151 @@
+"""The planner's time model against a measured bench sweep, out of sample (issue #14 §5).
+
+What is predicted: a blocking arm's training time for its ``steps`` local steps (the
+sweep's curve at the last step: seconds since training started, evaluations taken out),
+as the planner models it (network.py :func:`sync_times` and :func:`sync_per_step`)::
+
+    steps * (step_s + sync_per_step)        sync_per_step from the ring bounds of each
+                                            level + round_overhead_s per sync round
+
+- ``step_s`` is measured, not fitted: the sweep's bare loops (``bare_step_s``: one loop
+  per replica group on the same cores, no sync).
+- The links are the sweep's: the WAN at the kernel-shaped rate (``wan_gbps``) with the
+  user-space latency ``links.outer.latency_ms``, the LAN ``links.inner``. The planner adds
+  latency and transfer (α–β); on kernel links the latency is a floor the transfer runs
+  under (bench.py), one of the model's errors this check measures.
+- ``round_overhead_s`` is the one fitted constant: the value that makes the prediction
+  exact on the **calibration point** (an arm at a WAN rate, median over its seeds). It is
+  then held fixed for every other point, which are the out-of-sample predictions; the
+  calibration point itself is reported as such (error 0 by construction).
+
+Arms with ``sync.outer.delay`` or compression are not predicted: the planner does not
+model overlap or compression (listed as not modelled, not as errors).
+
+Input: the ``sweep.json`` of ``hier-localsgd bench bench.sweep_gbps=[...]`` trimmed by
+:func:`trim` (benchmarks/validate_plan.py does both and prints the table). Failure semantics: a point with no finished run is skipped with
+the reason; a sweep without the fields named here raises KeyError naming the field.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from hier_localsgd import costs
+from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.tools.plan.network import sync_per_step, sync_times
+
+PREDICTED_MODES = ("hier", "flat", "ddp")
+
+
+def trim(sweep: Dict[str, Any], deployment: Dict[str, Any], overlapped: Iterable[str]) -> Dict[str, Any]:
+    """What this check reads of a sweep.json (a few KB instead of MB of curves): the bare
+    step, ``deployment`` (clusters, replicas_per_cluster, model_bytes, lan_gbps,
+    lan_latency_ms, wan_latency_ms: the sweep's shared config) and per run its arm, rate,
+    seed, mode, sync periods, last step and training time; ``overlapped``: the arms with
+    ``sync.outer.delay``, ``sync.flat.delay`` or compression."""
+    over = set(overlapped)
+    runs = []
+    for r in sweep["runs"]:
+        if r.get("failed"):
+            runs.append({k: r.get(k) for k in ("arm", "wan_gbps", "seed", "failed")})
+            continue
+        runs.append({
+            "arm": r["arm"], "wan_gbps": r["wan_gbps"], "seed": r["seed"], "mode": r["mode"], "sync_every": r["sync_every"],
+            "steps": r["curve"][-1]["step"], "train_s": r["curve"][-1]["t"], "overlapped": r["arm"] in over,
+        })
+    return {"bare_step_s": sweep["bare_step_s"], "deployment": dict(deployment), "runs": runs}
+
+
+def predict(mode: str, sync_every: List[int], steps: int, step_s: float, model_bytes: float,
+            clusters: int, replicas: int, lan: LinkSpec, wan: LinkSpec, overhead_s: float) -> float:
+    """The planner's training time for ``steps`` steps of one blocking arm."""
+    st = sync_times(model_bytes, clusters, replicas, lan, wan, overhead_s)
+    h_in, h_out = (sync_every + [1])[:2] if mode == "hier" else (1, 1)
+    h_flat = sync_every[0] if mode == "flat" else 1
+    return steps * (step_s + sync_per_step(st, mode, h_in, h_out, h_flat))
+
+
+def transfer_over_latency(mode: str, model_bytes: float, clusters: int, replicas: int, wan: LinkSpec) -> float:
+    """The WAN collective's transfer term over its latency term (α–β, costs.py): how
+    bandwidth-bound the arm's WAN sync is (hier: the leaders' ring; flat, ddp: the ring over
+    every group, on WAN hops). inf without latency."""
+    n = clusters if mode == "hier" else clusters * replicas
+    lat = costs.allreduce_time(model_bytes, n, wan.latency_s, 0.0)
+    xfer = costs.allreduce_time(model_bytes, n, 0.0, wan.bandwidth_Bps)
+    return xfer / lat if lat > 0 else float("inf")
+
+
+def _links(sweep: Dict[str, Any], gbps: float) -> Tuple[LinkSpec, LinkSpec]:
+    d = sweep["deployment"]
+    lan = LinkSpec(latency_s=d["lan_latency_ms"] / 1e3, bandwidth_Bps=costs.gbps_to_Bps(d["lan_gbps"]))
+    wan = LinkSpec(latency_s=d["wan_latency_ms"] / 1e3, bandwidth_Bps=costs.gbps_to_Bps(gbps))
+    return lan, wan
+
+
+def _points(sweep: Dict[str, Any]) -> Dict[Tuple[str, float], Dict[str, Any]]:
+    pts: Dict[Tuple[str, float], Dict[str, Any]] = {}
+    for r in sweep["runs"]:
+        if r.get("failed"):
+            continue
+        p = pts.setdefault((r["arm"], r["wan_gbps"]), {**r, "train_s_all": []})
+        p["train_s_all"].append(r["train_s"])
+    for p in pts.values():
+        p["measured_s"] = statistics.median(p["train_s_all"])
+    return pts
+
+
+def validate(sweep: Dict[str, Any], calibrate_on: Tuple[str, float]) -> Dict[str, Any]:
+    """Calibrates ``round_overhead_s`` on ``calibrate_on`` = (arm, WAN Gbit/s) and predicts
+    every other blocking (arm, rate) point. Returns the overhead and one row per point:
+    measured and predicted seconds, the relative error, and whether it is the calibration."""
+    d = sweep["deployment"]
+    C, R, S, step_s = d["clusters"], d["replicas_per_cluster"], d["model_bytes"], sweep["bare_step_s"]
+    pts = _points(sweep)
+    if calibrate_on not in pts:
+        raise KeyError(f"calibration point {calibrate_on} has no finished run in the sweep")
+
+    def rounds_per_step(p: Dict[str, Any]) -> float:  # sync rounds (each pays the overhead once) per step
+        lan, wan = _links(sweep, p["wan_gbps"])
+        return (predict(p["mode"], p["sync_every"], 1, 0.0, S, C, R, lan, wan, 1.0)
+                - predict(p["mode"], p["sync_every"], 1, 0.0, S, C, R, lan, wan, 0.0))
+
+    cal = pts[calibrate_on]
+    lan, wan = _links(sweep, cal["wan_gbps"])
+    zero = predict(cal["mode"], cal["sync_every"], cal["steps"], step_s, S, C, R, lan, wan, 0.0)
+    overhead = (cal["measured_s"] - zero) / (cal["steps"] * rounds_per_step(cal))
+    rows: List[Dict[str, Any]] = []
+    for key in sorted(pts, key=lambda k: (-k[1], k[0])):
+        p = pts[key]
+        row: Dict[str, Any] = {"arm": p["arm"], "wan_gbps": p["wan_gbps"], "measured_s": p["measured_s"],
+                               "seeds": len(p["train_s_all"]), "calibration": key == calibrate_on}
+        if p["mode"] not in PREDICTED_MODES or p.get("overlapped"):
+            row["not_modelled"] = "overlap or compression"
+        else:
+            lan, wan = _links(sweep, p["wan_gbps"])
+            pred = predict(p["mode"], p["sync_every"], p["steps"], step_s, S, C, R, lan, wan, overhead)
+            row.update(predicted_s=pred, error=(pred - p["measured_s"]) / p["measured_s"],
+                       transfer_over_latency=transfer_over_latency(p["mode"], S, C, R, wan))
+        rows.append(row)
+    return {"calibrate_on": list(calibrate_on), "round_overhead_s": overhead, "bare_step_s": step_s, "rows": rows}
+
+
+def table(v: Dict[str, Any]) -> str:
+    """Markdown table of :func:`validate`'s rows."""
+    lines = [f"round_overhead_s = {v['round_overhead_s']:.4f} s, calibrated on {v['calibrate_on'][0]} at "
+             f"{v['calibrate_on'][1] * 1e3:g} Mbit/s; bare step {v['bare_step_s']:.4f} s (measured)", "",
+             "| WAN | arm | measured s (median) | predicted s | error | |", "|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        rate = f"{r['wan_gbps'] * 1e3:g} Mbit/s"
+        if "not_modelled" in r:
+            lines.append(f"| {rate} | {r['arm']} | {r['measured_s']:.2f} | — | — | not modelled ({r['not_modelled']}) |")
+        else:
+            what = "calibration" if r["calibration"] else "out of sample"
+            lines.append(f"| {rate} | {r['arm']} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | {r['error'] * 100:+.1f} % | {what} |")
+    return "\n".join(lines)
+
+
+def worst_out_of_sample(v: Dict[str, Any]) -> Optional[float]:
+    """The largest |error| over the out-of-sample rows (None if there are none)."""
+    errs = [abs(r["error"]) for r in v["rows"] if "error" in r and not r["calibration"]]
+    return max(errs) if errs else None
