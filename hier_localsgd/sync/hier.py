@@ -55,6 +55,10 @@ invariant violation inside a process. A quorum whose outer group would break I1 
 members of one cluster: for a moment while leadership moves) is refused before any
 collective runs in it and counts as a failed quorum (managers.GroupRefused): it ends
 the process only if it persists.
+
+(About 640 lines, a third of them this docstring and the settings: the round's phases stay
+in one file, in order; the outer level is outer_round.py, overlap overlap.py, the
+committed state committed.py.)
 """
 
 from __future__ import annotations
