@@ -46,13 +46,24 @@ def main() -> int:
     if done is None:
         print(f"validate_plan: {path}: no finished run", file=sys.stderr)
         return 2
-    model_bytes = json.loads((Path(done["run_dir"]) / "replicas" / "c0r0" / "result.json").read_text())["model_bytes"]
+    run_dir = Path(done["run_dir"])  # as the sweep wrote it: relative to where it ran, or absolute
+    if not run_dir.is_dir():
+        run_dir = a.bench_dir / "runs" / run_dir.name
+    result = run_dir / "replicas" / "c0r0" / "result.json"
+    if not result.is_file():
+        print(f"validate_plan: {result}: missing (model_bytes is read from a finished run)", file=sys.stderr)
+        return 2
+    model_bytes = json.loads(result.read_text())["model_bytes"]
     b = cfg.bench
     deployment = {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster,
                   "model_bytes": model_bytes, "lan_gbps": b.lan_gbps, "lan_latency_ms": b.lan_latency_ms, "wan_latency_ms": b.wan_latency_ms}
     data = trim(sweep, deployment, overlapped)
     arm, _, gbps = a.calibrate.partition("@")
-    v = validate(data, (arm, float(gbps)))
+    try:
+        v = validate(data, (arm, float(gbps)))
+    except (ValueError, KeyError) as e:
+        print(f"validate_plan: --calibrate {a.calibrate!r}: {e} (expected ARM@GBPS, e.g. hier@1, of a finished point)", file=sys.stderr)
+        return 2
     print(table(v))
     worst = worst_out_of_sample(v)
     print(f"worst out-of-sample error: {'none predicted' if worst is None else f'{worst * 100:.1f} %'}")

@@ -7,10 +7,10 @@ and what happens:
   payload collective (the model-sized transfer) completes on the wire but its
   result is reported as failed, as a broken link would be
   (:meth:`hier_localsgd.core.link.LinkProcessGroup.arm_failure`);
-* ``raise``: the process raises an exception at that step (in the training loop, or
-  in the given sync phase), while another non-daemon thread of the process is still
-  blocked (seed 004's failed process that kept heartbeating: a normal interpreter exit
-  would wait for that thread);
+* ``raise``: the process raises an exception at that step, in the training loop (while
+  another non-daemon thread of the process is still blocked: seed 004's failed process
+  that kept heartbeating, since a normal interpreter exit would wait for that thread) or
+  in the given sync phase;
 * ``hang``: the process stops making progress at that step, inside the given
   phase (LOCAL by default), holding its heartbeat (only the watchdog can end it);
 * ``exit``: the process exits with code 17 at once, without any cleanup
@@ -89,20 +89,20 @@ class FaultPlan:
         return None
 
 
-def fire(fault: Fault, where: str, arm_failure: Optional[Callable[[Exception], None]] = None) -> None:
+def fire(fault: Fault, where: str, arm_failure: Optional[Callable[[Exception], None]] = None, block: bool = False) -> None:
     """Carries out ``fault`` (taken from a :class:`FaultPlan`) at ``where`` (a phase and
     step, for messages). ``fail`` arms ``arm_failure`` with an :class:`InjectedFault` and
-    returns; ``raise`` raises one; ``hang`` never returns (only the watchdog or a signal
-    ends the process); ``exit`` ends the process with code 17 without cleanup; ``stop``
-    SIGSTOPs the whole process and returns once someone sends SIGCONT."""
+    returns; ``raise`` raises one (with ``block``, first starting a non-daemon thread that
+    stays blocked: the training loop's seed-004 case); ``hang`` never returns (only the
+    watchdog or a signal ends the process); ``exit`` ends the process with code 17 without
+    cleanup; ``stop`` SIGSTOPs the whole process and returns once someone sends SIGCONT."""
     if fault.action == "fail":
         if arm_failure is None:
             raise ValueError(f"fault {fault}: 'fail' needs a link to arm at {where}")
-        arm_failure(InjectedFault(f"injected {where} failure"))
+        arm_failure(InjectedFault(f"injected failure in {where}"))
     elif fault.action == "raise":
-        # As in seed 004, another non-daemon thread is still blocked when the process
-        # dies; an interpreter exit would wait for it, heartbeat and all.
-        threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
+        if block:  # as in seed 004: an interpreter exit would wait for this thread, heartbeat and all
+            threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
         raise InjectedFault(f"injected exception in {where}")
     elif fault.action == "hang":
         while True:  # only the watchdog (or a signal) ends this

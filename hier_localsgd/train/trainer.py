@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -360,10 +359,11 @@ def open_checkpoints(cfg: Config, rt: Runtime, identity: Identity, grp: GroupCon
 
 
 def injected_loop_fault(plan: FaultPlan, step: int) -> None:
-    """faults=[...] actions of the training loop itself (phase LOCAL): raise, hang, exit."""
-    f = plan.take(step, Phase.LOCAL.value, ("raise", "hang", "exit"))
-    if f is not None:
-        fire(f, f"the training loop at step {step}")
+    """faults=[...] actions of the training loop itself (phase LOCAL): raise, then hang, then exit."""
+    for action in ("raise", "hang", "exit"):
+        f = plan.take(step, Phase.LOCAL.value, (action,))
+        if f is not None:
+            fire(f, f"the training loop at step {step}", block=True)
 
 
 def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
