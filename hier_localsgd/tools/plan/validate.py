@@ -22,8 +22,10 @@ Arms with ``sync.outer.delay`` or compression are not predicted: the planner doe
 model overlap or compression (listed as not modelled, not as errors).
 
 Input: the ``sweep.json`` of ``hier-localsgd bench bench.sweep_gbps=[...]`` trimmed by
-:func:`trim` (benchmarks/validate_plan.py does both and prints the table). Failure semantics: a point with no finished run is skipped with
-the reason; a sweep without the fields named here raises KeyError naming the field.
+:func:`trim` (benchmarks/validate_plan.py does both and prints the table). Failure
+semantics: failed runs are left out of their point's median, and a point with no finished
+run has no row; a calibration point without one, or a sweep without the fields named here,
+raises KeyError naming it.
 """
 
 from __future__ import annotations
