@@ -176,6 +176,29 @@ def _render(v: Any) -> str:
     return str(v)
 
 
+def _check_fragments(cfg: Config, runs: bool) -> None:
+    """``sync.outer.fragments`` > 1: hier only, and no more fragments than the model has
+    layer units (core/fragments.py; the model is built on the meta device: no memory)."""
+    s, F = cfg.sync, cfg.sync.outer.fragments
+    if s.mode != "hier":
+        fail("sync.outer.fragments", f"{F} — streams the hierarchy's outer level; needs sync.mode=hier (got {s.mode!r})")
+    if cfg.group.rank_shards(cfg.topology.ranks_per_replica) and cfg.group.sharding == "fsdp":
+        fail("sync.outer.fragments", f"{F} — not supported with group.sharding=fsdp yet (its parameters are DTensor shards)")
+    if not runs:
+        return
+    import torch
+
+    from hier_localsgd.core.fragments import split_fragments
+    from hier_localsgd.train.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model.name, 256, cfg.train.seq_len, cfg.model.dim, 0)
+    try:
+        split_fragments(model, F)
+    except ValueError as e:
+        fail("sync.outer.fragments", f"{F} — {e}")
+
+
 def validate(cfg: Config, command: str = "train") -> None:
     """Semantic checks; raises :class:`ConfigError` whose message starts with the field path.
 
@@ -211,6 +234,9 @@ def validate(cfg: Config, command: str = "train") -> None:
 
     if cfg.group.rank_shards(t.ranks_per_replica) and cfg.group.sharding == "fsdp" and (cfg.checkpoint.every or cfg.checkpoint.resume):
         fail("group.sharding", "fsdp with durable checkpoints is not supported yet (the optimizer state is DTensor shards); set checkpoint.every=0")
+
+    if s.outer.fragments > 1:
+        _check_fragments(cfg, runs)
 
     if command == "chaos" and s.mode not in ("hier", "flat"):
         fail("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")

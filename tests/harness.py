@@ -74,7 +74,9 @@ class ThreadedHier:
         final_step: int = 0,
         outer_compression: str = "none",
         compression_block: int = 256,
+        outer_fragments: tuple = (),
     ) -> None:
+        self.outer_fragments = outer_fragments
         self.C, self.R = clusters, replicas
         self.outer_compression, self.compression_block = outer_compression, compression_block
         self.outer_delay, self.final_step = outer_delay, final_step
@@ -113,6 +115,7 @@ class ThreadedHier:
             final_step=self.final_step,
             outer_compression=self.outer_compression,
             outer_compression_block=self.compression_block,
+            outer_fragments=self.outer_fragments,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 LAYER = "layer"
@@ -228,3 +229,68 @@ class FragmentSchedule:
         if not self.is_sync_round(inner_round):
             return None
         return self.fragment_for_sync(inner_round // self.interval - 1)
+
+
+# -- fragments as ranges of the flat parameter vector (what the outer level syncs) --------
+
+Ranges = Tuple[Tuple[int, int], ...]
+
+
+def flat_ranges(model: nn.Module, flat_params: Sequence[nn.Parameter], fragments: Sequence[Fragment]) -> List[Ranges]:
+    """Each fragment's ranges of the flat parameter vector, adjacent ranges merged.
+
+    ``flat_params`` are the flat vector's parameters in order (``FlatParams.params``); a
+    fragment's parameter that is not among them (frozen) is left out. Together the
+    fragments cover the flat vector exactly once (a ValueError otherwise).
+    """
+    offsets: Dict[int, Tuple[int, int]] = {}
+    off = 0
+    for p in flat_params:
+        offsets[id(p)] = (off, off + p.numel())
+        off += p.numel()
+    params = dict(model.named_parameters())
+    out: List[Ranges] = []
+    for frag in fragments:
+        spans = sorted(offsets[id(params[n])] for n in frag.names if id(params[n]) in offsets)
+        out.append(_merged(spans))
+    covered = sorted(r for ranges in out for r in ranges)
+    if _merged(covered) != ((0, off),) and off:
+        raise ValueError(f"fragments {out} do not cover the {off} elements of the flat vector exactly once")
+    return out
+
+
+def _merged(spans: Sequence[Tuple[int, int]]) -> Ranges:
+    merged: List[List[int]] = []
+    for a, b in spans:
+        if a >= b:
+            continue
+        if merged and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    return tuple((a, b) for a, b in merged)
+
+
+def localize(ranges: Ranges, part: slice) -> Ranges:
+    """``ranges`` of the flat vector as offsets into its slice ``part`` (0 = ``part.start``).
+    Several ranks per group: a fragment may have no element in a rank's slice (its layers
+    lie in another rank's); every cluster's rank of that slice then skips it alike."""
+    out = [(max(a, part.start) - part.start, min(b, part.stop) - part.start) for a, b in ranges]
+    return tuple((a, b) for a, b in out if a < b)
+
+
+def gather(t: torch.Tensor, ranges: Ranges) -> torch.Tensor:
+    """The elements of ``t`` in ``ranges``, as one new tensor (a copy)."""
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return t[a:b].clone()
+    return torch.cat([t[a:b] for a, b in ranges]) if ranges else t.new_empty(0)
+
+
+def scatter_(dst: torch.Tensor, ranges: Ranges, src: torch.Tensor) -> torch.Tensor:
+    """Writes ``src`` (as :func:`gather` made it) back into ``dst``'s ``ranges``; returns ``dst``."""
+    o = 0
+    for a, b in ranges:
+        dst[a:b].copy_(src[o : o + b - a])
+        o += b - a
+    return dst

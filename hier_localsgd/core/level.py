@@ -32,6 +32,7 @@ import torch
 
 from hier_localsgd.core.device import host_copy, wants_pinned
 from hier_localsgd.core.flat import checksum_int
+from hier_localsgd.core.fragments import Ranges, gather, scatter_
 
 ALGORITHMS = ("localsgd", "diloco")
 
@@ -72,11 +73,15 @@ class OuterSGD:
         self.buf: Optional[torch.Tensor] = torch.zeros(numel, dtype=dtype, pin_memory=pin) if momentum > 0 else None
 
     @torch.no_grad()
-    def stage(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns (new_param, new_buf) without modifying ``param`` or the buffer."""
+    def stage(
+        self, param: torch.Tensor, grad: torch.Tensor, buf: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns (new_param, new_buf) without modifying ``param`` or the buffer.
+        ``buf``: the momentum of ``param``'s elements when ``param`` is a part of the
+        vector (default: the whole buffer)."""
         if self.buf is None:
             return param - self.lr * grad, None
-        buf = self.buf * self.momentum + grad
+        buf = (self.buf if buf is None else buf) * self.momentum + grad
         update = grad + self.momentum * buf if self.nesterov else buf
         return param - self.lr * update, buf
 
@@ -111,16 +116,32 @@ class Level:
         self.opt = OuterSGD(init.numel(), algorithm.lr, algorithm.momentum, algorithm.nesterov, init.dtype, pin=pin and self.backup.is_pinned())
 
     @torch.no_grad()
-    def pseudo_grad(self, live: torch.Tensor) -> torch.Tensor:
+    def pseudo_grad(self, live: torch.Tensor, ranges: Optional[Ranges] = None) -> torch.Tensor:
         """``backup - live`` on ``live``'s device: a fresh tensor (safe to all-reduce in place).
-        From pinned host memory the backup's copy to the device is non-blocking."""
-        backup = self.backup if live.device == self.backup.device else self.backup.to(live.device, non_blocking=self.backup.is_pinned())
+        From pinned host memory the backup's copy to the device is non-blocking.
+        ``ranges``: only those elements, gathered (an outer fragment, core/fragments.py)."""
+        backup = self.backup
+        if ranges is not None:
+            backup, live = gather(backup, ranges), gather(live, ranges)
+        if live.device != backup.device:
+            backup = backup.to(live.device, non_blocking=backup.is_pinned())
         return backup - live
 
-    def stage(self, avg_grad: torch.Tensor) -> Staged:
-        """The staged update, computed on the host from ``avg_grad`` (any device)."""
-        backup, buf = self.opt.stage(self.backup, avg_grad.to(self.backup.device))
-        return Staged(backup=backup, buf=buf)
+    def stage(self, avg_grad: torch.Tensor, ranges: Optional[Ranges] = None) -> Staged:
+        """The staged update, computed on the host from ``avg_grad`` (any device).
+        ``ranges``: ``avg_grad`` covers only those elements; the rest of the backup and of
+        the momentum stays as committed (a fragment's outer round)."""
+        grad = avg_grad.to(self.backup.device)
+        if ranges is None:
+            backup, buf = self.opt.stage(self.backup, grad)
+            return Staged(backup=backup, buf=buf)
+        part_buf = None if self.opt.buf is None else gather(self.opt.buf, ranges)
+        part, new_buf = self.opt.stage(gather(self.backup, ranges), grad, part_buf)
+        staged = self.unchanged()
+        scatter_(staged.backup, ranges, part)
+        if staged.buf is not None and new_buf is not None:
+            scatter_(staged.buf, ranges, new_buf)
+        return staged
 
     def unchanged(self) -> Staged:
         """A staged state equal to the committed one (a round with nothing to apply)."""

@@ -70,6 +70,22 @@ class OuterResult:
     cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
     merge: bool = False  # overlapped: params is the global model, merged with the progress since the snapshot
     residual: Optional[torch.Tensor] = None  # compressed: the leader's committed residual, as received
+    fragment: Optional[int] = None  # streaming fragments: the one this round synced (None: the whole model)
+
+    def header(self) -> torch.Tensor:
+        """What BROADCAST sends the cluster before the model (:meth:`from_header` reads it)."""
+        frag = -1 if self.fragment is None else self.fragment
+        return torch.tensor([int(self.status), self.outer_round, self.step, self.cluster_weight, frag], dtype=torch.float64)
+
+    @staticmethod
+    def empty_header() -> torch.Tensor:
+        return torch.zeros(5, dtype=torch.float64)
+
+    @staticmethod
+    def from_header(header: torch.Tensor, params: Optional[torch.Tensor], **kw: object) -> "OuterResult":
+        frag = int(header[4])
+        return OuterResult(Status(int(header[0])), params, int(header[1]), int(header[2]), float(header[3]),
+                           fragment=None if frag < 0 else frag, **kw)  # type: ignore[arg-type]
 
 
 # What a replica announces as its step at the inner quorum (torchft heals every member

@@ -50,6 +50,7 @@ from typing import Dict, Optional
 import torch
 
 from hier_localsgd.core.comm import LevelComm
+from hier_localsgd.core.fragments import Ranges, gather, scatter_
 from hier_localsgd.core.compress import DEFAULT_BLOCK, FORMATS, ErrorFeedback, check_format
 from hier_localsgd.core.link import PAYLOAD
 
@@ -79,6 +80,7 @@ class OuterCompression:
         self.residual = torch.zeros(numel, dtype=torch.float32)
         self._ef = ErrorFeedback(fmt, block)
         self._total = 1.0
+        self._ranges: Optional[Ranges] = None  # the fragment the staged residual covers
 
     def copy(self) -> "OuterCompression":
         """An independent copy of the committed state (the overlapped stage's)."""
@@ -86,15 +88,17 @@ class OuterCompression:
         new.residual.copy_(self.residual)
         return new
 
-    def reduce(self, comm: LevelComm, grad: torch.Tensor, weight: float, total: float) -> bool:
+    def reduce(self, comm: LevelComm, grad: torch.Tensor, weight: float, total: float, ranges: Optional[Ranges] = None) -> bool:
         """Sums ``grad`` (this cluster's weighted pseudo-gradient; ignored at weight 0,
         where zeros are sent and nothing is encoded) across the outer quorum in place;
         ``total``: the round's total weight, which the caller divides the sum by. Stages
-        the new residual. Returns False on failure (``grad`` then unchanged, the commit
-        vote fails; the caller rolls back)."""
+        the new residual. ``ranges``: ``grad`` is one outer fragment's elements
+        (core/fragments.py); only their residual is used and staged. Returns False on
+        failure (``grad`` then unchanged, the commit vote fails; the caller rolls back)."""
         self._ef.rollback()
-        self._ef.residual = self.residual * total  # in units of the sum this round sends
-        self._total = total
+        mine = self.residual if ranges is None else gather(self.residual, ranges)
+        self._ef.residual = mine * total  # in units of the sum this round sends
+        self._total, self._ranges = total, ranges
         if weight == 0:
             grad.zero_()
         return comm.compressed_allreduce_sum(grad, PAYLOAD, self.fmt, self.block, self._ef if weight != 0 else None, self._ef)
@@ -104,7 +108,10 @@ class OuterCompression:
         if self._ef.has_staged:
             self._ef.commit()
             assert self._ef.residual is not None
-            self.residual.copy_(self._ef.residual / self._total)
+            if self._ranges is None:
+                self.residual.copy_(self._ef.residual / self._total)
+            else:
+                scatter_(self.residual, self._ranges, self._ef.residual / self._total)
         self._ef.residual = None
 
     def rollback(self) -> None:

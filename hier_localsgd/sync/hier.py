@@ -67,7 +67,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.optim import Optimizer
@@ -77,6 +77,7 @@ from hier_localsgd.core.comm import LevelComm, is_timeout
 from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.faults import ACTIONS, FaultPlan, fire
 from hier_localsgd.core.flat import FlatParams, checksum
+from hier_localsgd.core.fragments import FragmentSchedule, Ranges, localize
 from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
 from hier_localsgd.core.level import Level, LevelAlgorithm, Staged
 from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
@@ -136,6 +137,15 @@ class HierSettings:
     # Compressed outer reduce (compression.py): none | int8 | fp8, elements per block.
     outer_compression: str = NO_COMPRESSION
     outer_compression_block: int = DEFAULT_BLOCK
+    # Streaming fragments (core/fragments.py): each fragment's ranges of the flat vector
+    # (of this rank's shard with group_shards); one fragment per outer round, every
+    # h_inner·h_outer/F steps.
+    # Empty: one fragment, the whole model (every h_inner·h_outer steps).
+    outer_fragments: Tuple[Ranges, ...] = ()
+
+    @property
+    def num_fragments(self) -> int:
+        return max(1, len(self.outer_fragments))
 
 
 class HierarchicalSync(OuterRound, CommittedState):
@@ -181,6 +191,9 @@ class HierarchicalSync(OuterRound, CommittedState):
             g, k = 1, 0  # the flat vector already is this rank's shard
         self._slice_len = (flat.numel + g - 1) // g
         self.part = slice(min(flat.numel, k * self._slice_len), min(flat.numel, (k + 1) * self._slice_len))
+        # Streaming fragments, in offsets of this rank's slice (core/fragments.py).
+        self._fragments = [localize(r, self.part) for r in settings.outer_fragments]
+        self.fragments = FragmentSchedule(settings.h_outer, settings.num_fragments)  # keyed by committed outer rounds
         self.group, self.group_store = group, group_store  # group_store is already per attempt (trainer.py)
         if g > 1 and (group is None or group_store is None):
             raise ValueError("a replica group of several ranks needs its process group and store")
@@ -316,7 +329,11 @@ class HierarchicalSync(OuterRound, CommittedState):
         return {**self.work, "steps_since_outer": self._since_outer}
 
     def is_outer_round(self) -> bool:
-        return is_launch_round(self.counters.step, self.s.h_inner, self.s.h_outer)
+        return is_launch_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.num_fragments)
+
+    def fragment_ranges(self, fragment: Optional[int]) -> Optional[Ranges]:
+        """The ranges of this rank's slice an outer round of ``fragment`` syncs (None: all of it)."""
+        return None if fragment is None or not self._fragments else self._fragments[fragment]
 
     @property
     def leader(self) -> bool:
@@ -404,7 +421,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         return committed
 
     def is_apply_round(self) -> bool:
-        return is_apply_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.outer_delay)
+        return is_apply_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.outer_delay, self.s.num_fragments)
 
     # ------------------------------------------------------------------ pieces
     def _consistency(
@@ -439,24 +456,27 @@ class HierarchicalSync(OuterRound, CommittedState):
 
     def _reduce(
         self, level: Level, comm: LevelComm, live: torch.Tensor, plan: guard.GuardPlan, rank: int,
-        comp: Optional[OuterCompression] = None,
+        comp: Optional[OuterCompression] = None, ranges: Optional[Ranges] = None,
     ) -> Staged:
         """All-reduces the weighted pseudo-gradient and stages the level's update
-        (``comp``: compressed, staging the residual too)."""
-        if plan.total_weight == 0:  # every member knows this from the guard: skip the reduce
+        (``comp``: compressed, staging the residual too; ``ranges``: one outer fragment's
+        elements only, the rest of the level unchanged)."""
+        if plan.total_weight == 0 or ranges == ():
+            # Every member knows either from the guard or the fragment (a fragment with no
+            # element in this rank's slice is empty on this rank of every cluster): no reduce.
             return level.unchanged()
-        grad = level.pseudo_grad(live)
+        grad = level.pseudo_grad(live, ranges)
         w = plan.weights[rank]
         if comp is not None:
             if w not in (0.0, 1.0):
                 grad.mul_(w)
-            comp.reduce(comm, grad, w, plan.total_weight)  # weight 0: sends zeros, encodes nothing
+            comp.reduce(comm, grad, w, plan.total_weight, ranges)  # weight 0: sends zeros, encodes nothing
         else:
             if w != 1.0:
                 grad.mul_(w)
             comm.allreduce_sum(grad, PAYLOAD)
         grad.div_(plan.total_weight)
-        return level.stage(grad)
+        return level.stage(grad, ranges)
 
 
     # ------------------------------------------------------------------ overlapped outer sync
@@ -469,17 +489,16 @@ class HierarchicalSync(OuterRound, CommittedState):
         receiver that lost the header still joins the model broadcast (its result
         is discarded), so the leader never waits for a peer that bailed out.
         """
-        header = torch.zeros(4, dtype=torch.float64)
+        header = OuterResult.empty_header()
         if self._leader:
             assert result is not None
-            header[:] = torch.tensor([int(result.status), result.outer_round, result.step, result.cluster_weight], dtype=torch.float64)
+            header[:] = result.header()
         header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
         if self._leader:
             assert result is not None
             status: Optional[Status] = result.status
         else:
             status = Status(int(header[0])) if header_ok else None  # None: unknown
-        outer_round, step = int(header[1]), int(header[2])
         if status == Status.ABORT:
             self.inner_mgr.report_error(RuntimeError("the leader aborted this round"))
             return OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
@@ -490,7 +509,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         residual = self._broadcast_residual()  # issued whenever the model broadcast is
         if not (header_ok and params_ok) or status is None or (self.comp is not None and residual is None):
             return OuterResult(Status.ABORT, None, self.counters.outer_round, self.counters.step)
-        return OuterResult(status, params, outer_round, step, float(header[3]), residual=residual)
+        return OuterResult.from_header(header, params, residual=residual)
 
     def _apply(self, ok: bool, staged: Staged, result: Optional[OuterResult], plan: guard.GuardPlan) -> bool:
         """INNER_COMMIT's outcome: adopt the staged state, or roll back."""

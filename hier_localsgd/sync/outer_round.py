@@ -21,6 +21,7 @@ from hier_localsgd.core.addresses import LighthouseUnreachable
 from hier_localsgd.core.comm import LevelComm
 from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.flat import checksum
+from hier_localsgd.core.fragments import gather, scatter_
 from hier_localsgd.core.level import Level
 from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
 from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
@@ -75,7 +76,14 @@ class OuterRound:
             tensors=lvl.state_tensors(),
         )
         view_round, view_step = self._outer_healed or (view_round, view_step)
-        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp)
+        # Streaming fragments: the round syncs fragment (outer round mod F), the same in
+        # every cluster (the guard has brought every member to the quorum's outer round),
+        # except the run's last round, which syncs the whole model so the run ends on one.
+        # A cluster that healed to a newer global model adopts all of it (fragment None).
+        last = self.s.final_step > 0 and view_step >= self.s.final_step
+        fragment = self.fragments.fragment_for_sync(view_round) if self.s.outer_fragments and not last else None
+        moved = self._outer_healed is not None and view_round != cur_round
+        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp, self.fragment_ranges(fragment))
 
         tr.enter(Phase.OUTER_COMMIT)
         try:
@@ -95,10 +103,11 @@ class OuterRound:
         new_round = view_round + (1 if plan.total_weight > 0 else 0)
         self.tracker.mark_commit("outer", new_round)
         self.events(
-            "commit", level="outer", outer_round=new_round, step=view_step,
+            "commit", level="outer", outer_round=new_round, step=view_step, fragment=fragment,
             participants=q.size, total_weight=plan.total_weight, checksum=checksum(lvl.backup),
         )
-        return OuterResult(Status.OUTER_COMMITTED, lvl.backup.clone(), new_round, view_step, plan.weights[q.rank])
+        return OuterResult(Status.OUTER_COMMITTED, lvl.backup.clone(), new_round, view_step, plan.weights[q.rank],
+                           fragment=None if moved else fragment)
 
     def _outer_quorum(self, tr: PhaseTracker, cur_step: int) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
         """OUTER_QUORUM: the leader's cluster Manager joins the outer quorum. Returns its
@@ -181,7 +190,7 @@ class OuterRound:
         # Keep the stage's level until _apply adopts it (its momentum, with the global model).
         self._stage_outer = lvl
         step = c.step + (res.step - self._snap_step)  # a healed-to newer view moves the step as well
-        return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True)
+        return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True, fragment=res.fragment)
 
     def _drop_stage(self, why: str, abort: bool = False) -> None:
         """Forgets an outer stage in flight or never applied; ``abort``: shut the cluster
@@ -202,10 +211,10 @@ class OuterRound:
         """BROADCAST at an apply round: a header, then the global model only if the
         header says the outer round committed (every member reads the header first)."""
         c = self.counters
-        header = torch.zeros(4, dtype=torch.float64)
+        header = OuterResult.empty_header()
         if self._leader:
             assert result is not None
-            header[:] = torch.tensor([int(result.status), result.outer_round, result.step, result.cluster_weight], dtype=torch.float64)
+            header[:] = result.header()
         header_ok = self.inner_comm.broadcast(header, 0, CONTROL)
         if not header_ok:  # the group is broken: the commit vote fails
             return OuterResult(Status.ABORT, None, c.outer_round, c.step)
@@ -218,7 +227,7 @@ class OuterRound:
         residual = self._broadcast_residual(self._stage_comp)  # issued even if the model's failed (matched collectives)
         if not params_ok or (self.comp is not None and residual is None):
             return OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        return OuterResult(status, params, int(header[1]), int(header[2]), float(header[3]), merge=True, residual=residual)
+        return OuterResult.from_header(header, params, merge=True, residual=residual)
 
     def _broadcast_residual(self, stage: Optional[OuterCompression] = None) -> Optional[torch.Tensor]:
         """Compressed outer reduce: the leader sends the cluster's committed residual
@@ -250,7 +259,7 @@ class OuterRound:
         result = self._outer_round(host_copy(self.flat.data[self.part]), contribute=True, inner_ok=True)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
-        self.inner.set_backup(result.params)
+        self._adopt_into_inner(result.params, result.fragment, base=host_copy(self.flat.data[self.part]))
         c.outer_round, c.step = result.outer_round, result.step
         # The leader's steps since its last inner commit reached the global model.
         self.work["steps_since_commit"] = 0
@@ -268,16 +277,30 @@ class OuterRound:
         c = self.counters
         if result.merge:
             assert self._snap is not None
-            self.inner.set_backup(merge_keep_local(result.params, self._snap, now))
+            self._adopt_into_inner(merge_keep_local(result.params, self._snap, now), result.fragment, base=now)
             if self._leader and self._stage_outer is not None:
                 self.outer.load_state_dict(self._stage_outer.state_dict())
             if self._leader and self._stage_comp is not None and self.comp is not None:
                 self.comp.load(self._stage_comp.residual)
             self._stage_outer, self._stage_comp = None, None
         else:
-            self.inner.set_backup(result.params)
-        self.outer.set_backup(result.params)
+            self._adopt_into_inner(result.params, result.fragment, base=now)
+        self.outer.set_backup(result.params)  # the whole global model: other fragments' entries are unchanged in it
         c.outer_round, c.step = result.outer_round, result.step
+
+    @torch.no_grad()
+    def _adopt_into_inner(self, value: torch.Tensor, fragment: Optional[int], base: torch.Tensor) -> None:
+        """The cluster model becomes ``value`` — only in ``fragment``'s ranges with streaming
+        fragments (the other fragments keep ``base``, their local progress: Streaming
+        DiLoCo syncs one fragment at a time)."""
+        ranges = self.fragment_ranges(fragment)
+        if ranges is None:
+            self.inner.set_backup(value)
+            return
+        new = base.clone() if base is not self.inner.backup else base
+        scatter_(new, ranges, gather(value, ranges))
+        if new is not self.inner.backup:
+            self.inner.set_backup(new)
 
     def _ensure_outer(self, tracker: Optional[PhaseTracker] = None) -> tuple[LevelManager, LevelComm]:
         if self.outer_mgr is None or self.outer_comm is None:

@@ -63,6 +63,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional
 
 import torch
 
+from hier_localsgd.core.fragments import FragmentSchedule
 from hier_localsgd.core.phases import Phase, PhaseTracker
 
 logger = logging.getLogger(__name__)
@@ -85,14 +86,20 @@ def merge_keep_local(global_model: torch.Tensor, snapshot: torch.Tensor, now: to
     return global_model + (now - snapshot)
 
 
-def is_launch_round(step: int, h_inner: int, h_outer: int) -> bool:
+def outer_period(h_inner: int, h_outer: int, fragments: int = 1) -> int:
+    """Local steps between outer rounds: ``h_inner·h_outer``, or with ``F`` streaming
+    fragments (core/fragments.py) ``h_inner·h_outer/F`` — one fragment per outer round."""
+    return h_inner * FragmentSchedule(h_outer, fragments).interval
+
+
+def is_launch_round(step: int, h_inner: int, h_outer: int, fragments: int = 1) -> bool:
     """The inner round that starts an outer round (as in the blocking path)."""
-    return step > 0 and step % (h_inner * h_outer) == 0
+    return step > 0 and step % outer_period(h_inner, h_outer, fragments) == 0
 
 
-def is_apply_round(step: int, h_inner: int, h_outer: int, delay: int) -> bool:
+def is_apply_round(step: int, h_inner: int, h_outer: int, delay: int, fragments: int = 1) -> bool:
     """The inner round that applies the outer round launched ``delay`` inner rounds earlier."""
-    period = h_inner * h_outer
+    period = outer_period(h_inner, h_outer, fragments)
     return delay > 0 and step > period and step % period == delay * h_inner
 
 

@@ -49,6 +49,9 @@ class LevelConfig:
     # none | int8 | fp8, one fp32 scale per block of compression_block elements
     compression: str = NONE
     compression_block: int = DEFAULT_BLOCK
+    # outer only: streaming fragments (core/fragments.py): the model split by layer into F
+    # contiguous fragments, one synced per outer round every inner.every·every/F steps
+    fragments: int = 1
 
     def check(self, path: str) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -63,9 +66,20 @@ class LevelConfig:
             fail("sync.inner.delay", f"{self.delay} — only the outer level (and flat) can be overlapped")
         elif path == "sync.flat" and self.delay and self.algorithm != "diloco":
             fail("sync.flat.delay", f"{self.delay} — torchft's LocalSGD has no overlap; use sync.flat.algorithm=diloco")
-        elif not 0 <= self.delay < self.every:
-            fail(f"{path}.delay", f"{self.delay} — must be in [0, {path}.every={self.every}): a round's result is applied before the next round starts")
+        self._check_fragments(path)
+        rounds = self.every // self.fragments  # inner rounds between (fragment) outer rounds
+        if not 0 <= self.delay < rounds:
+            per = f"{path}.every/{path}.fragments={rounds}" if self.fragments > 1 else f"{path}.every={self.every}"
+            fail(f"{path}.delay", f"{self.delay} — must be in [0, {per}): a round's result is applied before the next round starts")
         self._check_compression(path)
+
+    def _check_fragments(self, path: str) -> None:
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
+            fail(f"{path}.fragments", f"{self.fragments!r} — must be an integer of at least 1")
+        if self.fragments > 1 and path != "sync.outer":
+            fail(f"{path}.fragments", f"{self.fragments} — only the outer level streams fragments (sync.outer.fragments)")
+        if self.every % self.fragments:
+            fail(f"{path}.fragments", f"{self.fragments} — {path}.every={self.every} must be a multiple of it (one fragment syncs every every/fragments rounds)")
 
     def _check_compression(self, path: str) -> None:
         if self.compression not in COMPRESSIONS:

@@ -24,11 +24,13 @@ from hier_localsgd.core.device import DTYPES, memory_stats, resolve_backend, res
 from hier_localsgd.train.data import ByteTextData, DeviceData, MarkovChain, MarkovData
 from hier_localsgd.core.faults import FaultPlan, fire
 from hier_localsgd.core.flat import FlatParams, checksum
+from hier_localsgd.core.fragments import flat_ranges, split_fragments
 from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.train.model import build_model, evaluate, lm_loss
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime import EXIT_WATCHDOG, LOG_TAG, Runtime
 from hier_localsgd.core.status import ReplicaPublisher, job_finished, read_json, replica_dir
+from hier_localsgd.schema import fail
 from hier_localsgd.sync.common import SyncStrategy
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity, JobFinished
 
@@ -165,6 +167,18 @@ def wait_for_lighthouse(cfg: Config, identity: Identity, ran_before: bool) -> No
             time.sleep(1.0)
 
 
+def outer_fragment_ranges(model: torch.nn.Module, flat: FlatParams, fragments: int) -> tuple:
+    """``sync.outer.fragments`` as ranges of the flat vector (core/fragments.py): the model
+    split by layer into contiguous fragments of balanced size; () for one fragment."""
+    if fragments <= 1:
+        return ()
+    try:
+        frags = split_fragments(model, fragments)
+    except ValueError as e:
+        fail("sync.outer.fragments", f"{fragments} — {e}")
+    return tuple(flat_ranges(model, flat.params, frags))
+
+
 def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: torch.nn.Module, opt: torch.optim.Optimizer, tracker: PhaseTracker, pub: ReplicaPublisher, grp: GroupContext = GroupContext(), faults: Optional[FaultPlan] = None) -> SyncStrategy:
     """The sync strategy ``sync.mode`` names, built from the config; ``faults`` is the
     process's one fault plan (its sync-phase faults fire inside hier's phases)."""
@@ -197,6 +211,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             final_step=cfg.train.steps,
             outer_compression=s.outer.compression,
             outer_compression_block=s.outer.compression_block,
+            outer_fragments=outer_fragment_ranges(model, flat, s.outer.fragments),
             inner_backend=resolve_backend("inner", cfg.train.backends.inner, flat.data.device),
             outer_backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
         )
