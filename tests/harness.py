@@ -75,8 +75,9 @@ class ThreadedHier:
         outer_compression: str = "none",
         compression_block: int = 256,
         outer_fragments: tuple = (),
+        early_quorum: bool = False,
     ) -> None:
-        self.outer_fragments = outer_fragments
+        self.outer_fragments, self.early_quorum = outer_fragments, early_quorum
         self.C, self.R = clusters, replicas
         self.outer_compression, self.compression_block = outer_compression, compression_block
         self.outer_delay, self.final_step = outer_delay, final_step
@@ -116,6 +117,7 @@ class ThreadedHier:
             outer_compression=self.outer_compression,
             outer_compression_block=self.compression_block,
             outer_fragments=self.outer_fragments,
+            early_quorum=self.early_quorum,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(
@@ -170,6 +172,7 @@ def local_steps(rep: Replica, updates: Callable[[int, int, int], torch.Tensor], 
     rep.sync.start()
     c, r = rep.key
     for _ in range(steps):
+        rep.sync.before_forward()  # as the training loop does (an early inner quorum starts here)
         with torch.no_grad():
             rep.flat.data.add_(updates(c, r, rep.sync.counters.step))
         rep.sync.counters.step += 1

@@ -52,21 +52,28 @@ def reference(steps: int):
     return expected, theta_g, gbuf, cbuf
 
 
-def test_diloco_at_both_levels_matches_hand_computation_and_keeps_momentum():
+@pytest.mark.parametrize("early_quorum", [False, True])
+def test_diloco_at_both_levels_matches_hand_computation_and_keeps_momentum(early_quorum):
+    """Also with the early inner quorum (sync/early.py): it changes when the quorum is
+    asked for, not what the rounds compute."""
     steps = 4  # two outer rounds: the second depends on both levels' momentum
     expected, theta_g, gbuf, cbuf = reference(steps)
     seen: Dict[Tuple[int, int], List[torch.Tensor]] = {}
     bufs = {}
-    h = ThreadedHier(C, R, H_IN, H_OUT)
+    early_used: Dict[Tuple[int, int], object] = {}
+    h = ThreadedHier(C, R, H_IN, H_OUT, early_quorum=early_quorum)
     try:
         def body(rep):
             seen[rep.key] = []
             local_steps(rep, update, steps, record=lambda r: seen[r.key].append(r.flat.data.clone()))
             bufs[rep.key] = (rep.sync.inner.opt.buf.clone(), rep.sync.outer.opt.buf.clone(), rep.sync.leader)
+            early_used[rep.key] = rep.sync.tracker.snapshot().get("early_quorum_s")
 
         h.run(body)
     finally:
         h.close()
+    # The rounds took their quorum from the early request exactly when it was on.
+    assert all((v is not None) == early_quorum for v in early_used.values()) and len(early_used) == C * R, early_used
     for key, traj in seen.items():
         for k, (got, want) in enumerate(zip(traj, expected[key])):
             torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5, msg=f"{key} after step {k + 1}")
@@ -94,9 +101,12 @@ def test_localsgd_both_levels_is_plain_averaging():
     "phase, victim, step",
     [("INNER_REDUCE", (0, 1), 1), ("OUTER_REDUCE", (0, 0), 2), ("BROADCAST", (0, 1), 2)],
 )
-def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phase, victim, step):
+@pytest.mark.parametrize("early_quorum", [False, True])
+def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phase, victim, step, early_quorum):
+    """With the early inner quorum too: the victim's heal is received during the local
+    step and applied at the sync point (sync/early.py), with the same outcome."""
     fault = Fault(cluster=victim[0], replica=victim[1], step=step, action="fail", phase=phase)
-    h = ThreadedHier(C, R, H_IN, H_OUT, faults=[fault])
+    h = ThreadedHier(C, R, H_IN, H_OUT, faults=[fault], early_quorum=early_quorum)
     traj: Dict[Tuple[int, int], List[torch.Tensor]] = {}
     backups: Dict[Tuple[int, int], List[torch.Tensor]] = {}
     reps = {}

@@ -103,6 +103,9 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],
         "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
         "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],
+        # streaming fragments (core/fragments.py): half the model per outer round, twice as often
+        "hier_frag2": ["sync.mode=hier", "sync.outer.fragments=2"],
+        "hier_overlap_int8_frag2": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8", "sync.outer.fragments=2"],
     }
     return common, {a: arms[a] for a in b.arms}, steps
 

@@ -16,8 +16,10 @@ from hier_localsgd.experiments.chaos_faults import KINDS
 from hier_localsgd.schema import fail
 from hier_localsgd.sync.types import MODES
 
-# bench.py; hier_int8 / hier_overlap_int8: hier / hier_overlap with sync.outer.compression=int8
-ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "hier", "hier_overlap", "hier_int8", "hier_overlap_int8")
+# bench.py; hier_int8 / hier_overlap_int8: hier / hier_overlap with sync.outer.compression=int8;
+# *_frag2: with two streaming fragments (sync.outer.fragments=2; overlapped needs bench.h_outer >= 4)
+ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "hier", "hier_overlap", "hier_int8", "hier_overlap_int8",
+        "hier_frag2", "hier_overlap_int8_frag2")
 
 
 @dataclass

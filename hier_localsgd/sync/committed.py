@@ -79,6 +79,11 @@ class CommittedState:
         }
 
     def _load_inner_state(self, sd: Dict[str, object]) -> None:
+        if self._defer_heal:
+            # Received by an early quorum while the last local step runs (early.py):
+            # applied at the sync point, on the training thread.
+            self._pending_heal = sd
+            return
         self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
         self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
         self._opt_backup = copy.deepcopy(sd["optimizer"])

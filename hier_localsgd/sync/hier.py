@@ -87,6 +87,7 @@ from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.core.peers import QuorumWatch
 from hier_localsgd.sync.compression import DEFAULT_BLOCK, NONE as NO_COMPRESSION, OuterCompression, build as build_compression
+from hier_localsgd.sync.early import EarlyQuorum, EarlyQuorumStuck
 from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.sync.committed import CommittedState
@@ -142,6 +143,8 @@ class HierSettings:
     # h_inner·h_outer/F steps.
     # Empty: one fragment, the whole model (every h_inner·h_outer steps).
     outer_fragments: Tuple[Ranges, ...] = ()
+    # Ask for each inner round's quorum during its last local step (early.py).
+    early_quorum: bool = False
 
     @property
     def num_fragments(self) -> int:
@@ -206,6 +209,10 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._last_rank = 0
         self._last_healed = False
         self._outer_epoch = 0
+        # The early inner quorum (early.py) and the heal it received, applied at the sync point.
+        self._early: Optional[EarlyQuorum] = None
+        self._defer_heal = False
+        self._pending_heal: Optional[Dict[str, object]] = None
         # Work accounting: local steps run, and those discarded by a rollback (or
         # contributed with weight 0) — what chaos.py's goodput starts from.
         self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
@@ -306,7 +313,15 @@ class HierarchicalSync(OuterRound, CommittedState):
             time.sleep(0.2)
 
     def before_forward(self) -> None:
-        """Nothing to do: hierarchical syncs happen only at round boundaries."""
+        """With ``early_quorum``: the last local step of a round asks for the round's
+        quorum meanwhile (early.py). Otherwise nothing: syncs happen at round boundaries."""
+        c = self.counters
+        if self.s.early_quorum and self._early is None and (c.step + 1) % self.s.h_inner == 0:
+            progress = training_progress(c.outer_round, c.step + 1, c.inner_round)  # as the sync point would announce
+            budget = self.t.phase(Phase.INNER_QUORUM)
+            self._defer_heal = True  # a heal it decides is applied at the sync point (committed.py)
+            self._early = EarlyQuorum(
+                lambda: self.inner_mgr.start_quorum(budget, self.health["inner"], self.s.quorum_slice, progress=progress), c.step + 1)
 
     def before_optimizer_step(self) -> bool:
         """Local steps always apply; a failed round rolls them back later."""
@@ -356,7 +371,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
-            q = self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
+            q = self._inner_quorum(join)
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             self._outage("inner", e)
@@ -419,6 +434,28 @@ class HierarchicalSync(OuterRound, CommittedState):
         if outer_now and self._overlap and not final:
             self._launch_outer(contribute=committed)
         return committed
+
+    def _inner_quorum(self, join: bool) -> QuorumView:
+        """INNER_QUORUM: the early quorum's result when one was asked for this round
+        (early.py; a heal it received is applied here, on the training thread), else a
+        quorum request now. Raises what the quorum call raises."""
+        tr, c = self.tracker, self.counters
+        early, self._early = self._early, None
+        if early is not None and not join and early.step == c.step:
+            try:
+                q = early.result(tr.remaining())
+            except EarlyQuorumStuck as e:
+                raise FatalSyncError(str(e)) from e
+            finally:
+                heal, self._pending_heal, self._defer_heal = self._pending_heal, None, False
+            if heal is not None:
+                self._load_inner_state(heal)
+            tr.set_extra(early_quorum_s=round(early.seconds or 0.0, 4))
+            return q
+        if early is not None:  # one request at a time per Manager: let the unused one end
+            early.settle(tr.remaining())
+            self._pending_heal, self._defer_heal = None, False
+        return self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
 
     def is_apply_round(self) -> bool:
         return is_apply_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.outer_delay, self.s.num_fragments)

@@ -52,6 +52,8 @@ class LevelConfig:
     # outer only: streaming fragments (core/fragments.py): the model split by layer into F
     # contiguous fragments, one synced per outer round every inner.every·every/F steps
     fragments: int = 1
+    # inner only: ask for a round's quorum during its last local step (sync/early.py)
+    early_quorum: bool = False
 
     def check(self, path: str) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -67,6 +69,8 @@ class LevelConfig:
         elif path == "sync.flat" and self.delay and self.algorithm != "diloco":
             fail("sync.flat.delay", f"{self.delay} — torchft's LocalSGD has no overlap; use sync.flat.algorithm=diloco")
         self._check_fragments(path)
+        if self.early_quorum and path != "sync.inner":
+            fail(f"{path}.early_quorum", "only the inner level asks for its quorum early (sync.inner.early_quorum)")
         rounds = self.every // self.fragments  # inner rounds between (fragment) outer rounds
         if not 0 <= self.delay < rounds:
             per = f"{path}.every/{path}.fragments={rounds}" if self.fragments > 1 else f"{path}.every={self.every}"
@@ -98,7 +102,7 @@ class LevelConfig:
 @dataclass
 class SyncConfig:
     mode: str = "hier"
-    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd"))  # as configs/config.yaml
+    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd", early_quorum=True))  # as configs/config.yaml
     outer: LevelConfig = field(default_factory=lambda: LevelConfig(every=3))
     flat: LevelConfig = field(default_factory=lambda: LevelConfig(every=30))
     min_replicas: int = 1
