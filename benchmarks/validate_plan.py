@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from hier_localsgd.config import load_config
 from hier_localsgd.experiments.bench import plan_arms
+from hier_localsgd.tools.plan.network import OuterVariant
 from hier_localsgd.tools.plan.validate import table, trim, validate, worst_out_of_sample
 
 
@@ -37,11 +39,14 @@ def main() -> int:
     overrides = sweep.get("overrides") or a.overrides
     cfg = load_config(overrides, validate_for="bench")
     _, arms, _ = plan_arms(cfg)
-    overlapped = []
+    overlapped, variants = [], {}
     for name, extra in arms.items():
         c = load_config([*overrides, *extra], validate_for="demo")
-        if c.sync.outer.delay > 0 or c.sync.outer.compression != "none" or c.sync.flat.delay > 0:
+        v = OuterVariant.of(c.sync)
+        if c.sync.flat.delay > 0 or (c.sync.mode == "hier" and v != OuterVariant()):
             overlapped.append(name)
+        if c.sync.mode == "hier":
+            variants[name] = asdict(v)
     done = next((r for r in sweep["runs"] if not r.get("failed")), None)
     if done is None:
         print(f"validate_plan: {path}: no finished run", file=sys.stderr)
@@ -57,7 +62,7 @@ def main() -> int:
     b = cfg.bench
     deployment = {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster,
                   "model_bytes": model_bytes, "lan_gbps": b.lan_gbps, "lan_latency_ms": b.lan_latency_ms, "wan_latency_ms": b.wan_latency_ms}
-    data = trim(sweep, deployment, overlapped)
+    data = trim(sweep, deployment, overlapped, variants)
     arm, _, gbps = a.calibrate.partition("@")
     try:
         v = validate(data, (arm, float(gbps)))

@@ -31,6 +31,15 @@ from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
         (["run.replica=5"], "run.replica", "must be in"),
         (["faults=[{cluster:0,replica:0,step:1,action:explode}]"], "faults[0].action", "expected one of"),
         (["timeouts.inner_quorum=0"], "timeouts.inner_quorum", "positive"),
+        # streaming fragments and the early inner quorum (#13 §2, §4)
+        (["sync.outer.fragments=0"], "sync.outer.fragments", "at least 1"),
+        (["sync.outer.fragments=2"], "sync.outer.fragments", "sync.outer.every=3 must be a multiple of it"),
+        (["sync.outer.every=6", "sync.outer.fragments=6"], "sync.outer.fragments", "6 > 3 units"),
+        (["sync.outer.every=4", "sync.outer.fragments=2", "sync.outer.delay=2", "train.steps=400"], "sync.outer.delay",
+         "sync.outer.every/sync.outer.fragments=2"),
+        (["sync.mode=flat", "sync.outer.every=4", "sync.outer.fragments=2"], "sync.outer.fragments", "needs sync.mode=hier"),
+        (["sync.inner.fragments=2"], "sync.inner.fragments", "only the outer level"),
+        (["sync.outer.early_quorum=true"], "sync.outer.early_quorum", "only the inner level"),
     ],
 )
 def test_bad_values_name_the_field(overrides, field, words):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict
 
 from hier_localsgd import costs
+from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.sync.types import SyncConfig
 
@@ -67,8 +68,60 @@ def hier_sync_per_step(inner_s: float, outer_s: float, broadcast_s: float, h_inn
     return inner_s / h_inner + (outer_s + broadcast_s) / (h_inner * h_outer)
 
 
+@dataclass(frozen=True)
+class OuterVariant:
+    """What of ``sync.outer`` changes the outer round's time: overlap (``delay`` inner
+    rounds), compression (format, block) and streaming fragments (``F``)."""
+
+    delay: int = 0
+    compression: str = "none"
+    block: int = 256
+    fragments: int = 1
+
+    @classmethod
+    def of(cls, sync: SyncConfig) -> "OuterVariant":
+        o = sync.outer
+        return cls(delay=o.delay, compression=o.compression, block=o.compression_block, fragments=o.fragments)
+
+
+def outer_round_s(sync_bytes: float, clusters: int, wan: LinkSpec, v: OuterVariant, round_overhead_s: float) -> float:
+    """One outer round's WAN collective (α–β) + ``round_overhead_s``: a fragment's bytes
+    (``S/F``), as an fp32 ring all-reduce or (compressed) the all-to-all and all-gather of
+    quantized shards, ``2(C−1)`` latency hops and the bytes one leader sends."""
+    if clusters <= 1:
+        return round_overhead_s
+    if v.compression == "none":
+        return wan.allreduce_time(sync_bytes / v.fragments, clusters) + round_overhead_s
+    sent = outer_round_bytes(sync_bytes, clusters, v)
+    wire = sent / wan.bandwidth_Bps if wan.bandwidth_Bps > 0 else 0.0
+    return 2 * (clusters - 1) * wan.latency_s + wire + round_overhead_s
+
+
+def outer_round_bytes(sync_bytes: float, clusters: int, v: OuterVariant) -> float:
+    """Bytes one leader sends in one outer round: a fragment (``S/F``), fp32 ring or compressed."""
+    part = sync_bytes / v.fragments
+    if v.compression == "none":
+        return costs.ring_allreduce_bytes(part, clusters)
+    return float(compressed_allreduce_bytes(int(part // 4), clusters, v.compression, v.block)) if clusters > 1 else 0.0
+
+
+def hier_variant_sync_per_step(st: SyncTimes, outer_s: float, step_s: float, h_inner: int, h_outer: int, v: OuterVariant) -> float:
+    """hier's exposed sync seconds per local step with overlap, compression and fragments:
+
+        inner/H_inner + F·(max(0, outer − D·(H_inner·step + inner)) + broadcasts)/(H_inner·H_outer)
+
+    ``outer``: :func:`outer_round_s`. An overlapped outer round hides behind the ``D`` inner
+    rounds (their compute and their inner syncs) it runs alongside; what is left blocks at
+    the apply round. Broadcasts: the model, plus the residual with compression. With the
+    defaults (``D = 0``, no compression, ``F = 1``) this is :func:`hier_sync_per_step`."""
+    exposed = max(0.0, outer_s - v.delay * (h_inner * step_s + st.inner_s))
+    broadcasts = st.broadcast_s * (2 if v.compression != "none" else 1)
+    return st.inner_s / h_inner + v.fragments * (exposed + broadcasts) / (h_inner * h_outer)
+
+
 def sync_per_step(st: SyncTimes, mode: str, h_inner: int, h_outer: int, h_flat_: int, ddp_overlap: float = 0.0) -> float:
-    """Average exposed sync seconds per local step of one mode."""
+    """Average exposed sync seconds per local step of one mode (hier: blocking, fp32, whole
+    model; :func:`hier_variant_sync_per_step` for the rest)."""
     if mode == "ddp":
         return st.ddp_s * (1.0 - ddp_overlap)
     if mode == "flat":

@@ -83,7 +83,10 @@ from typing import TYPE_CHECKING, Any, Dict
 from hier_localsgd.tools.deployment import check_shared, links, unlimited
 from hier_localsgd.tools.plan.config import PlanConfig, REPORT_ORDER, SHARDINGS, ScalingConfig
 from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model, shard_factor
-from hier_localsgd.tools.plan.network import comm_fraction, h_values, recommend_h, sync_per_step, sync_times
+from hier_localsgd.tools.plan.network import (
+    OuterVariant, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes, outer_round_s, recommend_h,
+    sync_per_step, sync_times,
+)
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -204,10 +207,14 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
     lan, wan = links(cfg)
     st = sync_times(sync_bytes(cfg, n), tp.clusters, tp.replicas_per_cluster, lan, wan, pc.round_overhead_s)
     h = h_values(cfg.sync)
+    variant = OuterVariant.of(cfg.sync)
 
     modes: Dict[str, Any] = {}
     for mode in REPORT_ORDER:
         per_step = sync_per_step(st, mode, h["inner"], h["outer"], h["flat"], pc.hardware.ddp_overlap)
+        if mode == "hier":  # overlap, compression and fragments of sync.outer (network.OuterVariant)
+            o = outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)
+            per_step = hier_variant_sync_per_step(st, o, step_s, h["inner"], h["outer"], variant)
         modes[mode] = {
             "sync_per_step_s": per_step,
             "comm_fraction": comm_fraction(step_s, per_step),
@@ -218,7 +225,7 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
     c = tp.clusters
     slow = {
         # bytes on the slow (cross-cluster) links per local step, all ranks together
-        "hier": c * tp.ranks_per_replica * st.outer_bytes / (h["inner"] * h["outer"]) if c > 1 else 0.0,
+        "hier": c * tp.ranks_per_replica * variant.fragments * outer_round_bytes(st.sync_bytes, c, variant) / (h["inner"] * h["outer"]) if c > 1 else 0.0,
         # a ring over C*R ordered by cluster crosses C cluster boundaries
         "flat": c * tp.ranks_per_replica * st.flat_bytes / h["flat"] if c > 1 else 0.0,
         "ddp": c * tp.ranks_per_replica * st.ddp_bytes if c > 1 else 0.0,

@@ -18,8 +18,12 @@ as the planner models it (network.py :func:`sync_times` and :func:`sync_per_step
   then held fixed for every other point, which are the out-of-sample predictions; the
   calibration point itself is reported as such (error 0 by construction).
 
-Arms with ``sync.outer.delay`` or compression are not predicted: the planner does not
-model overlap or compression (listed as not modelled, not as errors).
+hier arms with ``sync.outer.delay``, compression or fragments are predicted with
+:func:`~hier_localsgd.tools.plan.network.hier_variant_sync_per_step` (the overlapped outer
+round hides behind the compute and inner syncs of the ``D`` inner rounds it runs alongside),
+from the variant each run records (``outer``; sweeps trimmed before it was recorded have
+none, and their overlapped arms stay unpredicted). flat's overlap (torchft's
+``fragment_sync_delay``) is not modelled (listed as not modelled, not as an error).
 
 Input: the ``sweep.json`` of ``hier-localsgd bench bench.sweep_gbps=[...]`` trimmed by
 :func:`trim` (benchmarks/validate_plan.py does both and prints the table). Failure
@@ -35,18 +39,21 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from hier_localsgd import costs
 from hier_localsgd.emulation.lossy import LinkSpec
-from hier_localsgd.tools.plan.network import sync_per_step, sync_times
+from hier_localsgd.tools.plan.network import OuterVariant, hier_variant_sync_per_step, outer_round_s, sync_per_step, sync_times
 
 PREDICTED_MODES = ("hier", "flat", "ddp")
 
 
-def trim(sweep: Dict[str, Any], deployment: Dict[str, Any], overlapped: Iterable[str]) -> Dict[str, Any]:
+def trim(sweep: Dict[str, Any], deployment: Dict[str, Any], overlapped: Iterable[str],
+         variants: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
     """What this check reads of a sweep.json (a few KB instead of MB of curves): the bare
     step, ``deployment`` (clusters, replicas_per_cluster, model_bytes, lan_gbps,
     lan_latency_ms, wan_latency_ms: the sweep's shared config) and per run its arm, rate,
     seed, mode, sync periods, last step and training time; ``overlapped``: the arms with
-    ``sync.outer.delay``, ``sync.flat.delay`` or compression."""
+    ``sync.outer.delay``, ``sync.flat.delay``, compression or fragments; ``variants``: per
+    hier arm its :class:`OuterVariant` fields (recorded as ``outer``)."""
     over = set(overlapped)
+    variants = variants or {}
     runs = []
     for r in sweep["runs"]:
         if r.get("failed"):
@@ -55,26 +62,36 @@ def trim(sweep: Dict[str, Any], deployment: Dict[str, Any], overlapped: Iterable
         runs.append({
             "arm": r["arm"], "wan_gbps": r["wan_gbps"], "seed": r["seed"], "mode": r["mode"], "sync_every": r["sync_every"],
             "steps": r["curve"][-1]["step"], "train_s": r["curve"][-1]["t"], "overlapped": r["arm"] in over,
+            **({"outer": variants[r["arm"]]} if r["arm"] in variants else {}),
         })
     return {"bare_step_s": sweep["bare_step_s"], "deployment": dict(deployment), "runs": runs}
 
 
 def predict(mode: str, sync_every: List[int], steps: int, step_s: float, model_bytes: float,
-            clusters: int, replicas: int, lan: LinkSpec, wan: LinkSpec, overhead_s: float) -> float:
-    """The planner's training time for ``steps`` steps of one blocking arm."""
+            clusters: int, replicas: int, lan: LinkSpec, wan: LinkSpec, overhead_s: float,
+            outer: Optional[OuterVariant] = None) -> float:
+    """The planner's training time for ``steps`` steps of one arm (hier: ``outer``, the
+    variant of its outer round; blocking fp32 when None)."""
     st = sync_times(model_bytes, clusters, replicas, lan, wan, overhead_s)
     h_in, h_out = (sync_every + [1])[:2] if mode == "hier" else (1, 1)
     h_flat = sync_every[0] if mode == "flat" else 1
+    if mode == "hier" and outer is not None:
+        o = outer_round_s(model_bytes, clusters, wan, outer, overhead_s)
+        return steps * (step_s + hier_variant_sync_per_step(st, o, step_s, h_in, h_out, outer))
     return steps * (step_s + sync_per_step(st, mode, h_in, h_out, h_flat))
 
 
-def transfer_over_latency(mode: str, model_bytes: float, clusters: int, replicas: int, wan: LinkSpec) -> float:
+def transfer_over_latency(mode: str, model_bytes: float, clusters: int, replicas: int, wan: LinkSpec,
+                          outer: Optional[OuterVariant] = None) -> float:
     """The WAN collective's transfer term over its latency term (α–β, costs.py): how
-    bandwidth-bound the arm's WAN sync is (hier: the leaders' ring; flat, ddp: the ring over
-    every group, on WAN hops). inf without latency."""
+    bandwidth-bound the arm's WAN sync is (hier: the leaders' ring, or its ``outer``
+    variant's collective; flat, ddp: the ring over every group, on WAN hops). inf without latency."""
     n = clusters if mode == "hier" else clusters * replicas
     lat = costs.allreduce_time(model_bytes, n, wan.latency_s, 0.0)
-    xfer = costs.allreduce_time(model_bytes, n, 0.0, wan.bandwidth_Bps)
+    if mode == "hier" and outer is not None:
+        xfer = outer_round_s(model_bytes, clusters, LinkSpec(latency_s=0.0, bandwidth_Bps=wan.bandwidth_Bps), outer, 0.0)
+    else:
+        xfer = costs.allreduce_time(model_bytes, n, 0.0, wan.bandwidth_Bps)
     return xfer / lat if lat > 0 else float("inf")
 
 
@@ -121,13 +138,15 @@ def validate(sweep: Dict[str, Any], calibrate_on: Tuple[str, float]) -> Dict[str
         p = pts[key]
         row: Dict[str, Any] = {"arm": p["arm"], "wan_gbps": p["wan_gbps"], "measured_s": p["measured_s"],
                                "seeds": len(p["train_s_all"]), "calibration": key == calibrate_on}
-        if p["mode"] not in PREDICTED_MODES or p.get("overlapped"):
-            row["not_modelled"] = "overlap or compression"
+        outer = OuterVariant(**p["outer"]) if p.get("outer") else None
+        if p["mode"] not in PREDICTED_MODES or (p.get("overlapped") and outer is None):
+            row["not_modelled"] = "flat's overlap" if p["mode"] == "flat" else "overlap or compression (no variant recorded)"
         else:
             lan, wan = _links(sweep, p["wan_gbps"])
-            pred = predict(p["mode"], p["sync_every"], p["steps"], step_s, S, C, R, lan, wan, overhead)
+            pred = predict(p["mode"], p["sync_every"], p["steps"], step_s, S, C, R, lan, wan, overhead, outer)
             row.update(predicted_s=pred, error=(pred - p["measured_s"]) / p["measured_s"],
-                       transfer_over_latency=transfer_over_latency(p["mode"], S, C, R, wan))
+                       transfer_over_latency=transfer_over_latency(p["mode"], S, C, R, wan, outer),
+                       variant=bool(p.get("overlapped")))
         rows.append(row)
     return {"calibrate_on": list(calibrate_on), "round_overhead_s": overhead, "bare_step_s": step_s, "rows": rows}
 
@@ -142,7 +161,7 @@ def table(v: Dict[str, Any]) -> str:
         if "not_modelled" in r:
             lines.append(f"| {rate} | {r['arm']} | {r['measured_s']:.2f} | — | — | not modelled ({r['not_modelled']}) |")
         else:
-            what = "calibration" if r["calibration"] else "out of sample"
+            what = "calibration" if r["calibration"] else "out of sample" + (" (overlap/compression model)" if r.get("variant") else "")
             lines.append(f"| {rate} | {r['arm']} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | {r['error'] * 100:+.1f} % | {what} |")
     return "\n".join(lines)
 
