@@ -455,6 +455,8 @@ class HierarchicalSync(OuterRound, CommittedState):
         if early is not None:  # one request at a time per Manager: let the unused one end
             early.settle(tr.remaining())
             self._pending_heal, self._defer_heal = None, False
+            if not early.done():
+                raise FatalSyncError(f"an unused early inner quorum for step {early.step} did not end within {tr.remaining()}")
         return self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
 
     def is_apply_round(self) -> bool:
