@@ -145,7 +145,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.command != "train":  # train logs under its replica tag (_train)
         setup_logging(cfg.run.log_level, args.command)
-    return HANDLERS[args.command](cfg, args.overrides)
+    try:
+        return HANDLERS[args.command](cfg, args.overrides)
+    except ConfigError as e:  # found by a command before it starts anything (bench: an arm the workload cannot run)
+        if debug():
+            traceback.print_exc()
+        print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 # -- one handler per command: (config, overrides) -> exit code; imports are lazy so that

@@ -96,6 +96,15 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hier_localsgd", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def test_a_bench_arm_the_workload_cannot_run_fails_before_anything_starts(tmp_path):
+    """bench.mode=quick has H_outer = 2: two fragments leave no inner round to overlap."""
+    p = run_cli("bench", "bench.mode=quick", "bench.arms=[hier,hier_overlap_int8_frag2]", f"run.dir={tmp_path}")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "bench.arms: 'hier_overlap_int8_frag2' cannot run" in lines[0] and "sync.outer.delay" in lines[0], lines[0]
+    assert not (tmp_path / "bench" / "runs").exists()  # no arm started
+
+
 def test_cli_config_error_exits_2_with_the_field():
     p = run_cli("train", "model=tiny", "sync.inner.algorithm=adam")
     assert p.returncode == 2

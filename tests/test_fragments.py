@@ -233,6 +233,33 @@ def test_outer_fragments_sync_in_turn_as_hand_computed_and_the_last_round_syncs_
         assert not torch.allclose(after2[0][i1], after2[1][i1])
 
 
+def test_int8_outer_fragments_move_the_residual_only_inside_the_synced_fragment():
+    """Blocking int8 with fragments: at a fragment's round the error-feedback residual
+    changes inside that fragment's ranges only (its other entries wait for their own
+    fragment's round), and every member of a cluster holds the leader's residual."""
+    steps, seen = 10, {}
+    h = ThreadedHier(C, R, H_IN, H_OUT, numel=NUMEL, final_step=steps, outer_fragments=FRAGS,
+                     outer_compression="int8", compression_block=2)
+    try:
+        def body(rep):
+            seen[rep.key] = []
+            local_steps(rep, _update, steps, record=lambda r: seen[r.key].append(r.sync.comp.residual.clone()))
+
+        h.run(body)
+    finally:
+        h.close()
+    inside = [sorted(i for a, b in rs for i in range(a, b)) for rs in FRAGS]
+    moved_inside = 0
+    for (c, r), res in seen.items():
+        torch.testing.assert_close(res[-1], seen[(c, 0)][-1], rtol=0, atol=0)  # the cluster's one residual
+        for step, frag in ((2, 0), (4, 1), (6, 0), (8, 1)):
+            before, after = res[step - 2], res[step - 1]
+            outside = [i for i in range(NUMEL) if i not in inside[frag]]
+            torch.testing.assert_close(after[outside], before[outside], rtol=0, atol=0, msg=f"c{c}r{r} step {step}")
+            moved_inside += int(not torch.equal(after[inside[frag]], before[inside[frag]]))
+    assert moved_inside > 0  # the residual does move inside the synced fragment
+
+
 def test_int8_outer_fragments_overlapped_keep_replicas_identical():
     steps = 10
     seen, reps = _run(steps, delay=1, outer_compression="int8", compression_block=2)

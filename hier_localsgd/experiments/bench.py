@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hier_localsgd import costs
-from hier_localsgd.config import Config, load_config
+from hier_localsgd.config import Config, ConfigError, load_config
+from hier_localsgd.schema import fail
 from hier_localsgd.launch.local import LocalJob, child_env
 from hier_localsgd.launch.netns import TBF_BURST_BYTES
 from hier_localsgd.core.status import read_events, replica_dir
@@ -179,7 +180,8 @@ def sync_eval(cfg: Config) -> List[str]:
     merges at the sync step itself), and for ddp (synchronised at every step) on the hier
     period's grid. At these points the blocking arms' groups hold one model (the curve's
     ``spread`` shows it); an overlapped hier arm's clusters differ by their progress since
-    the outer round's snapshot."""
+    the outer round's snapshot, and with streaming fragments by the fragments not synced
+    in that round."""
     s = cfg.sync
     period = s.inner.every * s.outer.every
     if s.mode == "hier":
@@ -385,6 +387,11 @@ def prepare(cfg: Config, overrides: List[str]) -> Optional[Tuple[Path, Dict[str,
         print(f"bench: bench.links=kernel: {why}", flush=True)
         return None
     common, arms, steps = plan_arms(cfg)
+    for name, extra in arms.items():  # an arm this workload cannot run fails here, in one line, not mid-sweep
+        try:
+            load_config([*overrides, *common, *extra], validate_for="demo")
+        except ConfigError as e:
+            fail("bench.arms", f"{name!r} cannot run with this workload ({e}); e.g. the *_frag2 arms need an even bench.h_outer, overlapped ones >= 4")
     return out, arms, steps, [*overrides, *common]
 
 

@@ -52,6 +52,8 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
     if model_bytes and comp != NO_COMPRESSION:
         # the compressed outer reduce: all-to-all + all-gather of packed codes and scales
         expected_outer = compressed_allreduce_bytes(model_bytes // 4, C, comp, cfg.sync.outer.compression_block) * C
+    if expected_outer and cfg.sync.outer.fragments > 1:
+        expected_outer = None  # streaming fragments: one fragment per round (the last the whole model), no single figure
     outer_payload = levels.get("outer", {}).get("payload")
 
     return {
@@ -161,10 +163,12 @@ def human(summary: Dict[str, Any]) -> str:
             f"emulated delay {agg['emulated_delay_s']:.1f} s"
         )
     if summary.get("slow_link_payload_bytes_per_outer_round"):
+        expected = summary["slow_link_payload_bytes_per_outer_round_expected"]
+        what = "one model" if summary["topology"]["outer"].get("compression", "none") == "none" else summary["topology"]["outer"]["compression"] + "-compressed model"
         lines.append(
             f"  slow-link payload per outer round: {mb(summary['slow_link_payload_bytes_per_outer_round'])} "
-            f"({'one model' if summary['topology']['outer'].get('compression', 'none') == 'none' else summary['topology']['outer']['compression'] + '-compressed model'} "
-            f"per cluster x ring factor = {mb(summary['slow_link_payload_bytes_per_outer_round_expected'])})"
+            + (f"({what} per cluster x ring factor = {mb(expected)})" if expected is not None
+               else "(streaming fragments: one fragment per round, the last round the whole model)")
         )
     lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes)")
     bad = {k: v for k, v in summary["exit_codes"].items() if v != 0}

@@ -22,9 +22,18 @@ Why it commits nothing that might still fail (the rule of the blocking path):
   not use (a join round) waits for it to end before asking again.
 
 Failure semantics: what the quorum call raises (``LighthouseOutage``, ``QuorumFailed``,
-``GroupRefused``) is re-raised at the sync point and handled there as before. Every wait
-keeps a deadline: the thread's call has the INNER_QUORUM budget from its start, and the
-sync point waits at most its own INNER_QUORUM budget, which ends later.
+``GroupRefused``) is re-raised at the sync point and handled there as before (a heal it
+had received is dropped; the next round heals again). Every wait keeps a deadline: the
+thread's call has the INNER_QUORUM budget less a heartbeat timeout (a call can overrun its
+budget by a last short slice and a lighthouse probe), and the sync point waits at most its
+own INNER_QUORUM budget, which ends later; a call still running then ends the process
+(``FatalSyncError``), since a second request on the same Manager is never made.
+``close()`` shuts the Manager down, which ends a call in flight.
+
+What changes for planned faults: a fault at INNER_QUORUM (``faults``, the chaos
+command's phase kills) fires at the sync point, after this member's early request has
+already joined the quorum, so its peers meet the fault in the round's reduce rather than
+forming the quorum without it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@ multiple of ``h_inner * h_outer``) the round also carries the outer level: the
 cluster's leader (rank 0 of the inner quorum) syncs across clusters through the
 global lighthouse and broadcasts the result to its cluster, inside the same inner
 quorum. Only leaders touch the slow links; slow-link traffic per outer round is
-one model per cluster whatever the number of replica groups.
+one model per cluster whatever the number of replica groups. With streaming
+fragments (``sync.outer.fragments = F``, core/fragments.py) an outer round comes every
+``h_inner * h_outer / F`` steps and carries one fragment (the run's last round the
+whole model); with the early inner quorum (early.py) INNER_QUORUM collects a request
+made during the round's last local step.
 
 One round (the phases are in :mod:`hier_localsgd.core.phases`)::
 
@@ -20,7 +24,8 @@ One round (the phases are in :mod:`hier_localsgd.core.phases`)::
       OUTER_REDUCE   guard, then all-reduce ``global_backup - cluster_model``
       OUTER_COMMIT   cluster Managers vote; on success the outer update is final
     [outer round, every member]
-      BROADCAST      the leader sends a header (status, outer round, step) and the
+      BROADCAST      the leader sends a header (status, outer round, step, cluster
+                     weight, fragment) and the
                      resulting model over the inner process group
     INNER_COMMIT   inner Managers vote; on success adopt the staged state,
                    otherwise roll back to the last commit
@@ -318,7 +323,11 @@ class HierarchicalSync(OuterRound, CommittedState):
         c = self.counters
         if self.s.early_quorum and self._early is None and (c.step + 1) % self.s.h_inner == 0:
             progress = training_progress(c.outer_round, c.step + 1, c.inner_round)  # as the sync point would announce
-            budget = self.t.phase(Phase.INNER_QUORUM)
+            # The call may run a little past its budget (a last slice of >= 0.1 s, a lighthouse
+            # probe, the group's configuration): it gets the phase's budget less a heartbeat
+            # timeout, so it has ended by the time the sync point's own budget runs out.
+            full = self.t.phase(Phase.INNER_QUORUM)
+            budget = max(full - self.s.quorum_slice, full / 2)
             self._defer_heal = True  # a heal it decides is applied at the sync point (committed.py)
             self._early = EarlyQuorum(
                 lambda: self.inner_mgr.start_quorum(budget, self.health["inner"], self.s.quorum_slice, progress=progress), c.step + 1)
@@ -445,18 +454,20 @@ class HierarchicalSync(OuterRound, CommittedState):
             try:
                 q = early.result(tr.remaining())
             except EarlyQuorumStuck as e:
-                raise FatalSyncError(str(e)) from e
+                raise FatalSyncError(str(e)) from e  # the heal flags stay: a late heal is never applied off-thread
             finally:
-                heal, self._pending_heal, self._defer_heal = self._pending_heal, None, False
+                heal = None
+                if early.done():  # a quorum call that raised drops its heal; the next round heals again
+                    heal, self._pending_heal, self._defer_heal = self._pending_heal, None, False
             if heal is not None:
                 self._load_inner_state(heal)
             tr.set_extra(early_quorum_s=round(early.seconds or 0.0, 4))
             return q
         if early is not None:  # one request at a time per Manager: let the unused one end
             early.settle(tr.remaining())
-            self._pending_heal, self._defer_heal = None, False
             if not early.done():
-                raise FatalSyncError(f"an unused early inner quorum for step {early.step} did not end within {tr.remaining()}")
+                raise FatalSyncError(f"an unused early inner quorum for step {early.step} did not end within its phase")
+            self._pending_heal, self._defer_heal = None, False
         return self.inner_mgr.start_quorum(tr.remaining(), self.health["inner"], self.s.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
 
     def is_apply_round(self) -> bool:

@@ -77,11 +77,12 @@ class OuterVariant:
     compression: str = "none"
     block: int = 256
     fragments: int = 1
+    elem_bytes: int = 4  # bytes per element of the synced model (what is quantized per element)
 
     @classmethod
-    def of(cls, sync: SyncConfig) -> "OuterVariant":
+    def of(cls, sync: SyncConfig, elem_bytes: int = 4) -> "OuterVariant":
         o = sync.outer
-        return cls(delay=o.delay, compression=o.compression, block=o.compression_block, fragments=o.fragments)
+        return cls(delay=o.delay, compression=o.compression, block=o.compression_block, fragments=o.fragments, elem_bytes=elem_bytes)
 
 
 def outer_round_s(sync_bytes: float, clusters: int, wan: LinkSpec, v: OuterVariant, round_overhead_s: float) -> float:
@@ -102,7 +103,7 @@ def outer_round_bytes(sync_bytes: float, clusters: int, v: OuterVariant) -> floa
     part = sync_bytes / v.fragments
     if v.compression == "none":
         return costs.ring_allreduce_bytes(part, clusters)
-    return float(compressed_allreduce_bytes(int(part // 4), clusters, v.compression, v.block)) if clusters > 1 else 0.0
+    return float(compressed_allreduce_bytes(int(part // v.elem_bytes), clusters, v.compression, v.block)) if clusters > 1 else 0.0
 
 
 def hier_variant_sync_per_step(st: SyncTimes, outer_s: float, step_s: float, h_inner: int, h_outer: int, v: OuterVariant) -> float:

@@ -207,7 +207,7 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
     lan, wan = links(cfg)
     st = sync_times(sync_bytes(cfg, n), tp.clusters, tp.replicas_per_cluster, lan, wan, pc.round_overhead_s)
     h = h_values(cfg.sync)
-    variant = OuterVariant.of(cfg.sync)
+    variant = OuterVariant.of(cfg.sync, int(dtype_bytes(cfg.plan.train.sync_dtype, "plan.train.sync_dtype")))
 
     modes: Dict[str, Any] = {}
     for mode in REPORT_ORDER:
