@@ -76,8 +76,9 @@ class ThreadedHier:
         compression_block: int = 256,
         outer_fragments: tuple = (),
         early_quorum: bool = False,
+        keep_local: bool = False,
     ) -> None:
-        self.outer_fragments, self.early_quorum = outer_fragments, early_quorum
+        self.outer_fragments, self.early_quorum, self.keep_local = outer_fragments, early_quorum, keep_local
         self.C, self.R = clusters, replicas
         self.outer_compression, self.compression_block = outer_compression, compression_block
         self.outer_delay, self.final_step = outer_delay, final_step
@@ -118,6 +119,7 @@ class ThreadedHier:
             outer_compression_block=self.compression_block,
             outer_fragments=self.outer_fragments,
             early_quorum=self.early_quorum,
+            keep_local=self.keep_local,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

@@ -423,6 +423,11 @@ def test_lighthouse_and_hang_evidence_from_hand_built_records():
     restarted = history + [{"t": t + 6, "event": "restart", "key": (0, 1), "pid": 9}]
     (ev,) = fault_evidence([lh], events, restarted, clusters=2)
     assert ev["replica_restarts"] == 1 and ev["recovered"] is False
+    # a kill fault that fell inside the outage: its restart is the kill's, not the outage's
+    killed = history + [{"t": t + 5, "event": "kill", "key": (0, 1), "pid": 9}, {"t": t + 5.1, "event": "exit", "key": (0, 1), "pid": 9, "code": -9},
+                        {"t": t + 6, "event": "restart", "key": (0, 1), "pid": 10}]
+    (ev,) = fault_evidence([lh], events, killed, clusters=2)
+    assert ev["replica_restarts"] == 0 and ev["recovered"] is True
     (ev,) = fault_evidence([lh], {k: [] for k in events}, history, clusters=2)
     assert ev["commits_resumed_s"] is None and ev["recovered"] is False
 

@@ -40,6 +40,10 @@ from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
         (["sync.mode=flat", "sync.outer.every=4", "sync.outer.fragments=2"], "sync.outer.fragments", "needs sync.mode=hier"),
         (["sync.inner.fragments=2"], "sync.inner.fragments", "only the outer level"),
         (["sync.outer.early_quorum=true"], "sync.outer.early_quorum", "only the inner level"),
+        # what a failed inner round keeps
+        (["sync.failed_round=forget"], "sync.failed_round", "unknown policy 'forget'"),
+        (["sync.mode=flat", "sync.failed_round=keep_local"], "sync.failed_round", "needs sync.mode=hier"),
+        (["topology.ranks_per_replica=2", "sync.failed_round=keep_local"], "sync.failed_round", "topology.ranks_per_replica=1"),
     ],
 )
 def test_bad_values_name_the_field(overrides, field, words):

@@ -189,3 +189,29 @@ def test_start_order_does_not_matter(tmp_path, name, order):
     assert first_outer["participants"] == 2 and first_outer["step"] == 10, first_outer
     assert run.summary["consistent"] is True
     assert run.summary["steps"] == 40
+
+
+@pytest.mark.parametrize("policy", ["rollback", "keep_local"])
+def test_a_round_a_dead_peer_fails_keeps_the_survivors_steps_with_keep_local(tmp_path, policy):
+    """c0r1 dies inside the inner all-reduce at step 5 (an inner-only round: outer rounds
+    fall at 10, 20, ...), so its cluster's round fails for the survivor c0r0.
+    sync.failed_round=rollback restores c0r0's step-0 commit: its 5 steps are discarded.
+    keep_local keeps them in the model: c0r0's next commit (step 10) carries 10 steps and it
+    discards none. Either way the restarted c0r1 heals and the job ends consistent."""
+    run = run_job(tmp_path, [*LONG, "train.steps=60", f"sync.failed_round={policy}",
+                             "faults=[{cluster:0,replica:1,step:5,action:exit,phase:INNER_REDUCE}]"],
+                  restart=True)
+    assert all(run.codes[k] == 0 for k in ALL), logs_tail(run)
+    assert any(h["event"] == "exit" and h["key"] == (0, 1) for h in run.job.history), "c0r1 never exited"
+    work = run.job.result((0, 0))["work"]
+    if policy == "keep_local":
+        assert [e["step"] for e in run.kinds((0, 0), "keep_local")] == [5], run.events[(0, 0)]
+        assert not run.kinds((0, 0), "rollback")
+        assert work["steps_discarded"] == 0, work
+    else:
+        assert [e["step"] for e in run.kinds((0, 0), "rollback", level="inner")] == [5], run.events[(0, 0)]
+        assert not run.kinds((0, 0), "keep_local")
+        assert work["steps_discarded"] == 5, work
+    # the next commit is the step-10 round (the survivor alone, or with c0r1 back)
+    assert any(e["step"] == 10 for e in run.kinds((0, 0), "commit", level="inner"))
+    assert run.summary["consistent"] is True

@@ -151,6 +151,46 @@ def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phas
             assert not rep.kinds("rollback", level="inner"), f"{key} should not have rolled back"
 
 
+@pytest.mark.parametrize("keep_local", [False, True])
+def test_a_round_that_fails_for_a_whole_cluster_rolls_back_or_keeps_the_local_steps(keep_local):
+    """Both members of cluster 0 fail their inner all-reduce at step 1 (an inner-only
+    round), so nothing of cluster 0 commits there. sync.failed_round=rollback restores the
+    step-0 commit: step 1's local moves are gone. keep_local keeps them: the step-2 round's
+    pseudo-gradient carries both steps, as one round of two steps would. The final (outer,
+    step 2) model matches the hand computation of each policy, and the two differ."""
+    faults = [Fault(cluster=0, replica=r, step=1, action="fail", phase="INNER_REDUCE") for r in range(R)]
+    h = ThreadedHier(C, R, H_IN, H_OUT, faults=faults, keep_local=keep_local)
+    final, reps = {}, {}
+
+    def body(rep):
+        reps[rep.key] = rep
+        local_steps(rep, update, 2)
+        final[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    z = torch.zeros(3, dtype=torch.float64)
+    u = lambda c, r, k: update(c, r, k).double()  # noqa: E731
+    theta_c = {}
+    # cluster 0: one inner round at step 2, over one step (rollback) or both (keep_local)
+    kept = range(2) if keep_local else range(1, 2)
+    theta_c[0], _ = nesterov(z, z, -sum(u(0, r, k) for r in range(R) for k in kept) / R)
+    # cluster 1: inner rounds at steps 1 and 2, as in reference()
+    t1, b1 = nesterov(z, z, -sum(u(1, r, 0) for r in range(R)) / R)
+    theta_c[1], _ = nesterov(t1, b1, -sum(u(1, r, 1) for r in range(R)) / R)
+    theta_g, _ = nesterov(z, z, sum(z - theta_c[c] for c in range(C)) / C)
+    for key, got in final.items():
+        torch.testing.assert_close(got.double(), theta_g, rtol=0, atol=1e-5, msg=str(key))
+    for r in range(R):
+        rep = reps[(0, r)]
+        assert [e["step"] for e in rep.kinds("keep_local" if keep_local else "rollback", level="inner")] == [1]
+        assert not rep.kinds("rollback" if keep_local else "keep_local")
+        assert rep.sync.work["steps_discarded"] == (0 if keep_local else 1)
+    assert not any(rep.kinds("rollback") or rep.kinds("keep_local") for key, rep in reps.items() if key[0] == 1)
+
+
 def test_guard_resyncs_a_member_whose_state_diverged_with_equal_steps():
     h = ThreadedHier(C, R, H_IN, H_OUT)
     reps = {}

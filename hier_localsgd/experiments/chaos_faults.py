@@ -31,7 +31,8 @@ launcher's history and the processes' events only:
 * ``lighthouse``: ``back_after_s`` (kill to the supervisor's ``up`` record),
   ``commits_resumed_s`` (from ``up`` to the first commit at that level: an outer commit
   for the global lighthouse, an inner commit in the cluster otherwise),
-  ``replica_restarts`` (replica processes started during the outage; 0 expected),
+  ``replica_restarts`` (replica processes started during the outage, up to 5 s after the
+  lighthouse is back, other than the restarts of the monkey's own kills; 0 expected),
   ``recovered`` = commits resumed and no replica restarted;
 * ``partition``: ``rejoined_after_s`` — from the heal to the first outer commit whose
   participants include every cluster; ``recovered`` = that happened.
@@ -124,6 +125,16 @@ def hang_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], hi
     }
 
 
+def _after_monkey_kill(restart: Dict[str, Any], history: Sequence[Dict[str, Any]]) -> bool:
+    """Whether the exit this restart follows was the monkey's own kill (a kill fault that
+    fell inside a lighthouse outage is not a restart the outage caused)."""
+    exits = [h for h in history if h["event"] == "exit" and h["key"] == restart["key"] and h["t"] <= restart["t"]]
+    if not exits:
+        return False
+    pid = max(exits, key=lambda h: h["t"]).get("pid")
+    return any(h["event"] == "kill" and h["key"] == restart["key"] and h.get("pid") == pid for h in history)
+
+
 def lighthouse_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], history: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     role, t_kill = f["target"], f["t_abs"]
     up = min((h["t"] for h in history if h["event"] == "up" and h["key"] == role and h["t"] > t_kill), default=None)
@@ -133,7 +144,8 @@ def lighthouse_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]
         c = int(role[len("cluster"):])
         commits = [e["t"] for k, evs in events.items() if k[0] == c for e in _after(evs, up or t_kill, "commit") if at_level(e, "inner")]
     resumed = (min(commits) - up) if up is not None and commits else None
-    restarts = [h for h in history if h["event"] == "restart" and not isinstance(h["key"], str) and t_kill < h["t"] <= (up or t_kill) + 5]
+    restarts = [h for h in history if h["event"] == "restart" and not isinstance(h["key"], str) and t_kill < h["t"] <= (up or t_kill) + 5
+                and not _after_monkey_kill(h, history)]
     return {
         "back_after_s": None if up is None else up - t_kill,
         "commits_resumed_s": resumed,

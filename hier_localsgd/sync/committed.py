@@ -47,6 +47,9 @@ class CommittedState:
         self.flat.load_(self._committed)
 
     def _rollback(self, reason: str) -> None:
+        if self._may_keep_local():
+            self._keep_local(reason)
+            return
         self._discard_local_work()
         self.tracker.set_extra(**self.work_counters())
         self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
@@ -56,6 +59,27 @@ class CommittedState:
         self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
         self.events("rollback", level="inner", reason=reason, step=self.counters.step)
         self.tracker.enter(Phase.LOCAL)
+
+    def _may_keep_local(self) -> bool:
+        """sync.failed_round=keep_local, one rank per group, and the committed state
+        (model, levels' backups and momenta, outer snapshot and residual) exactly as it was
+        when the round began: then the live model is this group's own local progress from
+        that state, which no failure touched (updates are staged and applied only on commit)."""
+        start = self._round_start_hash
+        self._round_start_hash = None
+        return start is not None and self.s.group_world_size == 1 and self._inner_hash() == start
+
+    def _keep_local(self, reason: str) -> None:
+        """A failed round that keeps the local steps (sync.failed_round=keep_local): the
+        model and the inner optimizer stay as they are and ``steps_since_commit`` keeps
+        counting, so the next round's pseudo-gradient (backup − live model) carries this
+        round's steps too, as one longer round would. Nothing committed changes; the failure
+        still counts towards max_commit_failures / max_quorum_failures as a rollback does."""
+        self.tracker.set_extra(**self.work_counters())
+        self.events("keep_local", level="inner", reason=reason, step=self.counters.step)
+        logger.info("%s: round failed (%s); keeping %d local steps for the next round", self.id, reason,
+                    self.work["steps_since_commit"])
+        self.tracker.enter(Phase.LOCAL, reason=f"round failed, local steps kept: {reason}")
 
     def _inner_hash(self) -> int:
         return checksum_int(*self._inner_tensors())

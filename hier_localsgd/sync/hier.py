@@ -150,6 +150,9 @@ class HierSettings:
     outer_fragments: Tuple[Ranges, ...] = ()
     # Ask for each inner round's quorum during its last local step (early.py).
     early_quorum: bool = False
+    # A failed inner round keeps the local steps when nothing committed moved
+    # (sync.failed_round=keep_local; committed.py). Needs group_world_size == 1.
+    keep_local: bool = False
 
     @property
     def num_fragments(self) -> int:
@@ -218,6 +221,8 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._early: Optional[EarlyQuorum] = None
         self._defer_heal = False
         self._pending_heal: Optional[Dict[str, object]] = None
+        # keep_local: the committed state's checksum when the round began (committed.py)
+        self._round_start_hash: Optional[int] = None
         # Work accounting: local steps run, and those discarded by a rollback (or
         # contributed with weight 0) — what chaos.py's goodput starts from.
         self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
@@ -377,6 +382,9 @@ class HierarchicalSync(OuterRound, CommittedState):
     def round(self, join: bool = False) -> bool:
         """Runs one sync round; returns whether this replica committed it."""
         tr, c = self.tracker, self.counters
+        # keep_local may keep this round's local steps only if what it committed has not
+        # moved when the round fails (a heal, a resync or an outer commit moves it).
+        self._round_start_hash = self._inner_hash() if self.s.keep_local and not join else None
         tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:

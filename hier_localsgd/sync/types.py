@@ -14,6 +14,7 @@ from hier_localsgd.schema import fail
 from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
 MODES = ("hier", "flat", "ddp")
+FAILED_ROUND = ("rollback", "keep_local")
 
 
 @dataclass
@@ -112,6 +113,11 @@ class SyncConfig:
     # A level whose lighthouse does not answer skips its rounds and trains on; past this
     # many seconds of outage the process gives up (hier mode; core/outage.py).
     outage_limit_s: float = 600.0
+    # What a replica group does when an inner round fails while nothing it committed moved
+    # (a peer died or stalled, a quorum failed): rollback (restore the last commit,
+    # torchft's rule) | keep_local (keep the local steps; the next round's pseudo-gradient
+    # carries them). sync/committed.py, docs/architecture.md "Failure semantics".
+    failed_round: str = "rollback"
 
     def check(self, topology: TopologyConfig) -> None:
         t = topology
@@ -131,3 +137,8 @@ class SyncConfig:
             fail("sync.max_commit_failures", f"{self.max_commit_failures} — must be at least 0")
         if self.outage_limit_s <= 0:
             fail("sync.outage_limit_s", f"{self.outage_limit_s} — must be positive (seconds)")
+        if self.failed_round not in FAILED_ROUND:
+            fail("sync.failed_round", f"unknown policy {self.failed_round!r} (expected one of {FAILED_ROUND})")
+        if self.failed_round == "keep_local" and (self.mode != "hier" or t.ranks_per_replica != 1):
+            fail("sync.failed_round", "keep_local needs sync.mode=hier and topology.ranks_per_replica=1 "
+                 f"(got {self.mode!r}, {t.ranks_per_replica}): flat and ddp roll back as torchft does, and a group of several ranks restores its committed slices together")
