@@ -287,3 +287,44 @@ def test_run_simulate_prints_and_writes_json_and_plot(tmp_path, capsys):
     assert data["summary"]["runs"] == 3 and len(data["sensitivity"]) == 3
     assert data["sensitivity"][0]["goodput"] == pytest.approx(data["summary"]["expected_no_failure_goodput"])
     assert (tmp_path / "simulate.png").stat().st_size > 10_000
+
+
+
+def _out_of_sample():
+    """benchmarks/measured/simulate_validation.json (benchmarks/validate_simulate.py): three
+    chaos runs with kills of every role, replayed in the simulator at the kills' steps with
+    today's code; restart_s fitted on the 2 x 2 run (a calibration, not a validation), the
+    3 x 2 run and the run with twice the kill rate predicted with it."""
+    from pathlib import Path
+
+    from hier_localsgd.tools.simulate.validate import validate
+
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "measured" / "simulate_validation.json"
+    records = json.loads(saved.read_text())["records"]
+    assert {r["label"] for r in records} == {"2x2", "3x2", "2x2_fast_kills"}
+    v = validate(records, "2x2")
+    rows = {r["label"]: r for r in v["rows"]}
+    assert rows["2x2"]["calibration"] and not rows["3x2"]["calibration"] and not rows["2x2_fast_kills"]["calibration"]
+    # every predicted run had several kills that discarded work, or the checks would be vacuous
+    assert all(rows[k]["kills"] >= 5 and rows[k]["steps_discarded"]["measured"] > 50 for k in ("3x2", "2x2_fast_kills"))
+    return v
+
+
+def test_simulator_predicts_steps_run_out_of_sample_within_15_percent():
+    """Steps run (every local step any process took), out of sample: +4.2 % and −5.5 %. For
+    scale, the failure-free count C·R·steps is off by +13 % and +22 % on these runs (the
+    time processes were down); the steps discarded are the harder figure (next test)."""
+    from hier_localsgd.tools.simulate.validate import worst_out_of_sample
+
+    worst = worst_out_of_sample(_out_of_sample())
+    assert worst["steps_run"] is not None and worst["steps_run"] <= 0.15
+
+
+@pytest.mark.xfail(strict=True, reason="known gap, measured: the replay under-predicts the steps discarded by "
+                   "34 % (3 x 2) and 46 % (twice the kill rate), and by 58 % on the calibration run itself "
+                   "(docs/planner.md, 'Validation out of sample'); strict: passing means the docs must change")
+def test_simulator_predicts_steps_discarded_out_of_sample_within_15_percent():
+    from hier_localsgd.tools.simulate.validate import worst_out_of_sample
+
+    worst = worst_out_of_sample(_out_of_sample())
+    assert worst["steps_discarded"] is not None and worst["steps_discarded"] <= 0.15
