@@ -188,6 +188,15 @@ def test_timeline_merges_commits_and_shows_quorum_changes_kills_and_heals(tmp_pa
     assert [e["kind"] for e in read_state(tmp_path, now=NOW, timeline_limit=2)["timeline"]] == ["commit", "rollback"]
 
 
+def test_a_round_that_kept_its_local_steps_is_on_the_timeline(tmp_path):
+    ev: Dict[tuple, List[Dict[str, Any]]] = {(0, 0): [commit(NOW - 10, "inner", 1)], (0, 1): []}
+    ev[(0, 0)].append({"t": NOW - 5, "kind": "keep_local", "level": "inner", "reason": "inner commit vote failed", "step": 10})
+    s = read_state(write_run(tmp_path, {(0, 0): status(0, 0), (0, 1): status(0, 1)}, ev, [], []), now=NOW)
+    (kept,) = [e for e in s["timeline"] if e["kind"] == "keep_local"]
+    assert kept["severity"] == "warn"
+    assert kept["text"] == "c0r0 kept its local steps after a failed round (inner) at step 10: inner commit vote failed"
+
+
 def test_an_event_splits_only_the_commit_runs_it_concerns(tmp_path):
     ev = {(1, 0): [commit(NOW - 10 + i, "inner", i) for i in range(1, 7)], (0, 0): [commit(NOW - 10 + i, "outer", i) for i in range(1, 7)]}
     dash_ev = [{"t": NOW - 6.5, "kind": "kill", "cluster": 0, "replica": 1, "ok": True, "lighthouse": lh(0)}]

@@ -31,6 +31,7 @@ SEVERITY = {
     "restart": "good",
     "leader": "warn",
     "resync": "warn",
+    "keep_local": "warn",
     "quorum": "warn",
     "rollback": "bad",
     "timeout": "bad",

@@ -27,6 +27,8 @@ def _replica_entry(key: Key, e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         text = f"{who} {level} resync from rank {e.get('source')}{at}" + (" (diverged)" if e.get("diverged") else "")
     elif kind == "rollback":
         text = f"{who} rolled back ({level}){at}: {e.get('reason', '')}"
+    elif kind == "keep_local":
+        text = f"{who} kept its local steps after a failed round ({level}){at}: {e.get('reason', '')}"
     elif kind in ("timeout", "quorum_failed"):
         text = f"{who} {level} {e.get('op', '')} {'timed out' if kind == 'timeout' else 'failed'} in {e.get('phase')}: {e.get('detail', '')}"
     elif kind == "fault":
