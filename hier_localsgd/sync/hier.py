@@ -51,8 +51,9 @@ Failure semantics. Once a quorum has formed every member runs every collective o
 the round, in order, even after an error (errors only decide the commit vote), so
 a failure costs one round, not a timeout. A quorum that does not form rolls back at
 once. A replica whose commit failed restores its last commit: model, inner
-optimizer, the levels' backups and momenta (staged updates are simply dropped).
-An outer commit is final: a leader whose outer commit succeeded adopts the new
+optimizer, the levels' backups and momenta (staged updates are simply dropped) —
+or, with ``sync.failed_round=keep_local``, keeps its local steps for the next round
+when nothing it committed moved (committed.py). An outer commit is final: a leader whose outer commit succeeded adopts the new
 global model even if its cluster's inner commit then fails; the guard or torchft's
 healing brings the cluster along next round. ``max_quorum_failures`` consecutive
 quorum failures of one level end the process (:class:`FatalSyncError`), as does any
