@@ -5,7 +5,7 @@
 
 ``--measure`` runs the chaos runs of :data:`RUNS` (a run whose report is already in OUT_DIR is reused) (kills only, each with its failure-free
 baseline; about 3 minutes each on 2 cores), trims each report into the record
-hier_localsgd/tools/simulate/validate.py replays, and (``--save``) writes them with the
+hier_localsgd/experiments/simulate_validation.py replays, and (``--save``) writes them with the
 result as JSON (benchmarks/measured/simulate_validation.json is the suite's copy). Without
 ``--measure`` it replays FILE (default: that copy) with today's simulator. The run
 labelled :data:`CALIBRATE` fits ``restart_s``; the others are predictions. Exit 0, or 2
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hier_localsgd.tools.simulate.validate import baseline_step_s, record, table, validate, worst_out_of_sample
+from hier_localsgd.experiments.simulate_validation import baseline_step_s, record, table, validate, worst_out_of_sample
 
 SAVED = Path(__file__).resolve().parent / "measured" / "simulate_validation.json"
 

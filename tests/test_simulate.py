@@ -297,7 +297,7 @@ def _out_of_sample():
     3 x 2 run and the run with twice the kill rate predicted with it."""
     from pathlib import Path
 
-    from hier_localsgd.tools.simulate.validate import validate
+    from hier_localsgd.experiments.simulate_validation import validate
 
     saved = Path(__file__).resolve().parents[1] / "benchmarks" / "measured" / "simulate_validation.json"
     records = json.loads(saved.read_text())["records"]
@@ -314,7 +314,7 @@ def test_simulator_predicts_steps_run_out_of_sample_within_15_percent():
     """Steps run (every local step any process took), out of sample: +4.2 % and −5.5 %. For
     scale, the failure-free count C·R·steps is off by +13 % and +22 % on these runs (the
     time processes were down); the steps discarded are the harder figure (next test)."""
-    from hier_localsgd.tools.simulate.validate import worst_out_of_sample
+    from hier_localsgd.experiments.simulate_validation import worst_out_of_sample
 
     worst = worst_out_of_sample(_out_of_sample())
     assert worst["steps_run"] is not None and worst["steps_run"] <= 0.15
@@ -324,7 +324,7 @@ def test_simulator_predicts_steps_run_out_of_sample_within_15_percent():
                    "34 % (3 x 2) and 46 % (twice the kill rate), and by 58 % on the calibration run itself "
                    "(docs/planner.md, 'Validation out of sample'); strict: passing means the docs must change")
 def test_simulator_predicts_steps_discarded_out_of_sample_within_15_percent():
-    from hier_localsgd.tools.simulate.validate import worst_out_of_sample
+    from hier_localsgd.experiments.simulate_validation import worst_out_of_sample
 
     worst = worst_out_of_sample(_out_of_sample())
     assert worst["steps_discarded"] is not None and worst["steps_discarded"] <= 0.15
