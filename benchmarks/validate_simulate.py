@@ -3,8 +3,9 @@
     python benchmarks/validate_simulate.py --measure OUT_DIR [--save FILE]   # run the chaos runs, then validate
     python benchmarks/validate_simulate.py [FILE]                            # validate a saved measurement
 
-``--measure`` runs the chaos runs of :data:`RUNS` (a run whose report is already in OUT_DIR is reused) (kills only, each with its failure-free
-baseline; about 3 minutes each on 2 cores), trims each report into the record
+``--measure`` runs the chaos runs of :data:`RUNS` (kills only, each with its failure-free
+baseline; about 3 minutes each on 2 cores; a run whose report is already in OUT_DIR is
+reused), trims each report into the record
 hier_localsgd/experiments/simulate_validation.py replays, and (``--save``) writes them with the
 result as JSON (benchmarks/measured/simulate_validation.json is the suite's copy). Without
 ``--measure`` it replays FILE (default: that copy) with today's simulator. The run

@@ -53,9 +53,10 @@ a failure costs one round, not a timeout. A quorum that does not form rolls back
 once. A replica whose commit failed restores its last commit: model, inner
 optimizer, the levels' backups and momenta (staged updates are simply dropped) —
 or, with ``sync.failed_round=keep_local``, keeps its local steps for the next round
-when nothing it committed moved (committed.py). An outer commit is final: a leader whose outer commit succeeded adopts the new
-global model even if its cluster's inner commit then fails; the guard or torchft's
-healing brings the cluster along next round. ``max_quorum_failures`` consecutive
+when nothing it committed moved (committed.py). An outer commit is final: a leader
+whose outer commit succeeded adopts the new global model even if its cluster's
+inner commit then fails; the guard or torchft's healing brings the cluster along
+next round. ``max_quorum_failures`` consecutive
 quorum failures of one level end the process (:class:`FatalSyncError`), as does any
 invariant violation inside a process. A quorum whose outer group would break I1 (two
 members of one cluster: for a moment while leadership moves) is refused before any
