@@ -5,6 +5,8 @@ a request its replica had given up is dropped within the presence timeout and fo
 again with the replica's live request (presence.py)."""
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -15,6 +17,7 @@ from torchft.coordination import LighthouseServer
 
 from hier_localsgd.core.link import LinkProcessGroup
 from hier_localsgd.core.managers import LevelManager, QuorumFailed
+from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, lighthouse_answers
 from hier_localsgd.core.presence import PresenceCheck, QuorumAbsent
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -32,13 +35,14 @@ def lighthouse(port: int) -> LighthouseServer:
                             heartbeat_timeout_ms=1000)
 
 
-def level_manager(addr: str, rid: str, presence_s: float = 0.0) -> LevelManager:
+def level_manager(addr: str, rid: str, presence_s: float = 0.0, heartbeat_s: float = 0.1) -> LevelManager:
     t = Timeouts(connect=timedelta(seconds=5), inner_quorum=timedelta(seconds=15),
                  inner_reduce=timedelta(seconds=OP_S), inner_commit=timedelta(seconds=OP_S))
     pg = LinkProcessGroup("inner", timedelta(seconds=OP_S))
     return LevelManager("inner", rid, addr, "lighthouse.cluster_addrs[0]", pg, state_dict=lambda: {},
                         load_state_dict=lambda sd: None, min_replicas=1, timeouts=t, hostname="127.0.0.1",
-                        presence_timeout=timedelta(seconds=presence_s) if presence_s else None)
+                        presence_timeout=timedelta(seconds=presence_s) if presence_s else None,
+                        heartbeat_interval=timedelta(seconds=heartbeat_s))
 
 
 def allreduce_sum(m: LevelManager, value: float) -> float:
@@ -157,6 +161,68 @@ def test_a_quorum_formed_with_a_given_up_request_is_dropped_and_formed_again_wit
         for m in (a, b):
             m.shutdown()
         lh.shutdown()
+
+
+def test_after_its_lighthouse_restarts_a_member_does_not_take_rank_0_from_one_not_heard_yet():
+    """The split quorum after a lighthouse's restart (managers.LevelManager._rejoin).
+
+    a and b held a quorum of two (a is rank 0: its cluster's leader); the lighthouse dies,
+    both see the outage, it comes back on its address. b asks first, while the fresh
+    lighthouse has heard only b: a's own heartbeat comes once a minute here (torchft's
+    reconnects with a backoff of up to 10 s), so without the rejoin step the lighthouse
+    formed a quorum of b alone at once, with b as rank 0. With it, b waits until a is
+    heard, and a's request (a heartbeats first) makes the quorum of both, a still rank 0."""
+    port = free_port()
+    hb = timedelta(seconds=5)
+    addr = f"http://127.0.0.1:{port}"
+
+    def start():
+        """A lighthouse in a process of its own, so that killing it closes its connections
+        (an in-process LighthouseServer's shutdown() keeps serving connected clients).
+        A heartbeat timeout of 5 s: b's wait may last 2 x 5 s, far longer than the test needs."""
+        code = ("import time; from torchft.coordination import LighthouseServer; "
+                f"s = LighthouseServer(bind='127.0.0.1:{port}', min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20, "
+                f"heartbeat_timeout_ms={int(hb.total_seconds() * 1000)}); time.sleep(600)")
+        proc = subprocess.Popen([sys.executable, "-c", code])
+        deadline = time.monotonic() + 60
+        while not lighthouse_answers(addr, timedelta(seconds=0.5)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
+            time.sleep(0.05)
+        return proc
+
+    lh = start()
+    a, b = level_manager(addr, "a_r0000", heartbeat_s=60), level_manager(addr, "b_r0001", heartbeat_s=60)
+    health = {m: LighthouseHealth("inner", "lighthouse.cluster_addrs[0]", addr, timedelta(seconds=0.2), hb,
+                                  timedelta(seconds=600)) for m in ("a", "b")}
+    q = timedelta(seconds=30)
+    try:
+        views = in_threads(("a", lambda: a.start_quorum(q, health["a"], hb)), ("b", lambda: b.start_quorum(q, health["b"], hb)))
+        assert (views["a"].rank, views["b"].rank, views["a"].size) == (0, 1, 2), views
+        lh.kill()
+        lh.wait()
+        for name, m in (("a", a), ("b", b)):  # each sees the outage the way a round does
+            try:
+                m.start_quorum(q, health[name], hb)
+                raise AssertionError(f"{name} formed a quorum without a lighthouse")
+            except LighthouseOutage:
+                pass
+            assert health[name].down
+        lh = start()
+        time.sleep(0.3)  # past the first probe backoff (0.2 s): the next request probes
+
+        def a_later():
+            time.sleep(1.0)  # b asks first; without the rejoin step it had its quorum of one by now
+            return a.start_quorum(q, health["a"], hb)
+
+        views = in_threads(("b", lambda: b.start_quorum(q, health["b"], hb)), ("a", a_later))
+        assert not isinstance(views["a"], Exception) and not isinstance(views["b"], Exception), views
+        assert (views["a"].rank, views["b"].rank, views["a"].size, views["b"].size) == (0, 1, 2, 2), views
+        assert not health["a"].down and not health["b"].down
+    finally:
+        for m in (a, b):
+            m.shutdown()
+        lh.kill()
+        lh.wait()
 
 
 class FakeQuorum:

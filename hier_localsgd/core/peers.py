@@ -120,3 +120,39 @@ class QuorumWatch:
             if age is not None and age > limit:
                 return f"member {member} stopped heartbeating"
         return None
+
+
+def await_heartbeats(
+    addr: str,
+    replica_ids: List[str],
+    heartbeat_timeout: timedelta,
+    bound: timedelta,
+    poll: timedelta = timedelta(milliseconds=100),
+    fetch: Optional[Callable[[str, timedelta], Optional[str]]] = None,
+    beat: Optional[Callable[[], None]] = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> List[str]:
+    """Waits until the lighthouse's status page shows a heartbeat younger than
+    ``heartbeat_timeout`` from each of ``replica_ids``, for at most ``bound``;
+    ``beat`` (the caller's own heartbeat) is called before each read of the page, so
+    the caller stays heard while it waits.
+
+    Returns the ids still not heard when it gave up (``[]``: all heard). A page that
+    cannot be read counts as nobody heard; it never raises (nor may ``beat``)."""
+    fetch = fetch or fetch_status
+    end = clock() + bound.total_seconds()
+    limit = heartbeat_timeout.total_seconds()
+    missing = list(replica_ids)
+    while True:
+        if beat is not None:
+            beat()
+        if not missing:
+            break
+        html = fetch(addr, max(poll, timedelta(milliseconds=500)))
+        if html is not None:
+            ages = parse_status(html).heartbeat_age_s
+            missing = [r for r in replica_ids if ages.get(r, float("inf")) >= limit]
+        if not missing or clock() >= end:
+            break
+        time.sleep(min(poll.total_seconds(), max(0.0, end - clock())))
+    return missing
