@@ -475,3 +475,29 @@ def test_a_schedule_on_training_progress_fires_at_steps_not_seconds(tmp_path):
         job.step = step
         monkey()
     assert fired == [40, 80, 120]  # one per 40 steps of the furthest group, whatever the clock did
+
+
+def test_wall_clock_faults_start_one_interval_apart_but_not_right_after_one_ended(tmp_path):
+    """chaos.kill_every_s is the rate, start to start: a fault that ends before the next
+    is due does not push it back; one that ends later holds the next for one heartbeat
+    timeout after its end (time for the cut or stopped group to rejoin)."""
+    from hier_localsgd.config import load_config
+    from hier_localsgd.experiments.chaos import ChaosMonkey
+
+    cfg = load_config([f"run.dir={tmp_path}", "chaos.kinds=[hang]", "lighthouse.heartbeat_timeout_ms=5000"], validate_for="chaos")
+
+    class Job:
+        run_dir, history, replicas, netns = tmp_path, [], {}, None
+
+        def keys(self):
+            return [(0, 0)]
+
+        def status(self, key):
+            return None
+
+    monkey = ChaosMonkey(Job(), cfg)  # type: ignore[arg-type]
+    monkey.next_kill = 130.0  # set when the fault started at 100 (an interval of 30 s)
+    monkey.after_end(110.0)  # a 10 s hang ended: the next fault stays at 130
+    assert monkey.next_kill == 130.0
+    monkey.after_end(128.0)  # one that ended at 128: not before 128 + 5
+    assert monkey.next_kill == 133.0
