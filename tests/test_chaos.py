@@ -501,3 +501,18 @@ def test_wall_clock_faults_start_one_interval_apart_but_not_right_after_one_ende
     assert monkey.next_kill == 130.0
     monkey.after_end(128.0)  # one that ended at 128: not before 128 + 5
     assert monkey.next_kill == 133.0
+
+
+def test_discarded_steps_are_broken_down_by_the_reason_the_processes_gave():
+    from hier_localsgd.experiments.chaos_evidence import discarded_by
+
+    events = {
+        (0, 0): [{"kind": "discard", "level": "inner", "reason": "rollback", "steps": 5},
+                 {"kind": "commit", "level": "inner"},
+                 {"kind": "discard", "level": "inner", "reason": "heal", "steps": 3}],
+        (0, 1): [{"kind": "discard", "level": "inner", "reason": "rollback", "steps": 4},
+                 {"kind": "discard", "level": "outer", "reason": "cluster_weight0", "steps": 20}],
+    }
+    assert discarded_by(events) == {"outer:cluster_weight0": 20, "inner:rollback": 9, "inner:heal": 3}
+    assert list(discarded_by(events)) == ["outer:cluster_weight0", "inner:rollback", "inner:heal"]
+    assert discarded_by({(0, 0): [{"kind": "commit"}]}) == {}

@@ -212,6 +212,8 @@ def test_a_round_a_dead_peer_fails_keeps_the_survivors_steps_with_keep_local(tmp
         assert [e["step"] for e in run.kinds((0, 0), "rollback", level="inner")] == [5], run.events[(0, 0)]
         assert not run.kinds((0, 0), "keep_local")
         assert work["steps_discarded"] == 5, work
+        # the event that says why (the chaos report's discarded_by)
+        assert [(e["reason"], e["steps"]) for e in run.kinds((0, 0), "discard")] == [("rollback", 5)], run.events[(0, 0)]
     # the next commit is the step-10 round (the survivor alone, or with c0r1 back)
     assert any(e["step"] == 10 for e in run.kinds((0, 0), "commit", level="inner"))
     assert run.summary["consistent"] is True

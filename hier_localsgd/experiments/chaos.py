@@ -390,6 +390,7 @@ def human(report: Dict[str, Any]) -> str:
         f"  time to heal per restart (s): {[f(x) for x in report['time_to_heal_s']]}",
         f"  steps run {report['steps_run']}, kept {report['steps_kept']}; lost: "
         + ", ".join(f"{k} {v}" for k, v in lost.items()),
+        "  discarded by the processes, by reason: " + (", ".join(f"{k} {v}" for k, v in report.get("discarded_by", {}).items()) or "none"),
         f"  goodput (tokens in the final model / tokens computed) {f(report['goodput'], 3)}; "
         f"processes' own count {f(report['process_efficiency'], 3)}",
         f"  throughput retained (failure-free wall / chaos wall, {report['steps_target']} steps) {f(report['throughput_retained'], 3)}",

@@ -50,7 +50,8 @@ from its own heal on: its model descends without a break from the job's start.
   is in the final model: work since the last outer commit at the end of the run counts
   as kept only if the run ended consistent (one final model), else it is
   ``unmerged_at_end``. Lost, in ``steps_lost``: ``rolled_back_or_weight0`` (the processes'
-  own counters), ``uncommitted_at_death`` (a dead incarnation's steps since its last inner
+  own counters; ``discarded_by`` splits them by the reason in the processes' ``discard``
+  events), ``uncommitted_at_death`` (a dead incarnation's steps since its last inner
   commit), ``with_lost_cluster`` (a dead incarnation's inner-committed steps when its
   cluster was lost before the next outer commit: a whole-cluster kill loses them, a
   leader-only or non-leader kill does not, since the cluster's survivors carry them),
@@ -402,6 +403,19 @@ def account_work(
     }
 
 
+def discarded_by(events: Dict[Key, List[Dict[str, Any]]]) -> Dict[str, int]:
+    """Steps the processes discarded, by level and reason (their ``discard`` events:
+    sync/committed.py), e.g. ``inner:rollback``, ``inner:heal``, ``inner:resync``,
+    ``outer:cluster_weight0``."""
+    out: Dict[str, int] = {}
+    for evs in events.values():
+        for e in evs:
+            if e["kind"] == "discard":
+                k = f"{e.get('level')}:{e.get('reason')}"
+                out[k] = out.get(k, 0) + int(e.get("steps") or 0)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def hangs_of(tl: Timeline, t0: float) -> Dict[str, List[Dict[str, Any]]]:
     """Timeouts and watchdog exits, from what the processes wrote and the launcher recorded."""
     timeouts, watchdog = [], []
@@ -459,5 +473,6 @@ def evidence(
         "state_lost": [{"t": o.t - t0, "targets": [name(k) for k in o.keys], "cause": o.cause} for o in tl.state_lost()],
     }
     out.update(account_work(tl, results, consistent, final_status, work_at_kill, tokens_per_step))
+    out["discarded_by"] = discarded_by(events)
     out["hangs_detail"] = hangs_of(tl, t0)
     return out

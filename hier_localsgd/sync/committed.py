@@ -23,9 +23,15 @@ logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the
 class CommittedState:
     """The committed-state methods; state lives on :class:`HierarchicalSync`."""
 
-    def _discard_local_work(self) -> None:
-        self.work["steps_discarded"] += self.work["steps_since_commit"]
+    def _discard_local_work(self, why: str) -> None:
+        """Counts the local steps since the last commit as discarded; a ``discard`` event
+        says why (the chaos report's breakdown of lost work: ``rollback``, or a weight-0
+        commit after a ``join``, a ``heal``, an ``errored`` Manager or a guard ``resync``)."""
+        n = self.work["steps_since_commit"]
+        self.work["steps_discarded"] += n
         self.work["steps_since_commit"] = 0
+        if n:
+            self.events("discard", level="inner", reason=why, steps=n, step=self.counters.step)
 
     def _publish_committed(self) -> None:
         """The full committed model from every rank's committed slice; the model becomes it.
@@ -50,7 +56,7 @@ class CommittedState:
         if self._may_keep_local():
             self._keep_local(reason)
             return
-        self._discard_local_work()
+        self._discard_local_work("rollback")
         self.tracker.set_extra(**self.work_counters())
         self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
         # the committed slice may have moved this round (resync, or a final outer commit)

@@ -218,6 +218,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._last_quorum_size = 0
         self._last_rank = 0
         self._last_healed = False
+        self._weight0_why = ""
         self._outer_epoch = 0
         # The early inner quorum (early.py) and the heal it received, applied at the sync point.
         self._early: Optional[EarlyQuorum] = None
@@ -412,7 +413,9 @@ class HierarchicalSync(OuterRound, CommittedState):
 
         tr.enter(Phase.INNER_REDUCE)
         self._fault_point(Phase.INNER_REDUCE)
-        weight = 0.0 if (join or q.healed or self.inner_mgr.errored() is not None) else 1.0
+        # Why this member's steps would carry weight 0 ("" = they count, unless the guard resyncs it).
+        self._weight0_why = "join" if join else "heal" if q.healed else "errored" if self.inner_mgr.errored() is not None else ""
+        weight = 0.0 if self._weight0_why else 1.0
         plan = self._consistency(
             self.inner_comm, q, "inner",
             guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
@@ -585,7 +588,7 @@ class HierarchicalSync(OuterRound, CommittedState):
 
         self.inner.commit(staged)
         if plan.weights and plan.weights[min(self._last_rank, len(plan.weights) - 1)] == 0:
-            self._discard_local_work()  # committed, but our steps carried weight 0
+            self._discard_local_work(self._weight0_why or ("resync" if plan.source is not None else "guard_failed"))  # committed, but our steps carried weight 0
         self._since_outer += self.work["steps_since_commit"]
         self.work["steps_since_commit"] = 0
         adopted = result is not None and result.status != Status.ABORT and result.params is not None
@@ -597,6 +600,8 @@ class HierarchicalSync(OuterRound, CommittedState):
                 # The global model moved without this cluster's work (it had just
                 # healed to a newer one): the work it carried is lost.
                 self.work["steps_discarded"] += carried
+                if carried:
+                    self.events("discard", level="outer", reason="cluster_weight0", steps=carried, step=c.step)
             self._since_outer -= carried
         self.tracker.set_extra(**self.work_counters())
         if adopted:
