@@ -361,9 +361,10 @@ def test_short_chaos_run_recovers_every_kill_and_reports(tmp_path):
     assert all(t is not None and t <= HB_S + PHASE_S for t in r["time_to_next_commit_s"]), r["time_to_next_commit_s"]
     lost = r["steps_lost"]
     assert r["steps_kept"] + sum(lost.values()) == r["steps_run"] and r["steps_discarded"] == sum(lost.values())
-    # a restarted cluster retrains from step 0 until its first outer round and loses that at weight 0
-    assert lost["rolled_back_or_weight0"] > 0, lost
-    assert 0 < r["goodput"] <= r["process_efficiency"] < 1.0
+    # the processes' discard events say why for every step their counters discarded (an
+    # event is written with each count; a killed process's last status may lag its events)
+    assert sum(r["discarded_by"].values()) >= lost["rolled_back_or_weight0"], (r["discarded_by"], lost)
+    assert 0 < r["goodput"] <= r["process_efficiency"] <= 1.0
     assert r["goodput"] == pytest.approx(r["steps_kept"] / r["steps_run"])
     assert r["tokens_per_step"] == 16 * 64 and r["tokens_kept"] == r["steps_kept"] * 16 * 64  # batch x seq_len
     assert r["throughput_retained"] == pytest.approx(r["baseline"]["wall_s"] / r["wall_s"])

@@ -148,6 +148,12 @@ def test_whole_cluster_lost_others_carry_on_and_it_heals_on_return(tmp_path):
     restarted = max(h["t"] for h in run.job.history if h["event"] == "restart")
     heals = [e for e in run.kinds((1, 0), "heal", level="outer") if e["t"] > restarted]
     assert heals, logs_tail(run)
+    # ... in its last join round, before its first step (sync/outer_round._outer_join_wanted):
+    # it trained on from cluster 0's step instead of from 0, and lost no steps at weight 0.
+    for k in [(1, 0), (1, 1)]:
+        steps = [e["step"] for e in run.kinds(k, "loss") if e["t"] > restarted]
+        assert steps and min(steps) > 12, (k, steps[:5])
+        assert not [e for e in run.kinds(k, "discard") if e["t"] > restarted], run.kinds(k, "discard")
     # ... and both clusters ended identical.
     assert run.summary["consistent"] is True
     print(f"cluster kill: cluster 0's next outer commit {dt:.2f}s after the kill; cluster 1 healed {heals[0]['t'] - restarted:.2f}s after its restart")
@@ -216,4 +222,11 @@ def test_a_round_a_dead_peer_fails_keeps_the_survivors_steps_with_keep_local(tmp
         assert [(e["reason"], e["steps"]) for e in run.kinds((0, 0), "discard")] == [("rollback", 5)], run.events[(0, 0)]
     # the next commit is the step-10 round (the survivor alone, or with c0r1 back)
     assert any(e["step"] == 10 for e in run.kinds((0, 0), "commit", level="inner"))
-    assert run.summary["consistent"] is True
+    if run.job.result((0, 1)) is None:
+        # On a loaded machine the restarted c0r1 was up only after the others had finished
+        # (seen on CI: 8 s of start-up for a 7 s job): it says so and exits 0 (test_outages.py).
+        log = (run.job.run_dir / "logs" / "c0r1.log").read_text()
+        assert "the job has finished without this replica group" in log, log[-2000:]
+        assert len({run.job.result(k)["checksum"] for k in ALL if k != (0, 1)}) == 1
+    else:
+        assert run.summary["consistent"] is True

@@ -54,6 +54,7 @@ def test_status_page_and_a_member_whose_heartbeat_stops(lighthouse):
         view = parse_status(fetch_status(lighthouse.address(), timedelta(seconds=2)))
         assert view.quorum_id == a._quorum_id
         assert sorted(view.members) == sorted([full_id(a), full_id(b)])
+        assert view.max_step == 0  # the step the members announced (no commit yet)
         assert all(view.heartbeat_age_s[m] < HB_MS / 1000 for m in view.members)
         watch = QuorumWatch(lighthouse.address(), timedelta(milliseconds=HB_MS), poll=timedelta(milliseconds=50))
         assert watch.lapsed(a._quorum_id, full_id(a)) is None  # both heartbeating

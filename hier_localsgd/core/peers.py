@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 _QUORUM_ID = re.compile(r"Previous quorum id:\s*(\d+)")
+_STEP = re.compile(r"Step:\s*(\d+)")
 _MEMBER = re.compile(r"<b>([^<]+)</b>")
 _SEEN = re.compile(r"([^\s<>]+): seen ([0-9.]+)(ns|µs|us|ms|s) ago")
 _UNITS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -46,6 +47,7 @@ class LighthouseView:
     quorum_id: Optional[int]  # the last quorum the lighthouse formed
     members: List[str]  # its members' full replica ids
     heartbeat_age_s: Dict[str, float]  # replica id -> seconds since its last heartbeat
+    max_step: Optional[int] = None  # the highest step a member of the last quorum announced
 
 
 def parse_status(html: str) -> LighthouseView:
@@ -57,6 +59,7 @@ def parse_status(html: str) -> LighthouseView:
         quorum_id=int(m.group(1)) if m else None,
         members=[x.strip() for x in _MEMBER.findall(section)],
         heartbeat_age_s={rid: float(v) * _UNITS[u] for rid, v, u in _SEEN.findall(beats)},
+        max_step=max((int(x) for x in _STEP.findall(section)), default=None),
     )
 
 

@@ -428,14 +428,15 @@ class HierarchicalSync(OuterRound, CommittedState):
         # no-op at both levels; stepping the outer optimizer on a zero pseudo-gradient
         # would still move the model by its momentum. Every member knows the total.
         outer_now = self.is_outer_round() and plan.total_weight > 0
+        outer_join = not outer_now and self._outer_join_wanted(join, q, plan)  # a cluster restarted whole
         final = self.s.final_step > 0 and c.step >= self.s.final_step
-        if outer_now and (not self._overlap or final):
+        if outer_join or (outer_now and (not self._overlap or final)):
             if self._leader:
                 self._drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
                 inner_ok = self.inner_mgr.errored() is None
                 # The cluster model carries the whole cluster's work since the last outer
-                # commit, so it contributes whenever its inner round is valid.
-                result = self._outer_round(staged.backup, contribute=inner_ok, inner_ok=inner_ok)
+                # commit, so it contributes whenever its inner round is valid (a join: nothing).
+                result = self._outer_round(staged.backup, contribute=inner_ok and not outer_join, inner_ok=inner_ok)
             tr.enter(Phase.BROADCAST, leader=self._leader)
             self._fault_point(Phase.BROADCAST)
             result = self._broadcast(result, prior=staged.backup)

@@ -26,7 +26,7 @@ from hier_localsgd.core.level import Level
 from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
 from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseOutage
-from hier_localsgd.core.peers import QuorumWatch
+from hier_localsgd.core.peers import QuorumWatch, fetch_status, parse_status
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status
 from hier_localsgd.sync.compression import OuterCompression
@@ -241,6 +241,39 @@ class OuterRound:
         else:
             buf = torch.empty_like(self.comp.residual)
         return buf if self.inner_comm.broadcast(buf, 0, CONTROL) else None
+
+    def _outer_join_wanted(self, join: bool, q: QuorumView, plan: guard.GuardPlan) -> bool:
+        """Whether this join round also takes the global model: a cluster restarted whole.
+
+        A cluster whose every group restarted has no peer to heal from inside, so it used to
+        train from step 0 until its first outer round, heal there from the other clusters and
+        count all those steps at weight 0 (in a 12-minute chaos run, 56 % of the lost work).
+        Instead its last join round (the whole cluster in the quorum, all at step 0, nobody
+        contributing) becomes an outer round of weight 0 in which the leader heals from the
+        global level, and BROADCAST hands the global model to the cluster before its first step.
+
+        Only when the job has moved on: the leader reads the global lighthouse's status page
+        (its last quorum announced a step > 0), so a fresh job starts as before. Every member
+        evaluates the same condition after the consistency guard (same counters, same
+        quorum); the leader's answer reaches them in one small all-reduce, so all of them
+        take the BROADCAST phase or none does. Blocking rounds and one rank per group only
+        (the ranks of a group could read the page differently). If the outer quorum does
+        not form within its phase, the round stays inner-only and the cluster trains from
+        step 0 as before.
+        """
+        c = self.counters
+        if not (join and not self._overlap and self.s.group_world_size == 1 and q.size >= self.s.replicas_per_cluster
+                and c.step == 0 and c.outer_round == 0 and plan.total_weight == 0):
+            return False
+        ask = 0.0
+        if self._leader:
+            html = fetch_status(self.s.global_lighthouse, self.s.quorum_slice)
+            step = parse_status(html).max_step if html is not None else None
+            ask = 1.0 if step is not None and step > 0 else 0.0
+        v = torch.tensor([ask], dtype=torch.float32)
+        if not self.inner_comm.allreduce_sum(v, CONTROL):
+            return False  # the round is lost anyway (its commit fails): no outer join
+        return float(v[0]) > 0
 
     def _outer_without_cluster(self) -> None:
         """The leader's outer round while its cluster lighthouse is out (one rank per group).
