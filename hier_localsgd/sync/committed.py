@@ -28,10 +28,14 @@ class CommittedState:
         says why (the chaos report's breakdown of lost work: ``rollback``, or a weight-0
         commit after a ``join``, a ``heal``, an ``errored`` Manager or a guard ``resync``)."""
         n = self.work["steps_since_commit"]
-        self.work["steps_discarded"] += n
         self.work["steps_since_commit"] = 0
+        self._count_discarded(n, "inner", why)
+
+    def _count_discarded(self, n: int, level: str, why: str) -> None:
+        """``n`` steps lost at ``level``: the work counter and the ``discard`` event saying why."""
+        self.work["steps_discarded"] += n
         if n:
-            self.events("discard", level="inner", reason=why, steps=n, step=self.counters.step)
+            self.events("discard", level=level, reason=why, steps=n, step=self.counters.step)
 
     def _publish_committed(self) -> None:
         """The full committed model from every rank's committed slice; the model becomes it.

@@ -589,7 +589,8 @@ class HierarchicalSync(OuterRound, CommittedState):
 
         self.inner.commit(staged)
         if plan.weights and plan.weights[min(self._last_rank, len(plan.weights) - 1)] == 0:
-            self._discard_local_work(self._weight0_why or ("resync" if plan.source is not None else "guard_failed"))  # committed, but our steps carried weight 0
+            # committed, but our steps carried weight 0
+            self._discard_local_work(self._weight0_why or ("resync" if plan.source is not None else "guard_failed"))
         self._since_outer += self.work["steps_since_commit"]
         self.work["steps_since_commit"] = 0
         adopted = result is not None and result.status != Status.ABORT and result.params is not None
@@ -600,9 +601,7 @@ class HierarchicalSync(OuterRound, CommittedState):
             if result.cluster_weight == 0:
                 # The global model moved without this cluster's work (it had just
                 # healed to a newer one): the work it carried is lost.
-                self.work["steps_discarded"] += carried
-                if carried:
-                    self.events("discard", level="outer", reason="cluster_weight0", steps=carried, step=c.step)
+                self._count_discarded(carried, "outer", "cluster_weight0")
             self._since_outer -= carried
         self.tracker.set_extra(**self.work_counters())
         if adopted:
