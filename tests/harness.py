@@ -77,12 +77,15 @@ class ThreadedHier:
         outer_fragments: tuple = (),
         early_quorum: bool = False,
         keep_local: bool = False,
+        outer_max_staleness: int = 0,
+        join_timeout_ms: int = 20000,
     ) -> None:
         self.outer_fragments, self.early_quorum, self.keep_local = outer_fragments, early_quorum, keep_local
+        self.outer_max_staleness = outer_max_staleness
         self.C, self.R = clusters, replicas
         self.outer_compression, self.compression_block = outer_compression, compression_block
         self.outer_delay, self.final_step = outer_delay, final_step
-        kw = dict(join_timeout_ms=20000, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
+        kw = dict(join_timeout_ms=join_timeout_ms, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
         self.global_lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters or clusters, **kw)
         self.cluster_lh = [LighthouseServer(bind="127.0.0.1:0", min_replicas=1, **kw) for _ in range(clusters)]
         self.h_inner, self.h_outer = h_inner, h_outer
@@ -120,6 +123,7 @@ class ThreadedHier:
             outer_fragments=self.outer_fragments,
             early_quorum=self.early_quorum,
             keep_local=self.keep_local,
+            outer_max_staleness=self.outer_max_staleness,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

@@ -276,3 +276,136 @@ def test_training_progress_orders_outer_rounds_then_steps_then_committed_rounds(
     assert p(0, 5, 3) < p(0, 10, 0)  # a restart's no-op join rounds are no progress
     # fields saturate instead of spilling into the next: still an int64, still ordered
     assert p(2**40, 2**40, 5) < 2**63 and p(2**40, 0, 0) > p(2**22 - 2, 2**40, 0)
+
+
+def test_outer_progress_heals_behind_from_ahead_and_a_fresh_leader_from_an_established_one():
+    """Who heals from whom at the outer quorum (sync/common.outer_progress): the global
+    round first (a new leader whose cluster is ahead never heals from one behind, which
+    torchft's own commit count made it do), then, at equal rounds, a fresh leader (its
+    outer momentum possibly stale) from an established one."""
+    from hier_localsgd.sync.common import outer_progress as p
+
+    assert p(60, 1860, fresh=True) > p(59, 1830, fresh=False)  # ahead, though fresh
+    assert p(20, 630, fresh=False) < p(21, 630, fresh=True)  # behind heals from ahead
+    assert p(21, 630, fresh=True) < p(21, 630, fresh=False)  # equal rounds: the momentum
+    assert p(0, 0, fresh=True) == p(0, 0, fresh=True)  # a fresh job: nobody heals
+
+
+def test_guard_keeps_the_weight_of_an_outer_member_at_most_max_behind_rounds_behind():
+    from hier_localsgd.core.guard import Fingerprint, plan
+
+    src, one, two = Fingerprint(7, 5, 0, 50, 1.0), Fingerprint(8, 4, 0, 40, 1.0), Fingerprint(9, 3, 0, 30, 1.0)
+    assert plan([src, one, two]).weights == [1.0, 0.0, 0.0]  # the default: behind is weight 0
+    p = plan([src, one, two], max_behind=1)
+    assert p.source == 0 and p.weights == [1.0, 1.0, 0.0]
+    assert plan([one, src], max_behind=1).weights == [1.0, 1.0]
+    # a member that announced weight 0 keeps weight 0
+    assert plan([src, Fingerprint(8, 4, 0, 40, 0.0)], max_behind=1).weights == [1.0, 0.0]
+
+
+def _cluster_model(c: int, steps: range, start: torch.Tensor) -> torch.Tensor:
+    """A cluster's model under inner localsgd (plain averaging) after ``steps`` from ``start``."""
+    return start + sum(sum(update(c, r, k) for r in range(R)) / R for k in steps)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_staleness):
+    """Cluster 0's leader drops out of the outer level at step 2 (its cluster Manager shut
+    down, as a leader that died would; min_clusters=1, so cluster 1 commits that round
+    alone once the lighthouse has stopped hearing it). At step 4, with a new cluster
+    Manager, it heals to the newer global model, one round ahead of its own. With
+    sync.outer.max_staleness=1 its cluster's work since step 0 still counts, measured from
+    the global model it started from (step 0) and applied to the newest one; with 0 it
+    carries weight 0 and its four steps are lost. Plain averaging at both levels, so the
+    final model is a hand computation. Events order the two clusters: no timing race."""
+    import threading
+
+    from hier_localsgd.core.phases import Phase
+
+    L = LevelAlgorithm.build("localsgd")
+    h = ThreadedHier(2, R, 1, 2, inner=L, outer=L, min_clusters=1, outer_max_staleness=max_staleness)
+    reps, finals = {}, {}
+    alone = threading.Event()  # cluster 1 committed step 2's outer round without cluster 0
+    asking = threading.Event()  # cluster 0's leader asks for step 4's outer quorum
+
+    def body(rep):
+        reps[rep.key] = rep
+        if rep.key == (0, 0):
+            orig = rep.sync._outer_quorum
+
+            def drop_out_at_step_2(tr, cur_round, cur_step):
+                if cur_step == 4:
+                    asking.set()
+                if cur_step != 2:
+                    return orig(tr, cur_round, cur_step)
+                tr.enter(Phase.OUTER_QUORUM)  # as a failed quorum: an inner-only round
+                rep.sync.outer_mgr.shutdown()  # its heartbeat stops; a new Manager joins at step 3
+                rep.sync.outer_mgr, rep.sync.outer_comm = None, None
+                # Its new Manager must not join the round cluster 1 is waiting in (the
+                # lighthouse forms it once this one's heartbeats have lapsed).
+                assert alone.wait(60)
+                rep.sync.events("rollback", level="outer", reason="test: left the outer level", step=cur_step)
+                return None
+
+            rep.sync._outer_quorum = drop_out_at_step_2
+
+        def record(r):
+            if r.key == (1, 0) and r.sync.counters.step == 2:
+                assert r.kinds("commit", level="outer", step=2, participants=1)
+                alone.set()
+            if r.key == (1, 0) and r.sync.counters.step == 3:
+                # Cluster 0 asks first: torchft's lighthouse forms a quorum at once when all
+                # of the previous quorum's members ask (cluster 1 alone), so if cluster 1
+                # asked first it would sync alone again; this way the lighthouse waits for
+                # cluster 1, which heartbeats (up to its 20 s join timeout).
+                assert asking.wait(60)
+
+        local_steps(rep, update, 4, record=record)
+        finals[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    zero = torch.zeros(3)
+    global1 = _cluster_model(1, range(2), zero)  # cluster 1 alone at step 2
+    mine = _cluster_model(0, range(4), zero)  # cluster 0: four steps from the step-0 model
+    theirs = _cluster_model(1, range(2, 4), global1)
+    want = global1 + ((mine - zero) + (theirs - global1)) / 2 if max_staleness else theirs
+    for key, got in finals.items():
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=str(key))
+    leader = reps[(0, 0)]
+    assert [e["step"] for e in leader.kinds("heal", level="outer")] == [4]
+    assert [e["behind"] for e in leader.kinds("stale_update")] == ([1] if max_staleness else [])
+    lost = [e["steps"] for e in leader.kinds("discard") if e["reason"] == "cluster_weight0"]
+    assert lost == ([] if max_staleness else [4])
+
+
+def test_an_outer_round_whose_payload_went_out_is_never_a_stale_update_too():
+    """Cluster 0's leader sends its step-2 pseudo-gradient, and cluster 1 commits with it;
+    only the leader's own result is reported failed. Its work is in the global model
+    already, so at step 4, one round behind, it carries weight 0 even with
+    max_staleness=1 (a stale update would count steps 1-2 twice)."""
+    L = LevelAlgorithm.build("localsgd")
+    fault = Fault(cluster=0, replica=0, step=2, action="fail", phase="OUTER_REDUCE")
+    h = ThreadedHier(2, R, 1, 2, inner=L, outer=L, faults=[fault], outer_max_staleness=1)
+    reps, finals = {}, {}
+
+    def body(rep):
+        reps[rep.key] = rep
+        local_steps(rep, update, 4)
+        finals[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    zero = torch.zeros(3)
+    global1 = (_cluster_model(0, range(2), zero) + _cluster_model(1, range(2), zero)) / 2
+    want = _cluster_model(1, range(2, 4), global1)  # cluster 1's work only at step 4
+    for key, got in finals.items():
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=str(key))
+    leader = reps[(0, 0)]
+    assert [e["step"] for e in leader.kinds("heal", level="outer")] == [4]
+    assert leader.kinds("stale_update") == []
+    assert [e["steps"] for e in leader.kinds("discard") if e["reason"] == "cluster_weight0"] == [4]

@@ -15,7 +15,9 @@ lossy link. The guard catches all of them at the start of every REDUCE phase:
    it ("resync");
 3. members that are *behind* the source (older outer round, inner round or step)
    contribute weight 0 to this round: their pseudo-gradients were measured from a
-   stale base. Members with the same history whose state differs only in value (a
+   stale base. At the outer level, a cluster 1..``sync.outer.max_staleness`` outer
+   rounds behind keeps its weight instead (its update is measured from its own base
+   and applied to the newest model: a stale update). Members with the same history whose state differs only in value (a
    lossy link's per-receiver noise, a corrupted copy) keep their weight: their bases
    differ by noise, and their local work is still work.
 
@@ -82,15 +84,22 @@ def decode(v: torch.Tensor, size: int) -> List[Fingerprint]:
     return out
 
 
-def plan(fps: List[Fingerprint]) -> GuardPlan:
+def plan(fps: List[Fingerprint], max_behind: int = 0) -> GuardPlan:
+    """The round's plan from every member's fingerprint. ``max_behind`` (the outer level's
+    ``sync.outer.max_staleness``): a member behind the source by 1..max_behind outer rounds
+    keeps its weight; it measures its pseudo-gradient from its own, older global model
+    (a stale update; the caller keeps that base, outer_round.py)."""
     keys = {fp.state_key() for fp in fps}
     if len(keys) == 1:
         return GuardPlan(fps, None, [fp.weight for fp in fps])
     # Newest state wins; min() over (-newness, rank) picks the lowest rank among ties.
     source = min(range(len(fps)), key=lambda i: (tuple(-x for x in fps[i].newness()), i))
-    src_new = fps[source].newness()
-    weights = [fp.weight if fp.newness() == src_new else 0.0 for fp in fps]
-    return GuardPlan(fps, source, weights)
+    src = fps[source]
+
+    def keeps(fp: Fingerprint) -> bool:
+        return fp.newness() == src.newness() or 0 < src.outer_round - fp.outer_round <= max_behind
+
+    return GuardPlan(fps, source, [fp.weight if keeps(fp) else 0.0 for fp in fps])
 
 
 def pack(tensors: List[torch.Tensor]) -> torch.Tensor:

@@ -116,11 +116,12 @@ class Level:
         self.opt = OuterSGD(init.numel(), algorithm.lr, algorithm.momentum, algorithm.nesterov, init.dtype, pin=pin and self.backup.is_pinned())
 
     @torch.no_grad()
-    def pseudo_grad(self, live: torch.Tensor, ranges: Optional[Ranges] = None) -> torch.Tensor:
+    def pseudo_grad(self, live: torch.Tensor, ranges: Optional[Ranges] = None, base: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``backup - live`` on ``live``'s device: a fresh tensor (safe to all-reduce in place).
         From pinned host memory the backup's copy to the device is non-blocking.
-        ``ranges``: only those elements, gathered (an outer fragment, core/fragments.py)."""
-        backup = self.backup
+        ``ranges``: only those elements, gathered (an outer fragment, core/fragments.py).
+        ``base``: measured from it instead of the backup (an older model of the same shape)."""
+        backup = self.backup if base is None else base
         if ranges is not None:
             backup, live = gather(backup, ranges), gather(live, ranges)
         if live.device != backup.device:

@@ -161,8 +161,10 @@ class CommittedState:
         }
 
     def _load_outer_state(self, sd: Dict[str, object]) -> None:
+        base = self._outer_target.backup.clone()  # the global model this cluster's work started from
         self._outer_target.load_state_dict(sd["outer"])  # type: ignore[arg-type]
         counters = sd["counters"]
         assert isinstance(counters, dict)
         self._outer_healed = (int(counters["outer_round"]), int(counters["step"]))
+        self._outer_base = base
         logger.info("%s healed its outer level from another cluster: %s", self.id, counters)

@@ -114,6 +114,19 @@ def training_progress(outer_round: int, step: int, inner_round: int) -> int:
     return (o << (_STEP_BITS + _INNER_BITS)) | (s << _INNER_BITS) | (inner_round & ((1 << _INNER_BITS) - 1))
 
 
+def outer_progress(outer_round: int, step: int, fresh: bool) -> int:
+    """What a leader's cluster Manager announces at the outer quorum: the cluster's global
+    round and step (so a leader behind heals from one ahead, never the reverse), then
+    whether its outer state is its own (1) or possibly stale (0, ``fresh``: a Manager that
+    has not committed or healed an outer round yet, e.g. a new leader after a failover,
+    whose outer momentum was not kept while it was a member). At equal rounds a fresh
+    leader heals the momentum from an established one; its cluster's work keeps its
+    weight (same global model). Without this, torchft's own commit count decided: a new
+    leader (count 0) healed from any established one, even one a round behind it — seen
+    twice in a 12-minute chaos run, each time losing a committed global round."""
+    return training_progress(outer_round, step, 0 if fresh else 1)
+
+
 class SyncStrategy(Protocol):
     """What the training loop calls, every mode alike (hier: HierarchicalSync; flat, ddp:
     baselines.py). Checkpoints (``snapshot``/``restore``) are the hierarchy's only

@@ -152,6 +152,9 @@ class HierSettings:
     outer_fragments: Tuple[Ranges, ...] = ()
     # Ask for each inner round's quorum during its last local step (early.py).
     early_quorum: bool = False
+    # A cluster behind the outer quorum by 1..this many outer rounds contributes a stale
+    # update (outer_round.py, ``_outer_round``); 0: weight 0.
+    outer_max_staleness: int = 0
     # A failed inner round keeps the local steps when nothing committed moved
     # (sync.failed_round=keep_local; committed.py). Needs group_world_size == 1.
     keep_local: bool = False
@@ -215,6 +218,14 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._leader = False
         self._quorum_failures = {"inner": 0, "outer": 0}
         self._outer_healed: Optional[tuple[int, int]] = None
+        # The global model this cluster's work started from, kept when an outer heal or
+        # resync replaced it in this round (a stale contribution is measured from it).
+        self._outer_base: Optional[torch.Tensor] = None
+        # The cluster Manager has not yet committed or healed an outer round: its outer
+        # momentum may be stale (kept while this group was not the leader).
+        self._outer_fresh = True
+        # The outer round whose pseudo-gradient this leader sent but whose commit failed.
+        self._outer_sent_round: Optional[int] = None
         self._last_quorum_size = 0
         self._last_rank = 0
         self._last_healed = False
@@ -502,13 +513,15 @@ class HierarchicalSync(OuterRound, CommittedState):
             # The round is lost (commit will fail); keep collectives matched: weight 0.
             return guard.GuardPlan([mine] * q.size, None, [0.0] * q.size)
         fps = guard.decode(v, q.size)
-        p = guard.plan(fps)
+        p = guard.plan(fps, max_behind=self.s.outer_max_staleness if level == "outer" else 0)
         if p.source is None:
             return p
         src = fps[p.source]
         logger.warning("%s %s level diverged: resync from rank %d (%s)", self.id, level, p.source, src)
         buf = guard.pack(tensors) if q.rank == p.source else torch.empty(sum(t.numel() for t in tensors))
         if comm.broadcast(buf, p.source, CONTROL) and q.rank != p.source:
+            if level == "outer" and src.outer_round > mine.outer_round and self._outer_base is None:
+                self._outer_base = tensors[0].clone()  # the global model its work started from (a stale update)
             guard.unpack_into(buf, tensors)
             if level == "inner":
                 self.counters.outer_round, self.counters.inner_round = src.outer_round, src.inner_round
@@ -520,16 +533,17 @@ class HierarchicalSync(OuterRound, CommittedState):
 
     def _reduce(
         self, level: Level, comm: LevelComm, live: torch.Tensor, plan: guard.GuardPlan, rank: int,
-        comp: Optional[OuterCompression] = None, ranges: Optional[Ranges] = None,
+        comp: Optional[OuterCompression] = None, ranges: Optional[Ranges] = None, base: Optional[torch.Tensor] = None,
     ) -> Staged:
         """All-reduces the weighted pseudo-gradient and stages the level's update
         (``comp``: compressed, staging the residual too; ``ranges``: one outer fragment's
-        elements only, the rest of the level unchanged)."""
+        elements only, the rest of the level unchanged; ``base``: the pseudo-gradient is
+        measured from it instead of the level's backup, a stale outer contribution)."""
         if plan.total_weight == 0 or ranges == ():
             # Every member knows either from the guard or the fragment (a fragment with no
             # element in this rank's slice is empty on this rank of every cluster): no reduce.
             return level.unchanged()
-        grad = level.pseudo_grad(live, ranges)
+        grad = level.pseudo_grad(live, ranges, base=base)
         w = plan.weights[rank]
         if comp is not None:
             if w not in (0.0, 1.0):
@@ -677,6 +691,8 @@ class HierarchicalSync(OuterRound, CommittedState):
             self.tracker.set_counters(leader=leader)
             self.events("leader", leader=leader, step=self.counters.step)
             logger.info("%s %s its cluster's leader", self.id, "is now" if leader else "is no longer")
+        if not leader:
+            self._outer_fresh = True  # a member does not keep the outer momentum up to date
         if not leader and self.outer_mgr is not None:
             self.outer_mgr.shutdown()  # aborts a stage's process group too
             self.outer_mgr, self.outer_comm = None, None

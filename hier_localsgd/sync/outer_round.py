@@ -28,7 +28,7 @@ from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.outage import LighthouseOutage
 from hier_localsgd.core.peers import QuorumWatch, fetch_status, parse_status
 from hier_localsgd.core.phases import Phase, PhaseTracker
-from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status
+from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status, outer_progress
 from hier_localsgd.sync.compression import OuterCompression
 from hier_localsgd.sync.overlap import merge_keep_local
 
@@ -58,7 +58,7 @@ class OuterRound:
         fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
         if tr is not self.tracker and not self._leader:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
-        joined = self._outer_quorum(tr, cur_step)
+        joined = self._outer_quorum(tr, cur_round, cur_step)
         if joined is None:
             return fallback
         mgr, comm, q = joined
@@ -66,16 +66,18 @@ class OuterRound:
         tr.enter(Phase.OUTER_REDUCE)
         self._fault_point(Phase.OUTER_REDUCE, cur_step)
         view_round, view_step = self._outer_healed or (cur_round, cur_step)
-        # A cluster that just healed to a newer global model measured its work from
-        # an older one: it contributes weight 0 this round.
+        # A cluster that just healed to a newer global model measured its work from an
+        # older one: within sync.outer.max_staleness rounds it contributes that work
+        # measured from its old base (a stale update), else weight 0 this round.
         moved = self._outer_healed is not None and view_round != cur_round
-        weight = 1.0 if contribute and not moved and mgr.errored() is None else 0.0
+        weight = 1.0 if contribute and (not moved or self._stale_ok(cur_round)) and mgr.errored() is None else 0.0
         plan = self._consistency(
             comm, q, "outer",
             guard.Fingerprint(lvl.fingerprint(), view_round, 0, view_step, weight),
             tensors=lvl.state_tensors(),
         )
         view_round, view_step = self._outer_healed or (view_round, view_step)
+        stale = self._outer_healed is not None and view_round != cur_round and self._stale_ok(cur_round)
         # Streaming fragments: the round syncs fragment (outer round mod F), the same in
         # every cluster (the guard has brought every member to the quorum's outer round),
         # except the run's last round, which syncs the whole model so the run ends on one.
@@ -83,7 +85,9 @@ class OuterRound:
         last = self.s.final_step > 0 and view_step >= self.s.final_step
         fragment = self.fragments.fragment_for_sync(view_round) if self.s.outer_fragments and not last else None
         moved = self._outer_healed is not None and view_round != cur_round
-        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp, self.fragment_ranges(fragment))
+        sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
+        staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp, self.fragment_ranges(fragment),
+                              base=self._outer_base if stale else None)
 
         tr.enter(Phase.OUTER_COMMIT)
         try:
@@ -95,11 +99,17 @@ class OuterRound:
         if not ok:
             if comp is not None:
                 comp.rollback()
+            if sent:
+                # Its pseudo-gradient may have reached the others' commit: never again as a stale update.
+                self._outer_sent_round = cur_round
             self.events("rollback", level="outer", reason="outer commit vote failed", step=cur_step)
             return OuterResult(fallback.status, cluster_model, view_round, view_step)
         lvl.commit(staged)
+        self._outer_fresh, self._outer_sent_round = False, None
         if comp is not None:
             comp.commit()
+        if stale and plan.weights[q.rank] > 0:
+            self.events("stale_update", level="outer", behind=view_round - cur_round, step=cur_step)
         new_round = view_round + (1 if plan.total_weight > 0 else 0)
         self.tracker.mark_commit("outer", new_round)
         self.events(
@@ -109,13 +119,13 @@ class OuterRound:
         return OuterResult(Status.OUTER_COMMITTED, lvl.backup.clone(), new_round, view_step, plan.weights[q.rank],
                            fragment=None if moved else fragment)
 
-    def _outer_quorum(self, tr: PhaseTracker, cur_step: int) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
+    def _outer_quorum(self, tr: PhaseTracker, cur_round: int, cur_step: int) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
         """OUTER_QUORUM: the leader's cluster Manager joins the outer quorum. Returns its
         Manager, comm and quorum, or None when the quorum failed or the global lighthouse is
         out (the event and the rollback are recorded here; the round stays inner-only)."""
         tr.enter(Phase.OUTER_QUORUM)
         self._fault_point(Phase.OUTER_QUORUM, cur_step)
-        self._outer_healed = None
+        self._outer_healed, self._outer_base = None, None
         health = self.health["outer"]
         try:
             if self.outer_mgr is None:
@@ -124,7 +134,7 @@ class OuterRound:
                     raise LighthouseOutage(health.message("no cluster Manager yet"))
             mgr, comm = self._ensure_outer(tr)
             comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
-            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice)
+            q = mgr.start_quorum(tr.remaining(), health, self.s.quorum_slice, progress=outer_progress(cur_round, cur_step, self._outer_fresh))
         except LighthouseOutage as e:
             # The clusters train and sync inside themselves until the global lighthouse returns.
             self._outage("outer", e)
@@ -138,8 +148,23 @@ class OuterRound:
         self._quorum_failures["outer"] = 0
         self.tracker.set_extra(outer=mgr.describe(q.size))
         if q.healed:
+            self._outer_fresh = False
             self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
         return mgr, comm, q
+
+    def _stale_ok(self, cur_round: int) -> bool:
+        """Whether this cluster, healed or resynced to a newer global model this round,
+        still contributes its work (sync.outer.max_staleness), measured from the global
+        model it started from. Not when this leader's pseudo-gradient of that same round
+        went out and only its commit failed (the others' commit may hold it already: it
+        would count twice), nor with streaming fragments (a cluster that moved adopts the
+        whole global model). A leader that died after its payload went out cannot tell its
+        successor; then one round of its cluster's work can count twice."""
+        if self._outer_healed is None or self._outer_base is None or self.s.outer_fragments:
+            return False
+        if self._outer_sent_round == cur_round:
+            return False
+        return 0 < self._outer_healed[0] - cur_round <= self.s.outer_max_staleness
 
     def _launch_outer(self, contribute: bool) -> None:
         """After the inner commit of an outer round (overlap.py): every member keeps the

@@ -55,6 +55,12 @@ class LevelConfig:
     fragments: int = 1
     # inner only: ask for a round's quorum during its last local step (sync/early.py)
     early_quorum: bool = False
+    # outer only: a cluster whose global model is behind the quorum's by 1..max_staleness
+    # outer rounds (its leader was dead or cut off when the others synced) still contributes
+    # its work, measured from the global model it started from and applied to the newest
+    # one (a stale update, as in asynchronous Local SGD); 0: such a cluster carries weight 0
+    # and its work since its last outer commit is lost (docs/architecture.md).
+    max_staleness: int = 0
 
     def check(self, path: str) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -77,6 +83,10 @@ class LevelConfig:
             per = f"{path}.every/{path}.fragments={rounds}" if self.fragments > 1 else f"{path}.every={self.every}"
             fail(f"{path}.delay", f"{self.delay} — must be in [0, {per}): a round's result is applied before the next round starts")
         self._check_compression(path)
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            fail(f"{path}.max_staleness", f"{self.max_staleness!r} — must be an integer of at least 0 (outer rounds)")
+        if self.max_staleness and path != "sync.outer":
+            fail(f"{path}.max_staleness", f"{self.max_staleness} — only the outer level takes stale contributions (sync.outer.max_staleness)")
 
     def _check_fragments(self, path: str) -> None:
         if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
@@ -104,7 +114,7 @@ class LevelConfig:
 class SyncConfig:
     mode: str = "hier"
     inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd", early_quorum=True))  # as configs/config.yaml
-    outer: LevelConfig = field(default_factory=lambda: LevelConfig(every=3))
+    outer: LevelConfig = field(default_factory=lambda: LevelConfig(every=3, max_staleness=1))
     flat: LevelConfig = field(default_factory=lambda: LevelConfig(every=30))
     min_replicas: int = 1
     min_clusters: int = 2
