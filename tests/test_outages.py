@@ -216,6 +216,65 @@ def test_outage_clock_backs_off_and_gives_up_after_the_limit():
     assert not h.down and h.describe() is None
 
 
+def test_a_refused_probe_is_retried_at_every_round_a_silent_one_backs_off():
+    """A lighthouse that refuses connections (killed, restarting) costs a probe nothing, so
+    every round probes it and its return is seen at the next round; a silent one keeps the
+    backoff (each of its probes costs a probe timeout: 1 s, then 2 s here)."""
+    from datetime import timedelta
+
+    from hier_localsgd.core.outage import REFUSED, SILENT
+
+    for seen, probed_at in ((REFUSED, [0.0, 0.5, 1.0, 1.5, 2.0]), (SILENT, [0.0, 1.0])):
+        now, answers = [0.0], []
+        h = LighthouseHealth("inner", "lighthouse.cluster_addrs[0]", "http://x:1", timedelta(seconds=1), timedelta(seconds=5),
+                             timedelta(seconds=60), probe=lambda addr, t: answers.append(now[0]) or seen, clock=lambda: now[0])
+        assert h.probe() is False and h.down
+        for t in (0.5, 1.0, 1.5, 2.0):  # a round every 0.5 s
+            now[0] = t
+            with pytest.raises(LighthouseOutage):
+                h.before_quorum()
+        assert answers == probed_at, seen
+
+
+def test_lighthouse_probe_tells_up_refused_and_silent_apart_on_real_sockets():
+    """Loopback only: an HTTP server answers (UP); a closed port refuses (REFUSED); a
+    socket that listens but never answers times out (SILENT)."""
+    import socket
+    import threading
+    from datetime import timedelta
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from hier_localsgd.core.outage import REFUSED, SILENT, UP, lighthouse_probe
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *a):
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
+    try:
+        t = timedelta(seconds=0.5)
+        assert lighthouse_probe(f"http://127.0.0.1:{srv.server_address[1]}", t) == UP
+        assert lighthouse_probe(f"http://127.0.0.1:{closed_port}", t) == REFUSED
+        assert lighthouse_probe(f"http://127.0.0.1:{mute.getsockname()[1]}", t) == SILENT
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        mute.close()
+
+
 def process_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
