@@ -151,6 +151,23 @@ def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phas
             assert not rep.kinds("rollback", level="inner"), f"{key} should not have rolled back"
 
 
+def run_steps(h: ThreadedHier, steps: int):
+    """Runs every replica group for ``steps`` local steps of update(); closes ``h``.
+    Returns the replicas and their final models, by key."""
+    reps, finals = {}, {}
+
+    def body(rep):
+        reps[rep.key] = rep
+        local_steps(rep, update, steps)
+        finals[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    return reps, finals
+
+
 @pytest.mark.parametrize("keep_local", [False, True])
 def test_a_round_that_fails_for_a_whole_cluster_rolls_back_or_keeps_the_local_steps(keep_local):
     """Both members of cluster 0 fail their inner all-reduce at step 1 (an inner-only
@@ -159,18 +176,7 @@ def test_a_round_that_fails_for_a_whole_cluster_rolls_back_or_keeps_the_local_st
     pseudo-gradient carries both steps, as one round of two steps would. The final (outer,
     step 2) model matches the hand computation of each policy, and the two differ."""
     faults = [Fault(cluster=0, replica=r, step=1, action="fail", phase="INNER_REDUCE") for r in range(R)]
-    h = ThreadedHier(C, R, H_IN, H_OUT, faults=faults, keep_local=keep_local)
-    final, reps = {}, {}
-
-    def body(rep):
-        reps[rep.key] = rep
-        local_steps(rep, update, 2)
-        final[rep.key] = rep.flat.data.clone()
-
-    try:
-        h.run(body)
-    finally:
-        h.close()
+    reps, final = run_steps(ThreadedHier(C, R, H_IN, H_OUT, faults=faults, keep_local=keep_local), 2)
     z = torch.zeros(3, dtype=torch.float64)
     u = lambda c, r, k: update(c, r, k).double()  # noqa: E731
     theta_c = {}
@@ -388,18 +394,7 @@ def test_an_outer_round_whose_payload_went_out_is_never_a_stale_update_too():
     max_staleness=1 (a stale update would count steps 1-2 twice)."""
     L = LevelAlgorithm.build("localsgd")
     fault = Fault(cluster=0, replica=0, step=2, action="fail", phase="OUTER_REDUCE")
-    h = ThreadedHier(2, R, 1, 2, inner=L, outer=L, faults=[fault], outer_max_staleness=1)
-    reps, finals = {}, {}
-
-    def body(rep):
-        reps[rep.key] = rep
-        local_steps(rep, update, 4)
-        finals[rep.key] = rep.flat.data.clone()
-
-    try:
-        h.run(body)
-    finally:
-        h.close()
+    reps, finals = run_steps(ThreadedHier(2, R, 1, 2, inner=L, outer=L, faults=[fault], outer_max_staleness=1), 4)
     zero = torch.zeros(3)
     global1 = (_cluster_model(0, range(2), zero) + _cluster_model(1, range(2), zero)) / 2
     want = _cluster_model(1, range(2, 4), global1)  # cluster 1's work only at step 4

@@ -70,21 +70,21 @@ class OuterRound:
         # older one: within sync.outer.max_staleness rounds it contributes that work
         # measured from its old base (a stale update), else weight 0 this round.
         moved = self._outer_healed is not None and view_round != cur_round
-        weight = 1.0 if contribute and (not moved or self._stale_ok(cur_round)) and mgr.errored() is None else 0.0
+        weight = 1.0 if contribute and (not moved or self._stale(cur_round)) and mgr.errored() is None else 0.0
         plan = self._consistency(
             comm, q, "outer",
             guard.Fingerprint(lvl.fingerprint(), view_round, 0, view_step, weight),
             tensors=lvl.state_tensors(),
         )
         view_round, view_step = self._outer_healed or (view_round, view_step)
-        stale = self._outer_healed is not None and view_round != cur_round and self._stale_ok(cur_round)
+        moved = self._outer_healed is not None and view_round != cur_round  # the guard may have resynced it
+        stale = self._stale(cur_round)
         # Streaming fragments: the round syncs fragment (outer round mod F), the same in
         # every cluster (the guard has brought every member to the quorum's outer round),
         # except the run's last round, which syncs the whole model so the run ends on one.
         # A cluster that healed to a newer global model adopts all of it (fragment None).
         last = self.s.final_step > 0 and view_step >= self.s.final_step
         fragment = self.fragments.fragment_for_sync(view_round) if self.s.outer_fragments and not last else None
-        moved = self._outer_healed is not None and view_round != cur_round
         sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
         staged = self._reduce(lvl, comm, cluster_model, plan, q.rank, comp, self.fragment_ranges(fragment),
                               base=self._outer_base if stale else None)
@@ -152,7 +152,7 @@ class OuterRound:
             self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
         return mgr, comm, q
 
-    def _stale_ok(self, cur_round: int) -> bool:
+    def _stale(self, cur_round: int) -> bool:
         """Whether this cluster, healed or resynced to a newer global model this round,
         still contributes its work (sync.outer.max_staleness), measured from the global
         model it started from. Not when this leader's pseudo-gradient of that same round
