@@ -78,10 +78,11 @@ class ThreadedHier:
         early_quorum: bool = False,
         keep_local: bool = False,
         outer_max_staleness: int = 0,
+        inner_max_staleness: int = 0,
         join_timeout_ms: int = 20000,
     ) -> None:
         self.outer_fragments, self.early_quorum, self.keep_local = outer_fragments, early_quorum, keep_local
-        self.outer_max_staleness = outer_max_staleness
+        self.outer_max_staleness, self.inner_max_staleness = outer_max_staleness, inner_max_staleness
         self.C, self.R = clusters, replicas
         self.outer_compression, self.compression_block = outer_compression, compression_block
         self.outer_delay, self.final_step = outer_delay, final_step
@@ -124,6 +125,7 @@ class ThreadedHier:
             early_quorum=self.early_quorum,
             keep_local=self.keep_local,
             outer_max_staleness=self.outer_max_staleness,
+            inner_max_staleness=self.inner_max_staleness,
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

@@ -31,6 +31,9 @@ from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
         (["run.replica=5"], "run.replica", "must be in"),
         (["faults=[{cluster:0,replica:0,step:1,action:explode}]"], "faults[0].action", "expected one of"),
         (["timeouts.inner_quorum=0"], "timeouts.inner_quorum", "positive"),
+        # stale updates (docs/architecture.md): both hierarchy levels, never the flat baseline
+        (["sync.inner.max_staleness=-1"], "sync.inner.max_staleness", "at least 0"),
+        (["sync.flat.max_staleness=2"], "sync.flat.max_staleness", "only the hierarchy's levels"),
         # streaming fragments and the early inner quorum (#13 §2, §4)
         (["sync.outer.fragments=0"], "sync.outer.fragments", "at least 1"),
         (["sync.outer.fragments=2"], "sync.outer.fragments", "sync.outer.every=3 must be a multiple of it"),

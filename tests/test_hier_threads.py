@@ -404,3 +404,58 @@ def test_an_outer_round_whose_payload_went_out_is_never_a_stale_update_too():
     assert [e["step"] for e in leader.kinds("heal", level="outer")] == [4]
     assert leader.kinds("stale_update") == []
     assert [e["steps"] for e in leader.kinds("discard") if e["reason"] == "cluster_weight0"] == [4]
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_a_member_that_healed_after_an_outage_contributes_its_steps_as_a_stale_update(max_staleness):
+    """One cluster of two groups, every round an outer round (min_clusters=1, localsgd at both
+    levels, so the outer level of one cluster is the identity). At step 1 the cluster
+    lighthouse is out for both (their quorum call raises LighthouseOutage, as outage.py's
+    would): the leader syncs across clusters alone (``_outer_without_cluster``), so its
+    outer round moves ahead; the member just trains on. At step 2 both ask the real
+    lighthouse (the previous quorum's two members: it waits for both, no race) and torchft
+    heals the member from the leader. With sync.inner.max_staleness=2 its two local steps
+    since its last commit (step 0) still count, measured from that commit and averaged
+    with the leader's step into the healed model (an inner stale update); with 0 they
+    carry weight 0 and are lost, as before. Both end equal to the hand computation."""
+    from hier_localsgd.core.outage import LighthouseOutage
+
+    L = LevelAlgorithm.build("localsgd")
+    h = ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, inner_max_staleness=max_staleness)
+    reps, finals = {}, {}
+
+    def body(rep):
+        reps[rep.key] = rep
+        orig = rep.sync._inner_quorum
+
+        def out_at_step_1(join):
+            if not join and rep.sync.counters.step == 1:
+                raise LighthouseOutage("test: cluster lighthouse out at step 1")
+            return orig(join)
+
+        rep.sync._inner_quorum = out_at_step_1
+        local_steps(rep, update, 3)
+        finals[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    u = lambda r, k: update(0, r, k)  # noqa: E731
+    g1 = u(0, 0)  # the leader alone at step 1 (its global model)
+    if max_staleness:
+        theta2 = g1 + (u(0, 1) + u(1, 0) + u(1, 1)) / 2  # the member's two steps from 0, stale
+    else:
+        theta2 = g1 + u(0, 1)  # the member's steps at weight 0
+    want = theta2 + (u(0, 2) + u(1, 2)) / 2
+    for key, got in finals.items():
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=str(key))
+    member, leader = reps[(0, 1)], reps[(0, 0)]
+    assert [e["step"] for e in leader.kinds("commit", level="outer") if e["step"] == 1] == [1]  # alone through the outage
+    assert [e["step"] for e in member.kinds("heal", level="inner") if e["step"] > 0] == [2]
+    stale = [(e["step"], e["steps"], e["behind"]) for e in member.kinds("stale_update", level="inner")]
+    assert stale == ([(2, 2, 2)] if max_staleness else [])
+    lost = [(e["reason"], e["steps"]) for e in member.kinds("discard")]
+    assert lost == ([] if max_staleness else [("heal", 2)])
+    assert member.sync.work["steps_discarded"] == (0 if max_staleness else 2)
+    assert not leader.kinds("stale_update") and not leader.kinds("discard")

@@ -103,7 +103,9 @@ def test_global_lighthouse_killed_and_restarted_costs_no_process_and_no_sync_ins
 
 
 def test_cluster_lighthouse_killed_and_restarted_costs_no_process(tmp_path):
-    run, seen = outage_run(tmp_path, "cluster0")
+    # A member trains alone for up to ~15 s of 0.1 s steps here (<= 30 rounds of 5): within
+    # the inner stale-update bound, so its steps through the outage must all count.
+    run, seen = outage_run(tmp_path, "cluster0", extra=["sync.inner.max_staleness=64"])
     t_kill = seen["kill"]
     t_up = check_common(run, "cluster0", seen)
     # Cluster 0's groups kept stepping without their lighthouse.
@@ -125,6 +127,13 @@ def test_cluster_lighthouse_killed_and_restarted_costs_no_process(tmp_path):
     # seen on a loaded machine).
     caught_up = [e for e in run.kinds((0, 1), "resync", level="inner") + run.kinds((0, 1), "heal", level="inner") if e["t"] > t_up]
     assert caught_up, logs_tail(run)
+    # Its local steps through the outage were not lost: the leader is outer rounds ahead, so
+    # torchft heals it, and the heal contributes those steps as a stale update (hier.py,
+    # _stale_inner) instead of a weight-0 round.
+    healed = [e for e in run.kinds((0, 1), "heal", level="inner") if e["t"] > t_up]
+    stale = [e for e in run.kinds((0, 1), "stale_update", level="inner") if e["t"] > t_up]
+    assert healed and stale and stale[0]["steps"] >= 20, (healed, stale, logs_tail(run))
+    assert not [e for e in run.kinds((0, 1), "discard") if e["t"] > t_up and e.get("reason") == "heal"], logs_tail(run)
     print(f"cluster lighthouse outage: inner commits resumed {resumed:.2f}s after it answered (inner period {period:.2f}s); "
           f"cluster 1's longest pause between two steps during the outage {pause:.1f}s")
     assert pause <= HB_S + 2.0, pause

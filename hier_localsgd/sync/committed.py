@@ -102,12 +102,17 @@ class CommittedState:
     def _inner_state_dict(self) -> Dict[str, object]:
         """What a donor serves a healing peer of its cluster: committed state only."""
         c = self.counters
+        # An early quorum (early.py) serves a heal while the donor's last local step still
+        # runs: it announced the sync point's step, and so must the heal, or the healed
+        # member would sit one step behind and the guard would resync it at weight 0.
+        early = self._early
+        step = early.step if early is not None else c.step
         return {
             "model": self._committed.clone(),
             "inner": self.inner.state_dict(),
             "outer_backup": self.outer.backup.clone(),
             "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
-            "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
+            "counters": {"step": step, "inner_round": c.inner_round, "outer_round": c.outer_round},
             "outer_snapshot": None if self._snap is None else {"model": self._snap.clone(), "step": self._snap_step},
             "outer_compression": None if self.comp is None else self.comp.state_dict(),
         }
@@ -118,6 +123,10 @@ class CommittedState:
             # applied at the sync point, on the training thread.
             self._pending_heal = sd
             return
+        if (self._inner_stale is None and self.s.inner_max_staleness > 0 and self.s.group_world_size == 1
+                and self.work["steps_since_commit"] > 0):
+            # What the heal replaces: the work an inner stale update contributes (hier.py, _stale_inner).
+            self._inner_stale = (self.inner.backup.clone(), self.flat.data[self.part].clone())
         self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
         self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
         self._opt_backup = copy.deepcopy(sd["optimizer"])

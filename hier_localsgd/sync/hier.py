@@ -155,6 +155,11 @@ class HierSettings:
     # A cluster behind the outer quorum by 1..this many outer rounds contributes a stale
     # update (outer_round.py, ``_outer_round``); 0: weight 0.
     outer_max_staleness: int = 0
+    # A member that healed from a peer carrying local steps of at most this many inner
+    # rounds (ceil(steps / h_inner)) since its last commit contributes them, measured from
+    # the model they started from, to the round it healed in (a stale update at the inner
+    # level, _stale_inner); 0: weight 0. One rank per group.
+    inner_max_staleness: int = 0
     # A failed inner round keeps the local steps when nothing committed moved
     # (sync.failed_round=keep_local; committed.py). Needs group_world_size == 1.
     keep_local: bool = False
@@ -235,6 +240,9 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._early: Optional[EarlyQuorum] = None
         self._defer_heal = False
         self._pending_heal: Optional[Dict[str, object]] = None
+        # (its last committed inner backup, its live model) just before this round's heal
+        # replaced them: an inner stale update's base and work (committed.py, _stale_inner)
+        self._inner_stale: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         # keep_local: the committed state's checksum when the round began (committed.py)
         self._round_start_hash: Optional[int] = None
         # Work accounting: local steps run, and those discarded by a rollback (or
@@ -399,6 +407,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         # keep_local may keep this round's local steps only if what it committed has not
         # moved when the round fails (a heal, a resync or an outer commit moves it).
         self._round_start_hash = self._inner_hash() if self.s.keep_local and not join else None
+        self._inner_stale = None  # a heal in this round's quorum keeps what it replaced here
         tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
@@ -425,14 +434,20 @@ class HierarchicalSync(OuterRound, CommittedState):
         tr.enter(Phase.INNER_REDUCE)
         self._fault_point(Phase.INNER_REDUCE)
         # Why this member's steps would carry weight 0 ("" = they count, unless the guard resyncs it).
-        self._weight0_why = "join" if join else "heal" if q.healed else "errored" if self.inner_mgr.errored() is not None else ""
+        # A member that healed keeps its weight when its work is a stale update within bounds.
+        stale = self._stale_inner(join)
+        healed = q.healed or self._inner_stale is not None  # (a heal in an earlier slice of the request too)
+        errored = self.inner_mgr.errored() is not None
+        self._weight0_why = "join" if join else "heal" if healed and stale is None else "errored" if errored else ""
         weight = 0.0 if self._weight0_why else 1.0
         plan = self._consistency(
             self.inner_comm, q, "inner",
             guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
             tensors=self._inner_tensors(),
         )
-        staged = self._reduce(self.inner, self.inner_comm, self.flat.data[self.part], plan, q.rank)
+        live, base = stale if stale is not None else (self.flat.data[self.part], None)
+        staged = self._reduce(self.inner, self.inner_comm, live, plan, q.rank, base=base)
+        stale_steps = self.work["steps_since_commit"] if stale is not None and plan.weights[q.rank] > 0 else 0
 
         result: Optional[OuterResult] = None
         # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
@@ -465,6 +480,9 @@ class HierarchicalSync(OuterRound, CommittedState):
         except RuntimeError as e:  # torchft raises after max_retries consecutive failures
             raise FatalSyncError(f"inner commits keep failing: {e}") from e
         committed = self._apply(ok, staged, result, plan)
+        self._inner_stale = None
+        if committed and stale_steps:
+            self.events("stale_update", level="inner", steps=stale_steps, behind=-(-stale_steps // self.s.h_inner), step=c.step)
         if outer_now and self._overlap and not final:
             self._launch_outer(contribute=committed)
         return committed
@@ -497,6 +515,29 @@ class HierarchicalSync(OuterRound, CommittedState):
 
     def is_apply_round(self) -> bool:
         return is_apply_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.outer_delay, self.s.num_fragments)
+
+    def _stale_inner(self, join: bool) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(live, base) of an inner stale update, or None (weight 0 if this member healed).
+
+        A member that healed in this round's quorum (it skipped rounds through a
+        cluster-lighthouse outage, or was stopped while its peers committed) holds local
+        steps that started from its own last commit. They are still work: as the outer
+        level does for a cluster behind (outer_round.py, ``_stale``), it contributes
+        ``base - live`` measured from that commit, and every member applies the round's
+        average to the healed, newest model — asynchronous Local SGD with one stale
+        contribution. Only within ``inner_max_staleness`` rounds of steps (older work is
+        dropped, weight 0, as before), never in a join round (a restart has no steps), and
+        only with one rank per group (each rank heals on its own Manager; the ranks could
+        decide differently). The pair was kept by the heal (committed.py) before it
+        replaced the model; nothing else changes: the consistency guard sees the healed
+        state, and a failed round rolls back to it."""
+        if join or self._inner_stale is None:
+            return None
+        steps = self.work["steps_since_commit"]
+        if steps <= 0 or -(-steps // self.s.h_inner) > self.s.inner_max_staleness:
+            return None
+        base, live = self._inner_stale
+        return live, base
 
     # ------------------------------------------------------------------ pieces
     def _consistency(

@@ -55,11 +55,14 @@ class LevelConfig:
     fragments: int = 1
     # inner only: ask for a round's quorum during its last local step (sync/early.py)
     early_quorum: bool = False
-    # outer only: a cluster whose global model is behind the quorum's by 1..max_staleness
-    # outer rounds (its leader was dead or cut off when the others synced) still contributes
-    # its work, measured from the global model it started from and applied to the newest
-    # one (a stale update, as in asynchronous Local SGD); 0: such a cluster carries weight 0
-    # and its work since its last outer commit is lost (docs/architecture.md).
+    # A stale update (as in asynchronous Local SGD; docs/architecture.md): work measured
+    # from the model it started from and applied to the newest one, instead of weight 0.
+    # outer: a cluster whose global model is behind the quorum's by 1..max_staleness outer
+    # rounds (its leader was dead or cut off when the others synced) still contributes its
+    # work since its last outer commit. inner: a member that healed from a peer (back from
+    # a cluster-lighthouse outage or a stop) still contributes its local steps since its
+    # last commit if they span at most max_staleness rounds (ceil(steps / every)).
+    # 0: such work carries weight 0 and is lost.
     max_staleness: int = 0
 
     def check(self, path: str) -> None:
@@ -84,9 +87,9 @@ class LevelConfig:
             fail(f"{path}.delay", f"{self.delay} — must be in [0, {per}): a round's result is applied before the next round starts")
         self._check_compression(path)
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            fail(f"{path}.max_staleness", f"{self.max_staleness!r} — must be an integer of at least 0 (outer rounds)")
-        if self.max_staleness and path != "sync.outer":
-            fail(f"{path}.max_staleness", f"{self.max_staleness} — only the outer level takes stale contributions (sync.outer.max_staleness)")
+            fail(f"{path}.max_staleness", f"{self.max_staleness!r} — must be an integer of at least 0 (rounds)")
+        if self.max_staleness and path == "sync.flat":
+            fail(f"{path}.max_staleness", f"{self.max_staleness} — only the hierarchy's levels take stale contributions (sync.inner / sync.outer.max_staleness)")
 
     def _check_fragments(self, path: str) -> None:
         if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
@@ -113,7 +116,7 @@ class LevelConfig:
 @dataclass
 class SyncConfig:
     mode: str = "hier"
-    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd", early_quorum=True))  # as configs/config.yaml
+    inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd", early_quorum=True, max_staleness=32))  # as configs/config.yaml
     outer: LevelConfig = field(default_factory=lambda: LevelConfig(every=3, max_staleness=1))
     flat: LevelConfig = field(default_factory=lambda: LevelConfig(every=30))
     min_replicas: int = 1

@@ -214,6 +214,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outer_fragments=outer_fragment_ranges(model, flat, s.outer.fragments),
             early_quorum=s.inner.early_quorum,
             outer_max_staleness=s.outer.max_staleness,
+            inner_max_staleness=s.inner.max_staleness,
             keep_local=s.failed_round == "keep_local",
             inner_backend=resolve_backend("inner", cfg.train.backends.inner, flat.data.device),
             outer_backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
