@@ -431,6 +431,17 @@ def test_lighthouse_and_hang_evidence_from_hand_built_records():
     assert ev["replica_restarts"] == 0 and ev["recovered"] is True
     (ev,) = fault_evidence([lh], {k: [] for k in events}, history, clusters=2)
     assert ev["commits_resumed_s"] is None and ev["recovered"] is False
+    # commits_resumed_s split by the processes' phase events: c0r0 began its next round 1 s
+    # after the return, c0r1 0.5 s after it, so the cluster's round had begun at +1.0 s
+    # and committed 0.5 s later; a group still in its quorum call at the return began then.
+    phase = lambda dt, dst: {"t": t + dt, "kind": "phase", "src": "LOCAL", "dst": dst}  # noqa: E731
+    phased = {**events, (0, 0): [phase(10, "LOCAL"), phase(13.0, "INNER_QUORUM"), *events[(0, 0)]],
+              (0, 1): [phase(12.5, "INNER_QUORUM")]}
+    (ev,) = fault_evidence([lh], phased, history, clusters=2)
+    assert (ev["commits_resumed_s"], ev["round_begun_s"], ev["first_round_s"]) == (1.5, 1.0, 0.5), ev
+    phased[(0, 0)] = [phase(11.0, "INNER_QUORUM"), *events[(0, 0)]]
+    (ev,) = fault_evidence([lh], phased, history, clusters=2)
+    assert (ev["round_begun_s"], ev["first_round_s"]) == (0.5, 1.0), ev
 
     hang = {"t": 0.0, "t_abs": t, "kind": "hang", "target": "c1r0", "duration_s": 5.0}
     ev_h = {(1, 0): [{"t": t + 7, "kind": "commit", "level": "inner", "step": 50, "checksum": "x"}],

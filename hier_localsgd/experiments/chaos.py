@@ -403,7 +403,7 @@ def human(report: Dict[str, Any]) -> str:
             lines.append(f"  {k['kind']} {'+'.join(k['targets'])} in {k['phase']}" + (f" (armed for {k['armed_phase']}, hit: {k['phase_hit']})" if k.get("armed_phase") else "")
                          + f": recovered {k['recovered']}")
     for fl in report.get("faults", []):
-        ev = {x: fl.get(x) for x in ("abandoned_after_s", "rejoined_after_s", "exited", "back_after_s", "commits_resumed_s", "replica_restarts") if x in fl}
+        ev = {x: fl.get(x) for x in ("abandoned_after_s", "rejoined_after_s", "exited", "back_after_s", "commits_resumed_s", "round_begun_s", "first_round_s", "replica_restarts") if x in fl}
         lines.append(f"  {fl['kind']} {fl['target']} at {fl['t']:.0f}s for {fl['duration_s']:g}s: recovered {fl['recovered']} "
                      + ", ".join(f"{x} {f(v) if isinstance(v, float) else v}" for x, v in ev.items()))
     return "\n".join(lines)

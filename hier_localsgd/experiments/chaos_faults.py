@@ -31,6 +31,10 @@ launcher's history and the processes' events only:
 * ``lighthouse``: ``back_after_s`` (kill to the supervisor's ``up`` record),
   ``commits_resumed_s`` (from ``up`` to the first commit at that level: an outer commit
   for the global lighthouse, an inner commit in the cluster otherwise),
+  split into ``round_begun_s`` (until the level's next round had begun in every cluster,
+  or every group of the cluster: an outer round comes only every ``inner.every *
+  outer.every`` steps) and ``first_round_s`` (from then to that commit: what the outage
+  still costs the round), from the processes' ``phase`` events;
   ``replica_restarts`` (replica processes started during the outage, up to 5 s after the
   lighthouse is back, other than the restarts of the monkey's own kills; 0 expected),
   ``recovered`` = commits resumed and no replica restarted;
@@ -144,14 +148,43 @@ def lighthouse_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]
         c = int(role[len("cluster"):])
         commits = [e["t"] for k, evs in events.items() if k[0] == c for e in _after(evs, up or t_kill, "commit") if at_level(e, "inner")]
     resumed = (min(commits) - up) if up is not None and commits else None
+    begun = None
+    if resumed is not None and up is not None:
+        keys = list(events) if role == "global" else [k for k in events if k[0] == c]
+        begun = _round_begun(events, keys, "OUTER_QUORUM" if role == "global" else "INNER_QUORUM", up, min(commits))
     restarts = [h for h in history if h["event"] == "restart" and not isinstance(h["key"], str) and t_kill < h["t"] <= (up or t_kill) + 5
                 and not _after_monkey_kill(h, history)]
     return {
         "back_after_s": None if up is None else up - t_kill,
         "commits_resumed_s": resumed,
+        # commits_resumed_s split: the wait until the level's next round began (its schedule:
+        # an outer round comes every inner.every * outer.every steps) and that round's own time
+        "round_begun_s": None if begun is None else begun - up,
+        "first_round_s": None if begun is None or resumed is None else up + resumed - begun,
         "replica_restarts": len(restarts),
         "recovered": resumed is not None and not restarts,
     }
+
+
+def _round_begun(events: Dict[Key, List[Dict[str, Any]]], keys: Sequence[Key], phase: str, up: float, commit: float) -> float:
+    """When the first round at a level after a lighthouse's return (``up``) had begun in
+    every cluster (global: a cluster's round begins when any of its groups, its leader,
+    enters ``phase``) or every group of the cluster (its lighthouse) that entered one before
+    ``commit``: a group already in ``phase`` at ``up`` began at ``up``. From the processes'
+    ``phase`` events; ``up`` if none is known."""
+    starts: Dict[Any, float] = {}
+    for k in keys:
+        evs = [e for e in events.get(k, []) if e["kind"] == "phase"]
+        before = [e for e in evs if e["t"] <= up]
+        if before and before[-1].get("dst") == phase:
+            t = up
+        else:
+            t = min((e["t"] for e in evs if up < e["t"] <= commit and e.get("dst") == phase), default=None)
+        if t is None:
+            continue
+        unit = k[0] if phase == "OUTER_QUORUM" else k
+        starts[unit] = min(t, starts.get(unit, t))
+    return max(starts.values(), default=up)
 
 
 def partition_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], clusters: int) -> Dict[str, Any]:
