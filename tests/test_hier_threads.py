@@ -459,3 +459,27 @@ def test_a_member_that_healed_after_an_outage_contributes_its_steps_as_a_stale_u
     assert lost == ([] if max_staleness else [("heal", 2)])
     assert member.sync.work["steps_discarded"] == (0 if max_staleness else 2)
     assert not leader.kinds("stale_update") and not leader.kinds("discard")
+
+
+def test_steps_kept_from_a_round_whose_outer_commit_held_them_are_never_a_stale_update():
+    """keep_local + the inner stale update must not count a step twice. One cluster of two
+    groups, every round an outer round (localsgd at both levels). At step 1 the member's
+    BROADCAST fails: the leader's outer commit (alone, min_clusters=1) is final and holds
+    both groups' step-1 work, but the inner commit fails, so the member keeps its step
+    (keep_local: its committed state did not move). At step 2 it is behind and heals from
+    the leader; its kept step 1 is in the global model already, so it carries weight 0 even
+    with sync.inner.max_staleness=2 — a stale update would add step 1 a second time."""
+    L = LevelAlgorithm.build("localsgd")
+    fault = Fault(cluster=0, replica=1, step=1, action="fail", phase="BROADCAST")
+    reps, finals = run_steps(ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, faults=[fault],
+                                          keep_local=True, inner_max_staleness=2), 3)
+    u = lambda r, k: update(0, r, k)  # noqa: E731
+    theta1 = (u(0, 0) + u(1, 0)) / 2  # the leader's final outer commit at step 1
+    want = theta1 + u(0, 1) + (u(0, 2) + u(1, 2)) / 2  # step 2: the leader's step only
+    for key, got in finals.items():
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=str(key))
+    member = reps[(0, 1)]
+    assert [e["step"] for e in member.kinds("keep_local")] == [1]
+    assert [e["step"] for e in member.kinds("heal", level="inner") if e["step"] > 0] == [2]
+    assert member.kinds("stale_update") == []
+    assert [(e["reason"], e["steps"]) for e in member.kinds("discard")] == [("heal", 2)]

@@ -29,6 +29,7 @@ class CommittedState:
         commit after a ``join``, a ``heal``, an ``errored`` Manager or a guard ``resync``)."""
         n = self.work["steps_since_commit"]
         self.work["steps_since_commit"] = 0
+        self._kept_sent = False
         self._count_discarded(n, "inner", why)
 
     def _count_discarded(self, n: int, level: str, why: str) -> None:

@@ -243,6 +243,9 @@ class HierarchicalSync(OuterRound, CommittedState):
         # (its last committed inner backup, its live model) just before this round's heal
         # replaced them: an inner stale update's base and work (committed.py, _stale_inner)
         self._inner_stale: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # keep_local kept steps whose pseudo-gradient a failed round had already sent: never a
+        # stale update (the leader's final outer commit may hold them already)
+        self._kept_sent = False
         # keep_local: the committed state's checksum when the round began (committed.py)
         self._round_start_hash: Optional[int] = None
         # Work accounting: local steps run, and those discarded by a rollback (or
@@ -447,7 +450,8 @@ class HierarchicalSync(OuterRound, CommittedState):
         )
         live, base = stale if stale is not None else (self.flat.data[self.part], None)
         staged = self._reduce(self.inner, self.inner_comm, live, plan, q.rank, base=base)
-        stale_steps = self.work["steps_since_commit"] if stale is not None and plan.weights[q.rank] > 0 else 0
+        sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
+        stale_steps = self.work["steps_since_commit"] if stale is not None and sent else 0
 
         result: Optional[OuterResult] = None
         # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
@@ -481,6 +485,8 @@ class HierarchicalSync(OuterRound, CommittedState):
             raise FatalSyncError(f"inner commits keep failing: {e}") from e
         committed = self._apply(ok, staged, result, plan)
         self._inner_stale = None
+        if not committed and sent and self.work["steps_since_commit"] > 0:
+            self._kept_sent = True  # keep_local kept them (_stale_inner)
         if committed and stale_steps:
             self.events("stale_update", level="inner", steps=stale_steps, behind=-(-stale_steps // self.s.h_inner), step=c.step)
         if outer_now and self._overlap and not final:
@@ -530,8 +536,10 @@ class HierarchicalSync(OuterRound, CommittedState):
         only with one rank per group (each rank heals on its own Manager; the ranks could
         decide differently). The pair was kept by the heal (committed.py) before it
         replaced the model; nothing else changes: the consistency guard sees the healed
-        state, and a failed round rolls back to it."""
-        if join or self._inner_stale is None:
+        state, and a failed round rolls back to it. Not for steps that keep_local kept from a
+        failed round in which they were already sent: the leader's outer commit is final even
+        when its cluster's round fails, so the global model may hold them (counted twice)."""
+        if join or self._inner_stale is None or self._kept_sent:
             return None
         steps = self.work["steps_since_commit"]
         if steps <= 0 or -(-steps // self.s.h_inner) > self.s.inner_max_staleness:
@@ -643,6 +651,7 @@ class HierarchicalSync(OuterRound, CommittedState):
             return False
 
         self.inner.commit(staged)
+        self._kept_sent = False
         if plan.weights and plan.weights[min(self._last_rank, len(plan.weights) - 1)] == 0:
             # committed, but our steps carried weight 0
             self._discard_local_work(self._weight0_why or ("resync" if plan.source is not None else "guard_failed"))
