@@ -4,13 +4,15 @@ What a round commits and what a failure restores: the model at the last commit, 
 inner optimizer's state, each level's backup and momentum, the counters; the state dicts
 a heal transfers (torchft's checkpoint transport) and a durable checkpoint holds.
 Rollback restores the last commit exactly (staged updates are dropped, never applied).
+A heal keeps what it replaced, so a healed member's local steps can still count as an
+inner stale update (:meth:`CommittedState._stale_inner`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -92,6 +94,31 @@ class CommittedState:
                     self.work["steps_since_commit"])
         self.tracker.enter(Phase.LOCAL, reason=f"round failed, local steps kept: {reason}")
 
+    def _stale_inner(self, join: bool) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(live, base) of an inner stale update, or None (weight 0 if this member healed).
+
+        A member that healed in this round's quorum (it skipped rounds through a
+        cluster-lighthouse outage, or was stopped while its peers committed) holds local
+        steps that started from its own last commit. They are still work: as the outer
+        level does for a cluster behind (outer_round.py, ``_stale``), it contributes
+        ``base - live`` measured from that commit, and every member applies the round's
+        average to the healed, newest model — asynchronous Local SGD with one stale
+        contribution. Only within ``inner_max_staleness`` rounds of steps (older work is
+        dropped, weight 0, as before), never in a join round (a restart has no steps), and
+        only with one rank per group (each rank heals on its own Manager; the ranks could
+        decide differently). The pair was kept by the heal (committed.py) before it
+        replaced the model; nothing else changes: the consistency guard sees the healed
+        state, and a failed round rolls back to it. Not for steps that keep_local kept from a
+        failed round in which they were already sent: the leader's outer commit is final even
+        when its cluster's round fails, so the global model may hold them (counted twice)."""
+        if join or self._inner_stale is None or self._kept_sent:
+            return None
+        steps = self.work["steps_since_commit"]
+        if steps <= 0 or -(-steps // self.s.h_inner) > self.s.inner_max_staleness:
+            return None
+        base, live = self._inner_stale
+        return live, base
+
     def _inner_hash(self) -> int:
         return checksum_int(*self._inner_tensors())
 
@@ -126,7 +153,7 @@ class CommittedState:
             return
         if (self._inner_stale is None and self.s.inner_max_staleness > 0 and self.s.group_world_size == 1
                 and self.work["steps_since_commit"] > 0):
-            # What the heal replaces: the work an inner stale update contributes (hier.py, _stale_inner).
+            # What the heal replaces: the work an inner stale update contributes (_stale_inner).
             self._inner_stale = (self.inner.backup.clone(), self.flat.data[self.part].clone())
         self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
         self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]

@@ -63,9 +63,9 @@ members of one cluster: for a moment while leadership moves) is refused before a
 collective runs in it and counts as a failed quorum (managers.GroupRefused): it ends
 the process only if it persists.
 
-(About 640 lines, a third of them this docstring and the settings: the round's phases stay
-in one file, in order; the outer level is outer_round.py, overlap overlap.py, the
-committed state committed.py.)
+(About 770 lines, a third of them this docstring, the settings and their comments: the
+round's phases stay in one file, in order; the outer level is outer_round.py, overlap
+overlap.py, the committed state, heals and the inner stale update committed.py.)
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class HierSettings:
     # A member that healed from a peer carrying local steps of at most this many inner
     # rounds (ceil(steps / h_inner)) since its last commit contributes them, measured from
     # the model they started from, to the round it healed in (a stale update at the inner
-    # level, _stale_inner); 0: weight 0. One rank per group.
+    # level, committed.py _stale_inner); 0: weight 0. One rank per group.
     inner_max_staleness: int = 0
     # A failed inner round keeps the local steps when nothing committed moved
     # (sync.failed_round=keep_local; committed.py). Needs group_world_size == 1.
@@ -521,31 +521,6 @@ class HierarchicalSync(OuterRound, CommittedState):
 
     def is_apply_round(self) -> bool:
         return is_apply_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.outer_delay, self.s.num_fragments)
-
-    def _stale_inner(self, join: bool) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """(live, base) of an inner stale update, or None (weight 0 if this member healed).
-
-        A member that healed in this round's quorum (it skipped rounds through a
-        cluster-lighthouse outage, or was stopped while its peers committed) holds local
-        steps that started from its own last commit. They are still work: as the outer
-        level does for a cluster behind (outer_round.py, ``_stale``), it contributes
-        ``base - live`` measured from that commit, and every member applies the round's
-        average to the healed, newest model — asynchronous Local SGD with one stale
-        contribution. Only within ``inner_max_staleness`` rounds of steps (older work is
-        dropped, weight 0, as before), never in a join round (a restart has no steps), and
-        only with one rank per group (each rank heals on its own Manager; the ranks could
-        decide differently). The pair was kept by the heal (committed.py) before it
-        replaced the model; nothing else changes: the consistency guard sees the healed
-        state, and a failed round rolls back to it. Not for steps that keep_local kept from a
-        failed round in which they were already sent: the leader's outer commit is final even
-        when its cluster's round fails, so the global model may hold them (counted twice)."""
-        if join or self._inner_stale is None or self._kept_sent:
-            return None
-        steps = self.work["steps_since_commit"]
-        if steps <= 0 or -(-steps // self.s.h_inner) > self.s.inner_max_staleness:
-            return None
-        base, live = self._inner_stale
-        return live, base
 
     # ------------------------------------------------------------------ pieces
     def _consistency(
