@@ -442,6 +442,8 @@ def test_lighthouse_and_hang_evidence_from_hand_built_records():
     phased[(0, 0)] = [phase(11.0, "INNER_QUORUM"), *events[(0, 0)]]
     (ev,) = fault_evidence([lh], phased, history, clusters=2)
     assert (ev["round_begun_s"], ev["first_round_s"]) == (0.5, 1.0), ev
+    (ev,) = fault_evidence([lh], events, history, clusters=2)  # no phase events: unknown, not 0
+    assert (ev["commits_resumed_s"], ev["round_begun_s"], ev["first_round_s"]) == (1.5, None, None), ev
 
     hang = {"t": 0.0, "t_abs": t, "kind": "hang", "target": "c1r0", "duration_s": 5.0}
     ev_h = {(1, 0): [{"t": t + 7, "kind": "commit", "level": "inner", "step": 50, "checksum": "x"}],

@@ -166,12 +166,13 @@ def lighthouse_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]
     }
 
 
-def _round_begun(events: Dict[Key, List[Dict[str, Any]]], keys: Sequence[Key], phase: str, up: float, commit: float) -> float:
+def _round_begun(events: Dict[Key, List[Dict[str, Any]]], keys: Sequence[Key], phase: str, up: float, commit: float) -> Optional[float]:
     """When the first round at a level after a lighthouse's return (``up``) had begun in
     every cluster (global: a cluster's round begins when any of its groups, its leader,
     enters ``phase``) or every group of the cluster (its lighthouse) that entered one before
     ``commit``: a group already in ``phase`` at ``up`` began at ``up``. From the processes'
-    ``phase`` events; ``up`` if none is known."""
+    ``phase`` events; None when no group entered ``phase`` around the return (unknown: an
+    overlapped outer round runs on its stage's tracker, which writes no phase events)."""
     starts: Dict[Any, float] = {}
     for k in keys:
         evs = [e for e in events.get(k, []) if e["kind"] == "phase"]
@@ -184,7 +185,7 @@ def _round_begun(events: Dict[Key, List[Dict[str, Any]]], keys: Sequence[Key], p
             continue
         unit = k[0] if phase == "OUTER_QUORUM" else k
         starts[unit] = min(t, starts.get(unit, t))
-    return max(starts.values(), default=up)
+    return max(starts.values()) if starts else None
 
 
 def partition_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], clusters: int) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from hier_localsgd.core.device import host_copy
 from hier_localsgd.core.flat import checksum_int
 from hier_localsgd.core.phases import Phase
 
@@ -94,8 +95,9 @@ class CommittedState:
                     self.work["steps_since_commit"])
         self.tracker.enter(Phase.LOCAL, reason=f"round failed, local steps kept: {reason}")
 
-    def _stale_inner(self, join: bool) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """(live, base) of an inner stale update, or None (weight 0 if this member healed).
+    def _stale_inner(self, join: bool) -> Optional[Tuple[torch.Tensor, torch.Tensor, int]]:
+        """(live, base, rounds behind) of an inner stale update, or None (weight 0 if this
+        member healed).
 
         A member that healed in this round's quorum (it skipped rounds through a
         cluster-lighthouse outage, or was stopped while its peers committed) holds local
@@ -103,21 +105,25 @@ class CommittedState:
         level does for a cluster behind (outer_round.py, ``_stale``), it contributes
         ``base - live`` measured from that commit, and every member applies the round's
         average to the healed, newest model — asynchronous Local SGD with one stale
-        contribution. Only within ``inner_max_staleness`` rounds of steps (older work is
-        dropped, weight 0, as before), never in a join round (a restart has no steps), and
+        contribution. Only when its base is at most ``inner_max_staleness`` rounds behind
+        the healed model (the donor's step less its base's, in rounds of ``h_inner`` steps,
+        rounded up; older work is dropped, weight 0, as before), never in a join round (a
+        restart has no steps), and
         only with one rank per group (each rank heals on its own Manager; the ranks could
         decide differently). The pair was kept by the heal (committed.py) before it
         replaced the model; nothing else changes: the consistency guard sees the healed
         state, and a failed round rolls back to it. Not for steps that keep_local kept from a
-        failed round in which they were already sent: the leader's outer commit is final even
-        when its cluster's round fails, so the global model may hold them (counted twice)."""
+        failed round in which they were already sent: a commit that holds them may exist (the
+        leader's outer commit is final even when its cluster's round fails, and peers may have
+        committed a round this member failed), so they could count twice."""
         if join or self._inner_stale is None or self._kept_sent:
             return None
         steps = self.work["steps_since_commit"]
-        if steps <= 0 or -(-steps // self.s.h_inner) > self.s.inner_max_staleness:
+        base, live, behind_steps = self._inner_stale
+        behind = -(-max(behind_steps, steps) // self.s.h_inner)
+        if steps <= 0 or behind > self.s.inner_max_staleness:
             return None
-        base, live = self._inner_stale
-        return live, base
+        return live.to(self.flat.data.device), base, behind
 
     def _inner_hash(self) -> int:
         return checksum_int(*self._inner_tensors())
@@ -133,8 +139,7 @@ class CommittedState:
         # An early quorum (early.py) serves a heal while the donor's last local step still
         # runs: it announced the sync point's step, and so must the heal, or the healed
         # member would sit one step behind and the guard would resync it at weight 0.
-        early = self._early
-        step = early.step if early is not None else c.step
+        step = self._serve_step if self._serve_step is not None else c.step
         return {
             "model": self._committed.clone(),
             "inner": self.inner.state_dict(),
@@ -153,8 +158,13 @@ class CommittedState:
             return
         if (self._inner_stale is None and self.s.inner_max_staleness > 0 and self.s.group_world_size == 1
                 and self.work["steps_since_commit"] > 0):
-            # What the heal replaces: the work an inner stale update contributes (_stale_inner).
-            self._inner_stale = (self.inner.backup.clone(), self.flat.data[self.part].clone())
+            # What the heal replaces: the work an inner stale update contributes (_stale_inner),
+            # on the host (committed state costs no device memory), and how many steps of
+            # training lie between its base (its last commit) and the donor's state.
+            donor = sd["counters"]
+            assert isinstance(donor, dict)
+            behind = int(donor["step"]) - (self.counters.step - self.work["steps_since_commit"])
+            self._inner_stale = (self.inner.backup.clone(), host_copy(self.flat.data[self.part]), behind)
         self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
         self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
         self._opt_backup = copy.deepcopy(sd["optimizer"])

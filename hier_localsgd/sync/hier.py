@@ -242,7 +242,9 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._pending_heal: Optional[Dict[str, object]] = None
         # (its last committed inner backup, its live model) just before this round's heal
         # replaced them: an inner stale update's base and work (committed.py, _stale_inner)
-        self._inner_stale: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._inner_stale: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
+        # The step an early quorum announced while it is in flight: what a heal serves (committed.py)
+        self._serve_step: Optional[int] = None
         # keep_local kept steps whose pseudo-gradient a failed round had already sent: never a
         # stale update (the leader's final outer commit may hold them already)
         self._kept_sent = False
@@ -359,6 +361,7 @@ class HierarchicalSync(OuterRound, CommittedState):
             full = self.t.phase(Phase.INNER_QUORUM)
             budget = max(full - self.s.quorum_slice, full / 2)
             self._defer_heal = True  # a heal it decides is applied at the sync point (committed.py)
+            self._serve_step = c.step + 1  # set before its thread starts: a donor may serve at once
             self._early = EarlyQuorum(
                 lambda: self.inner_mgr.start_quorum(budget, self.health["inner"], self.s.quorum_slice, progress=progress), c.step + 1)
 
@@ -448,7 +451,7 @@ class HierarchicalSync(OuterRound, CommittedState):
             guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
             tensors=self._inner_tensors(),
         )
-        live, base = stale if stale is not None else (self.flat.data[self.part], None)
+        live, base, behind = stale if stale is not None else (self.flat.data[self.part], None, 0)
         staged = self._reduce(self.inner, self.inner_comm, live, plan, q.rank, base=base)
         sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
         stale_steps = self.work["steps_since_commit"] if stale is not None and sent else 0
@@ -488,7 +491,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         if not committed and sent and self.work["steps_since_commit"] > 0:
             self._kept_sent = True  # keep_local kept them (_stale_inner)
         if committed and stale_steps:
-            self.events("stale_update", level="inner", steps=stale_steps, behind=-(-stale_steps // self.s.h_inner), step=c.step)
+            self.events("stale_update", level="inner", steps=stale_steps, behind=behind, step=c.step)
         if outer_now and self._overlap and not final:
             self._launch_outer(contribute=committed)
         return committed
@@ -499,6 +502,7 @@ class HierarchicalSync(OuterRound, CommittedState):
         quorum request now. Raises what the quorum call raises."""
         tr, c = self.tracker, self.counters
         early, self._early = self._early, None
+        self._serve_step = None  # the sync point's step is c.step now
         if early is not None and not join and early.step == c.step:
             try:
                 q = early.result(tr.remaining())

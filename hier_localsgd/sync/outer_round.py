@@ -321,6 +321,7 @@ class OuterRound:
         c.outer_round, c.step = result.outer_round, result.step
         # The leader's steps since its last inner commit reached the global model.
         self.work["steps_since_commit"] = 0
+        self._kept_sent = False
         self._since_outer = 0
         self.tracker.set_extra(**self.work_counters())
         self._publish_committed()  # the model becomes the new global model
