@@ -129,6 +129,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "train":
         # Before any other thread exists: signals go to the runtime's signal thread.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    elif args.command in STOPPABLE:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _stop_on_signal)
 
     from hier_localsgd.config import ConfigError, dump, load_config
 
@@ -147,11 +150,40 @@ def main(argv: Optional[List[str]] = None) -> int:
         setup_logging(cfg.run.log_level, args.command)
     try:
         return HANDLERS[args.command](cfg, args.overrides)
+    except Stopped as e:
+        print(f"hier-localsgd {args.command}: stopped by {e.signame}; its processes were stopped and its network "
+              f"namespaces removed (run directory {cfg.run.dir})", file=sys.stderr)
+        return 128 + e.signum
     except ConfigError as e:  # found by a command before it starts anything (bench: an arm the workload cannot run)
         if debug():
             traceback.print_exc()
         print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+# Commands that start processes (and network namespaces) of their own: SIGTERM or SIGHUP
+# stops them as Ctrl-C does, through their ``finally`` blocks (LocalJob.stop: every
+# process it started, the namespaces it made), instead of leaving them running. train
+# handles its signals on its own thread; lighthouse waits for them (launch/lighthouse.py).
+STOPPABLE = ("demo", "chaos", "sweep", "tp-sweep", "bench", "dashboard")
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP in a STOPPABLE command (a KeyboardInterrupt, so the code that
+    cleans up after Ctrl-C cleans up after it too)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.signame = signal.Signals(signum).name
+        super().__init__(self.signame)
+
+
+def _stop_on_signal(signum: int, frame: object) -> None:
+    # A second signal must not interrupt the clean-up the first one started (it is bounded:
+    # LocalJob.stop waits at most its grace, then SIGKILLs).
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
 
 
 # -- one handler per command: (config, overrides) -> exit code; imports are lazy so that

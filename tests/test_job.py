@@ -1,8 +1,11 @@
 """Whole jobs as real processes: lighthouses plus one `hier-localsgd train` per replica group."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import pytest
@@ -166,3 +169,44 @@ def test_tensorboard_scalars_per_replica_group(clean_run):
         evals = ea.Scalars("eval/loss")
         assert [e.step for e in evals][0] == 0 and evals[-1].step == STEPS
         assert evals[-1].value < evals[0].value
+
+
+def test_a_demo_stopped_by_sigterm_stops_everything_it_started(tmp_path):
+    """SIGTERM (a scheduler's stop; SIGHUP, a closed terminal, takes the same path) to
+    `hier-localsgd demo`: it stops every process it started and removes the network
+    namespaces it made (run.netns=true where namespaces exist), says so in one line, and
+    exits 128+15. Before, the default handler ended it at once, and its lighthouses,
+    replica groups and namespaces lived on."""
+    import re
+
+    from harness import FAST_JOB
+    from hier_localsgd.launch import netns
+
+    sig = signal.SIGTERM
+    run_dir = tmp_path / "run"
+    ns = ["run.netns=true"] if netns.available() is None else []
+    p = subprocess.Popen(
+        [sys.executable, "-m", "hier_localsgd", "demo", *FAST_JOB, f"run.dir={run_dir}", "train.steps=3000",
+         "train.min_step_time_s=0.1", "demo.progress=false", "demo.dashboard=false", *ns],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 240
+        def committed(k):
+            f = run_dir / "replicas" / k / "events.jsonl"
+            return f.exists() and '"kind": "commit"' in f.read_text()
+        while not all(committed(f"c{c}r{r}") for c in range(2) for r in range(2)):
+            assert p.poll() is None and time.time() < deadline, p.communicate(timeout=30)
+            time.sleep(0.5)
+        os.kill(p.pid, sig)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + sig, (p.returncode, err[-2000:])
+    assert f"stopped by {signal.Signals(sig).name}" in err, err[-2000:]
+    left = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
+    assert left == "", left
+    if ns:  # the namespaces it made are named hln<its pid>...
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not re.search(rf"\bhln{p.pid}[a-z]", names), names
