@@ -200,13 +200,18 @@ def test_a_demo_stopped_by_sigterm_stops_everything_it_started(tmp_path):
             time.sleep(0.5)
         os.kill(p.pid, sig)
         out, err = p.communicate(timeout=120)
-    finally:
+        left = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:  # whatever the outcome, leave nothing behind for the tests after this one
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        subprocess.run(["pkill", "-9", "-f", str(run_dir)], capture_output=True)
+        if ns:
+            time.sleep(0.5)
+            netns.cleanup_stale()  # namespaces of dead pids
     assert p.returncode == 128 + sig, (p.returncode, err[-2000:])
     assert f"stopped by {signal.Signals(sig).name}" in err, err[-2000:]
-    left = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
     assert left == "", left
-    if ns:  # the namespaces it made are named hln<its pid>...
-        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    if ns:  # the namespaces it made are named hln<its pid><letter>
         assert not re.search(rf"\bhln{p.pid}[a-z]", names), names
