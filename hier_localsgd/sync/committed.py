@@ -108,9 +108,8 @@ class CommittedState:
         contribution. Only when its base is at most ``inner_max_staleness`` rounds behind
         the healed model (the donor's step less its base's, in rounds of ``h_inner`` steps,
         rounded up; older work is dropped, weight 0, as before), never in a join round (a
-        restart has no steps), and
-        only with one rank per group (each rank heals on its own Manager; the ranks could
-        decide differently). The pair was kept by the heal (committed.py) before it
+        restart has no steps), and only with one rank per group (each rank heals on its own
+        Manager; the ranks could decide differently). The pair was kept by the heal (committed.py) before it
         replaced the model; nothing else changes: the consistency guard sees the healed
         state, and a failed round rolls back to it. Not for steps that keep_local kept from a
         failed round in which they were already sent: a commit that holds them may exist (the

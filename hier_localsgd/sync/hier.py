@@ -155,9 +155,9 @@ class HierSettings:
     # A cluster behind the outer quorum by 1..this many outer rounds contributes a stale
     # update (outer_round.py, ``_outer_round``); 0: weight 0.
     outer_max_staleness: int = 0
-    # A member that healed from a peer carrying local steps of at most this many inner
-    # rounds (ceil(steps / h_inner)) since its last commit contributes them, measured from
-    # the model they started from, to the round it healed in (a stale update at the inner
+    # A member that healed from a peer whose state is at most this many inner rounds of
+    # steps ahead of the member's last commit contributes its local steps since then,
+    # measured from that commit, to the round it healed in (a stale update at the inner
     # level, committed.py _stale_inner); 0: weight 0. One rank per group.
     inner_max_staleness: int = 0
     # A failed inner round keeps the local steps when nothing committed moved
@@ -240,8 +240,9 @@ class HierarchicalSync(OuterRound, CommittedState):
         self._early: Optional[EarlyQuorum] = None
         self._defer_heal = False
         self._pending_heal: Optional[Dict[str, object]] = None
-        # (its last committed inner backup, its live model) just before this round's heal
-        # replaced them: an inner stale update's base and work (committed.py, _stale_inner)
+        # (its last committed inner backup, its live model, the steps between that commit and
+        # the donor's state) just before this round's heal replaced them: an inner stale
+        # update's base, work and age (committed.py, _stale_inner)
         self._inner_stale: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
         # The step an early quorum announced while it is in flight: what a heal serves (committed.py)
         self._serve_step: Optional[int] = None

@@ -61,7 +61,7 @@ class LevelConfig:
     # rounds (its leader was dead or cut off when the others synced) still contributes its
     # work since its last outer commit. inner: a member that healed from a peer (back from
     # a cluster-lighthouse outage or a stop) still contributes its local steps since its
-    # last commit if they span at most max_staleness rounds (ceil(steps / every)).
+    # last commit if the healed state is at most max_staleness rounds of steps ahead of it.
     # 0: such work carries weight 0 and is lost.
     max_staleness: int = 0
 
