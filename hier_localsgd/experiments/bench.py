@@ -107,6 +107,8 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         # streaming fragments (core/fragments.py): half the model per outer round, twice as often
         "hier_frag2": ["sync.mode=hier", "sync.outer.fragments=2"],
         "hier_overlap_int8_frag2": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8", "sync.outer.fragments=2"],
+        # a third of the model per round, for WANs where one int8 round outlasts an inner round (bench.h_outer a multiple of 3, >= 6)
+        "hier_overlap_int8_frag3": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8", "sync.outer.fragments=3"],
     }
     return common, {a: arms[a] for a in b.arms}, steps
 
@@ -391,7 +393,7 @@ def prepare(cfg: Config, overrides: List[str]) -> Optional[Tuple[Path, Dict[str,
         try:
             load_config([*overrides, *common, *extra], validate_for="demo")
         except ConfigError as e:
-            fail("bench.arms", f"{name!r} cannot run with this workload ({e}); e.g. the *_frag2 arms need an even bench.h_outer, overlapped ones >= 4")
+            fail("bench.arms", f"{name!r} cannot run with this workload ({e}); e.g. the *_fragF arms need bench.h_outer a multiple of F, overlapped ones >= 2F")
     return out, arms, steps, [*overrides, *common]
 
 
