@@ -140,3 +140,24 @@ def test_ddp_inside_a_group_averages_gradients():
     assert not torch.allclose(own0, own1)  # the ranks' batches differ
     assert torch.equal(avg0, avg1)
     torch.testing.assert_close(avg0, (own0 + own1) / 2, rtol=1e-5, atol=1e-7)
+
+
+def test_two_ranks_per_group_with_overlapped_int8_fragments_stay_consistent(tmp_path):
+    """Every outer mechanism of #13 at once on groups of two ranks (each rank syncing its own
+    slice of the model): streaming fragments (F = 2), overlap by one inner round, int8 with
+    error feedback. Outer rounds at steps 10, 20, 30 sync fragments 0, 1, 0 (each rank the
+    part of the fragment inside its slice); the last one, at 40, syncs everything, blocking."""
+    frag = ["sync.outer.every=4", "sync.outer.fragments=2", "sync.outer.delay=1", "sync.outer.compression=int8"]
+    run = run_job(tmp_path, [*G2, *frag, "train.steps=40"])
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    s = run.summary
+    assert s["consistent"] is True and len(s["checksums"]) == 8
+    assert s["outer_rounds_committed"] == 4
+    for c in range(2):
+        leader = run.kinds((c, 0), "commit", level="outer")
+        assert [e["fragment"] for e in leader] == [0, 1, 0, None], leader
+        assert not run.kinds((c, 0), "rollback") and not run.kinds((c, 1), "rollback")
+    # both ranks of a group hold the same model, and it is not the initial one (it trained)
+    r0 = read_json(replica_dir(run.job.run_dir, 1, 1) / "result.json")
+    r1 = read_json(replica_dir(run.job.run_dir, 1, 1, 1) / "result.json")
+    assert r0["checksum"] == r1["checksum"] and r0["train_loss"] != r1["train_loss"]

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hier_localsgd.config import load_config
 from hier_localsgd.core.status import read_events
 from hier_localsgd.tools.simulate import engine, params
+from hier_localsgd.tools.simulate.params import KILL_PHASES
 
 # What the replay fixes besides the run's own overrides: no failure process of its own
 # (the kills list only), no sensitivity sweep, one run (the replay is deterministic).
@@ -37,23 +38,34 @@ REPLAY = ["simulate.failures.model=none", "simulate.sensitivity=[]", "simulate.r
 RESTART_GRID = [x / 2 for x in range(2, 61)]
 
 
+def _at(phase: Optional[str]) -> str:
+    """The ``@PHASE`` suffix of a replayed kill: a sync phase the process was in (the
+    report's ``phase``); none for a local step, a start-up or an unknown phase."""
+    return f"@{phase}" if phase in KILL_PHASES and phase != "LOCAL" else ""
+
+
 def kills_of(report: Dict[str, Any], replicas: int) -> List[str]:
-    """The report's kills as the simulator's ``sK:c[:r]`` list, in the order they fell.
+    """The report's kills as the simulator's ``sK:c[:r][@PHASE]`` list, in the order they fell.
 
     A whole-cluster kill (every replica group of one cluster among its targets) becomes
-    ``sK:c`` with K the lowest step its groups showed; any other target ``sK:c:r``."""
+    ``sK:c`` with K the lowest step its groups showed (and that group's phase); any other
+    target ``sK:c:r``. A kill in a sync phase names it, so the replay places it in the round
+    it hit rather than in the next local step (older reports without phases: local steps)."""
     out: List[str] = []
     for k in report["kills"]:
         by_cluster: Dict[int, List[int]] = {}
         for t in k["targets"]:  # "c<C>r<R>"
             c, r = (int(x) for x in t[1:].split("r"))
             by_cluster.setdefault(c, []).append(r)
+        phases = k.get("phase") or {}
         for c, rs in sorted(by_cluster.items()):
             steps = [int(k["step"][f"c{c}r{r}"] or 0) for r in rs]
+            at = [_at(phases.get(f"c{c}r{r}")) for r in rs]
             if len(set(rs)) == replicas:
-                out.append(f"s{min(steps)}:{c}")
+                i = steps.index(min(steps))
+                out.append(f"s{steps[i]}:{c}{at[i]}")
             else:
-                out.extend(f"s{s}:{c}:{r}" for r, s in zip(rs, steps))
+                out.extend(f"s{s}:{c}:{r}{a}" for r, s, a in zip(rs, steps, at))
     return out
 
 
@@ -85,6 +97,8 @@ def record(label: str, overrides: Sequence[str], report: Dict[str, Any], step_s:
         # The simulator counts steps as the processes do (chaos.py's process_efficiency):
         # rolled back or at weight 0, and uncommitted at a death; not the work a lost
         # cluster or an outer round at weight 0 takes with it (the report's goodput counts those).
+        # where the processes' discarded steps came from (chaos_evidence.py ``discarded_by``)
+        "discarded_by": report.get("discarded_by"),
         "measured": {"steps_run": report["steps_run"],
                      "steps_discarded": report["steps_lost"]["rolled_back_or_weight0"] + report["steps_lost"]["uncommitted_at_death"],
                      "process_efficiency": report["process_efficiency"], "consistent": report["consistent"],

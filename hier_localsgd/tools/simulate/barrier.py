@@ -118,6 +118,8 @@ class OuterBarrier:
         self.first_arrival = INF
         self.barrier_gen += 1
         self.in_flight = {"parts": parts, "ids": ids, "start": t, "gen": self.barrier_gen}
+        for ci in parts:
+            self.fire(self.clusters[ci], t, ("OUTER_REDUCE", "OUTER_COMMIT"))
         self.push(t + heal + reconf + p.outer_time(len(parts)), OUTER_DONE, 0, 0, self.barrier_gen)
 
     def on_outer_done(self, t: float, _a: int, _b: int, gen: int) -> None:
@@ -138,6 +140,7 @@ class OuterBarrier:
             c.state = S_COMMIT
             self.outstanding.add(ci)
             self.push(t + self.p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
+            self.fire(c, t, ("BROADCAST",))
         if horizon:
             self.stop_pending = True
         self.evaluate_barrier(t)

@@ -62,8 +62,11 @@ Failures:
   round, but the outer result (which holds the cluster's work) stands;
 * a whole cluster lost: its uncommitted work is lost; the others continue (with
   ``min_clusters``); its replica groups restart together (start-up barrier, at most
-  ``startup_s``) from scratch and train until their first outer round, where they heal
-  from another cluster at weight 0;
+  ``startup_s``) and, once the job has moved past step 0, their join round is an outer
+  round of weight 0: the leader waits at the global lighthouse for the others' next outer
+  round and the cluster takes the global model and step before its first local step
+  (sync/outer_round.py ``_outer_join_wanted``). If that quorum times out, it trains from
+  scratch until its first outer round and heals there at weight 0;
 * a hang (``hang_fraction`` of failures): the replica group stops but keeps heartbeating:
   a collective it is part of fails at the phase timeout (``inner_reduce_s``,
   ``outer_reduce_s``), quorums give up on it after ``join_s``; its watchdog ends it
@@ -160,7 +163,7 @@ class Simulation(OuterBarrier, Failures):
         self.failed_outer = 0
         self.kills_stopped = False
         self.truncated = False
-        self.step_kills: Dict[int, List[Tuple[int, int]]] = defaultdict(list)  # cluster -> [(step, replica)]
+        self.step_kills: Dict[int, List[Tuple[int, int, str]]] = defaultdict(list)  # cluster -> [(step, replica, phase)]
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: int, a: int = 0, b: int = 0, token: int = 0) -> None:
@@ -220,16 +223,20 @@ class Simulation(OuterBarrier, Failures):
         c.round_compute = 0.0
         c.round_joiners = 0
         c.broken = False
+        c.outer_join = False
         c.outer_outcome = None
         self.enter(c, t, "compute")
         c.round_step_s = p.step_s
         if p.step_jitter > 0:
             c.round_step_s = p.step_s * max(0.05, 1.0 + self.jitter_rng.gauss(0.0, p.step_jitter))
         self.push(t + p.h_inner * c.round_step_s, COMPUTE_DONE, c.idx, 0, c.epoch)
+        for r, _ in c.armed:  # armed for a sync phase the failed round never reached
+            self.push(t, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
+        c.armed = []
         kills = self.step_kills.get(c.idx)
         if kills:
-            for k, r in [x for x in kills if c.step <= x[0] < c.step + p.h_inner]:
-                kills.remove((k, r))
+            for k, r, ph in [x for x in kills if c.step <= x[0] < c.step + p.h_inner and x[2] == "LOCAL"]:
+                kills.remove((k, r, ph))
                 at = t + (k - c.step + 0.5) * c.round_step_s  # half-way through local step k+1
                 self.push(at, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
 
@@ -245,6 +252,8 @@ class Simulation(OuterBarrier, Failures):
         c.state = S_QUORUM
         c.phase_start = t
         self.enter(c, t, "wait")
+        self.arm(c)
+        self.fire(c, t, ("INNER_QUORUM",))
         self.schedule_quorum(c, t)
 
     def quorum_time(self, c: Cluster, now: float) -> Tuple[float, int]:
@@ -316,6 +325,7 @@ class Simulation(OuterBarrier, Failures):
         c.state = S_SYNC
         c.phase_start = t
         self.enter(c, t, "sync")
+        self.fire(c, t, ("INNER_REDUCE",))
         heal = p.heal_s if joiners else 0.0
         reconf = p.reconfigure_s if changed else 0.0
         if heal + reconf > 0:
@@ -342,6 +352,7 @@ class Simulation(OuterBarrier, Failures):
             c.phase_start = t
             self.enter(c, t, "wait")
             self.arrive(c, t)
+            self.fire(c, t, ("OUTER_QUORUM",))
         else:
             self.commit(c, t)
 
@@ -350,6 +361,21 @@ class Simulation(OuterBarrier, Failures):
         p = self.p
         n = len(c.active)
         outcome = c.outer_outcome
+        if c.outer_join:  # a restarted cluster's join round: no work in it, nothing to discard
+            c.outer_join = False
+            if outcome == "committed":
+                self.adopt(c)
+            if c.idx in self.outstanding:
+                self.outstanding.discard(c.idx)
+            self.start_round(c, t)
+            if self.stop_pending and not self.outstanding:
+                self.end = t
+            return
+        # Replayed kills in INNER_COMMIT: the round's collectives are done, so the round
+        # commits for everyone; the victim dies before its own commit, losing its round's
+        # steps (as the chaos report counts them: uncommitted at its death).
+        at_commit = [r for r, ph in c.armed if ph == "INNER_COMMIT"]
+        c.armed = [x for x in c.armed if x[1] != "INNER_COMMIT"]
         if c.broken:
             # The cluster's inner round failed; an outer commit holding its work stands.
             self.steps_discarded += (n - c.round_joiners) * p.h_inner
@@ -383,6 +409,9 @@ class Simulation(OuterBarrier, Failures):
         if not self.hier and self.stop_pending_check(t):
             return
         self.start_round(c, t)
+        for r in at_commit:
+            self.steps_discarded += p.h_inner * (len(c.active) if r < 0 else int(r in c.active))
+            self.push(t, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
         if self.hier and self.stop_pending and not self.outstanding:
             self.end = t
 

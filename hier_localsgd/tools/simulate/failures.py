@@ -42,9 +42,9 @@ class Failures:
                     self.push(self.rng.expovariate(1.0 / p.cluster_mtbf_s), CLUSTER_FAIL, c.idx, 0, 0)
         elif p.failure_model == "chaos":
             self.push(self.rng.expovariate(1.0 / p.kill_every_s), KILL, 0, 0, 0)
-        for t, c, r, step in p.kills:
+        for t, c, r, step, phase in p.kills:
             if step >= 0:
-                self.step_kills[c].append((step, r))
+                self.step_kills[c].append((step, r, phase))
                 continue
             if r < 0:
                 self.push(t, CLUSTER_FAIL, c, 0, -1)  # token -1: explicit, not rescheduled
@@ -126,6 +126,25 @@ class Failures:
             return [(c.idx, m.r) for c, m in running if not (self.hier and m.r == c.leader and m.r in c.active)]
         whole = [c.idx for c in self.clusters if c.state not in (S_DOWN, S_DONE) and all(m.alive and not m.hung for m in c.members)]
         return [(ci, -1) for ci in whole] if self.hier and len(whole) >= 2 else []
+
+    def fire(self, c: Cluster, t: float, phases: Tuple[str, ...]) -> None:
+        """The replayed kills armed for this round (:meth:`arm`) that fall in one of ``phases``."""
+        for r, ph in [x for x in c.armed if x[1] in phases]:
+            c.armed.remove((r, ph))
+            self.push(t, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
+
+    def arm(self, c: Cluster) -> None:
+        """At the end of a round's compute (``c.step`` = K): the replayed kills of the round
+        ending at K that fell in a sync phase. They fire as the cluster enters that phase
+        (engine.py, barrier.py); an outer phase on a round that is not an outer round here
+        becomes INNER_REDUCE. Kills still armed when a new round starts fire at once."""
+        kills = self.step_kills.get(c.idx)
+        if not kills:
+            return
+        outer = self.is_outer_round(c)
+        for k, r, ph in [x for x in kills if x[0] == c.step and x[2] != "LOCAL"]:
+            kills.remove((k, r, ph))
+            c.armed.append((r, ph if outer or not ph.startswith(("OUTER", "BROADCAST")) else "INNER_REDUCE"))
 
     def fail_member(self, c: Cluster, r: int, t: float, fid: int, hang: bool) -> None:
         """Replica group r of cluster c crashes (or hangs) at t."""
@@ -306,8 +325,10 @@ class Failures:
             self.schedule_quorum(c, t)
 
     def on_cluster_start(self, t: float, ci: int, _b: int, epoch: int) -> None:
-        """A lost cluster restarts from scratch: step 0, initial weights, a new cluster Manager.
-    (flat/ddp, where the one "cluster" is the whole job: from its last commit.)"""
+        """A lost cluster restarts: a new cluster Manager, step 0 and the initial weights until
+        its join round takes the global model (hier, once the job has moved on: an outer round
+        of weight 0 before its first local step). flat/ddp, where the one "cluster" is the
+        whole job: from its last commit."""
         c = self.clusters[ci]
         if epoch != c.epoch or c.state != S_DOWN:
             return
@@ -334,4 +355,20 @@ class Failures:
         c.leader = min(back)
         self.new_manager(c, c.restart_cause)
         c.delay_cause = c.restart_cause
+        if self.hier and self.global_step > 0:
+            # Its join round is an outer round of weight 0 (sync/outer_round.py
+            # _outer_join_wanted): the leader waits at the global lighthouse for the others'
+            # next outer round and the cluster takes the global model and step before its
+            # first local step. If that quorum does not form in time it trains from step 0.
+            c.epoch += 1
+            c.outer_join = True
+            c.round_compute = 0.0
+            c.round_joiners = len(c.active)
+            c.broken = False
+            c.outer_outcome = None
+            c.state = S_OUTER
+            c.phase_start = t
+            self.enter(c, t, "wait")
+            self.arrive(c, t)
+            return
         self.start_round(c, t)

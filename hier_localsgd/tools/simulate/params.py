@@ -58,7 +58,7 @@ class SimParams:
     kill_every_s: float
     roles: Tuple[str, ...]
     stop_kills_at: float
-    kills: Tuple[Tuple[float, int, int, int], ...]  # (t or -1, cluster, replica or -1, step or -1)
+    kills: Tuple[Tuple[float, int, int, int, str], ...]  # (t or -1, cluster, replica or -1, step or -1, phase)
     hang_fraction: float
     duration_s: float
     steps: int
@@ -84,12 +84,22 @@ class SimParams:
         return self.inner_time(self.replicas) / self.h_inner  # one level (flat, ddp: H_inner = 1)
 
 
-def _parse_kills(kills: Sequence[str], clusters: int, replicas: int) -> Tuple[Tuple[float, int, int, int], ...]:
-    """``"t:c[:r]"`` (at t seconds) or ``"sK:c[:r]"`` (during cluster c's local step K+1)."""
+# The phases a replayed kill can name (``"sK:c[:r]@PHASE"``): where in the round ending at
+# step K the process was (the chaos report's ``phase``). LOCAL: during local step K+1.
+KILL_PHASES = ("LOCAL", "INNER_QUORUM", "INNER_REDUCE", "OUTER_QUORUM", "OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST", "INNER_COMMIT")
+
+
+def _parse_kills(kills: Sequence[str], clusters: int, replicas: int) -> Tuple[Tuple[float, int, int, int, str], ...]:
+    """``"t:c[:r]"`` (at t seconds) or ``"sK:c[:r][@PHASE]"`` (during cluster c's local step
+    K+1, or in PHASE of the round that ends at step K): (t or -1, c, r or -1, K or -1, PHASE)."""
     out = []
     for i, k in enumerate(kills):
         path = f"simulate.failures.kills[{i}]"
-        parts = str(k).split(":")
+        text, _, phase = str(k).partition("@")
+        phase = phase or "LOCAL"
+        if phase not in KILL_PHASES or (phase != "LOCAL" and not text.startswith("s")):
+            raise ValueError(f"{path}: {k!r} — a phase goes with a step kill 'sK:c[:r]@PHASE', PHASE one of {KILL_PHASES}")
+        parts = text.split(":")
         try:
             if len(parts) not in (2, 3):
                 raise ValueError
@@ -105,7 +115,7 @@ def _parse_kills(kills: Sequence[str], clusters: int, replicas: int) -> Tuple[Tu
             raise ValueError(f"{path}: {k!r} — expected 't:c' (whole cluster) or 't:c:r' (t in seconds), or 'sK:c[:r]' (at local step K)") from None
         if bad or not 0 <= c < clusters or not -1 <= r < replicas or (len(parts) == 3 and r < 0):
             raise ValueError(f"{path}: {k!r} — time and step must be >= 0, cluster in [0, {clusters}), replica in [0, {replicas})")
-        out.append((t, c, r, step))
+        out.append((t, c, r, step, phase))
     return tuple(out)
 
 
@@ -201,8 +211,8 @@ def resolve(cfg: "Config") -> SimParams:
     kills = _parse_kills(f.kills, tp.clusters, tp.replicas_per_cluster)
     if not hier and kills:
         # flat/ddp simulate one group of C*R: replica r of cluster c is member c*R + r.
-        kills = tuple((t, 0, (c * tp.replicas_per_cluster + r) if r >= 0 else -1, k) for t, c, r, k in kills)
-        if any(r < 0 for _, _, r, _ in kills):
+        kills = tuple((t, 0, (c * tp.replicas_per_cluster + r) if r >= 0 else -1, k, ph) for t, c, r, k, ph in kills)
+        if any(r < 0 for _, _, r, _, _ in kills):
             raise ValueError("simulate.failures.kills: whole-cluster kills need sync.mode=hier")
     secs = lambda td: td.total_seconds()  # noqa: E731
     p = SimParams(

@@ -83,6 +83,8 @@ class Cluster:
         self.stale_cause = -1
         self.delay_cause = -1
         self.broken = False  # a non-leader died during the outer phase
+        self.outer_join = False  # restarted whole: its join round is an outer round of weight 0
+        self.armed: List[Tuple[int, str]] = []  # replayed kills of this round's sync phases: (replica or -1, phase)
         self.outer_weight = 0.0  # this cluster's weight in the outer round in flight
         self.outer_outcome: Optional[str] = None  # "committed" | "inner_only" for the pending commit
         # work (compute replica-seconds)
