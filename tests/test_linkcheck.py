@@ -32,3 +32,16 @@ def test_a_shaped_link_bounds_the_all_reduce_and_both_modes_send_the_ring_count(
     for m in (kernel, emulated):
         for sent in m.tx_bytes:
             assert m.analytic_bytes <= sent <= 1.12 * m.analytic_bytes, (m.mode, sent, m.analytic_bytes)
+
+
+def test_the_int8_all_reduce_on_a_shaped_link_sends_its_compressed_count():
+    """The outer level's compressed all-reduce (all-to-all of int8 shards, then all-gather)
+    on the same kernel-shaped link: its wire bytes are its compressed payload (about a
+    quarter of fp32's) plus headers and acknowledgements, and it cannot beat the rate."""
+    (kernel,) = linkcheck.measure(clusters=2, rate_mbit=40, nbytes=NBYTES, reps=2, modes=("kernel",), op="int8")
+    print(linkcheck.report([kernel]))
+    assert kernel.analytic_bytes < 0.27 * NBYTES  # int8 + per-block scales, not fp32's ring count (NBYTES here)
+    floor = kernel.bound_s - 2 * BURST * 8 / 40e6  # two collectives, each may start with a full bucket
+    assert min(kernel.times_s) >= floor, (kernel.times_s, kernel.bound_s)
+    for sent in kernel.tx_bytes:
+        assert kernel.analytic_bytes <= sent <= 1.12 * kernel.analytic_bytes, (sent, kernel.analytic_bytes)

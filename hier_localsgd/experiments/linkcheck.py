@@ -19,6 +19,12 @@ Three figures, each measured against something it was not derived from:
 * ``emulated_vs_kernel`` — the same all-reduce on unshaped links with the user-space
   emulation at the same rate ÷ the kernel-shaped time.
 
+``op="int8"`` times the outer level's compressed all-reduce instead
+(core/compressed_allreduce.py: all-to-all of int8 shards, dequantize and sum, requantize,
+all-gather); its bound and analytic bytes are those of its compressed payload. ``busy=N``
+runs N processes spinning on the CPU alongside (as training does next to an overlapped
+outer round), to separate the link's cost from CPU contention.
+
 What is real and what is not: bandwidth is the kernel's (tbf's token bucket on both
 ends of each uplink); there is no added latency (``tc netem`` is not available on these
 machines, so a latency term, if wanted, would come from user space and is left out:
@@ -67,6 +73,8 @@ class Measurement:
     rate_mbit: float
     nbytes: int
     mode: str  # "kernel" (tbf-shaped, no emulation) or "emulated" (unshaped, user-space rate)
+    op: str = "allreduce"  # or "int8": the compressed all-reduce
+    busy: int = 0  # CPU-spinning processes alongside
     times_s: List[float] = field(default_factory=list)  # slowest rank, per repetition
     tx_bytes: List[float] = field(default_factory=list)  # mean over ranks, per repetition
     bound_s: float = 0.0
@@ -104,7 +112,7 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     emu = LinkSpec(bandwidth_Bps=spec["emulate_Bps"]) if spec["emulate_Bps"] else None
     pg = LinkProcessGroup("outer", timeout, emulation=emu)
     pg.configure(f"{spec['host']}:{STORE_PORT}/linkcheck", f"linkcheck_{rank}", rank, world)
-    t = torch.ones(spec["nbytes"] // 4, dtype=torch.float32)
+    t = torch.randn(spec["nbytes"] // 4, generator=torch.Generator().manual_seed(rank))
     small = torch.zeros(1)
 
     def allreduce(x: torch.Tensor) -> None:
@@ -113,16 +121,25 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         opts.timeout = timeout
         pg.allreduce([x], opts).wait()
 
+    if spec.get("op", "allreduce") == "int8":
+        from hier_localsgd.core.compressed_allreduce import compressed_allreduce
+
+        def payload(x: torch.Tensor) -> None:
+            compressed_allreduce(x, pg, "int8", timeout=timeout, rank=rank, world=world)
+    else:
+        payload = allreduce
+
     def tx() -> int:
         return read_net_dev(Path("/proc/net/dev").read_text())[spec["iface"]][1]
 
-    allreduce(t)  # warm-up: connections, buffers
+    payload(t.clone())  # warm-up: connections, buffers
     times, sent = [], []
     for _ in range(spec["reps"]):
         allreduce(small)  # start together
+        x = t.clone()
         before = tx()
         t0 = time.perf_counter()
-        allreduce(t)
+        payload(x)
         times.append(time.perf_counter() - t0)
         allreduce(small)  # everyone's receive is over before the counter is read
         sent.append(tx() - before)
@@ -132,9 +149,11 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     return {"rank": rank, "times_s": times, "tx_bytes": sent}
 
 
-def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 * 1024, reps: int = 3, modes: tuple = ("kernel", "emulated")) -> List[Measurement]:
+def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 * 1024, reps: int = 3, modes: tuple = ("kernel", "emulated"),
+            op: str = "allreduce", busy: int = 0) -> List[Measurement]:
     """Times ``reps`` all-reduces of ``nbytes`` among ``clusters`` processes (one per
-    cluster namespace) for each mode, on a fresh cluster network removed afterwards.
+    cluster namespace) for each mode, on a fresh cluster network removed afterwards
+    (``op``, ``busy``: the module's docstring).
 
     Raises:
         LinkCheckError: a worker failed or timed out.
@@ -143,7 +162,29 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
     from hier_localsgd.launch.netns import ClusterNetwork
 
     rate = rate_mbit * 1e6
+    if op == "int8":
+        from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
+
+        sent = compressed_allreduce_bytes(nbytes // 4, clusters, "int8")  # per rank, both collectives
+        bound, analytic = sent / (rate / 8), float(sent)
+    elif op == "allreduce":
+        bound, analytic = ring_bound_s(nbytes, clusters, rate), costs.ring_allreduce_bytes(nbytes, clusters)
+    else:
+        raise ValueError(f"linkcheck: op {op!r} — expected allreduce or int8")
     out = []
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, bound, analytic, out)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: int, modes: tuple, op: str, busy: int,
+             bound: float, analytic: float, out: List[Measurement]) -> List[Measurement]:
+    from hier_localsgd.launch.netns import ClusterNetwork
+
     with ClusterNetwork(clusters) as net:
         for mode in modes:
             for c in range(clusters):
@@ -151,9 +192,8 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
                     net.shape(c, rate)
                 else:
                     net.unshape(c)
-            m = Measurement(clusters, rate_mbit, nbytes, mode, bound_s=ring_bound_s(nbytes, clusters, rate),
-                            analytic_bytes=costs.ring_allreduce_bytes(nbytes, clusters))
-            results = _run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0)
+            m = Measurement(clusters, rate_mbit, nbytes, mode, op, busy, bound_s=bound, analytic_bytes=analytic)
+            results = _run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0, op)
             for i in range(reps):
                 m.times_s.append(max(r["times_s"][i] for r in results))
                 m.tx_bytes.append(sum(r["tx_bytes"][i] for r in results) / len(results))
@@ -161,10 +201,10 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
     return out
 
 
-def _run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: float) -> List[Dict[str, Any]]:
+def _run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: float, op: str = "allreduce") -> List[Dict[str, Any]]:
     procs = []
     for c in range(clusters):
-        spec = {"rank": c, "world": clusters, "host": net.address(0), "nbytes": nbytes, "reps": reps,
+        spec = {"rank": c, "world": clusters, "host": net.address(0), "nbytes": nbytes, "reps": reps, "op": op,
                 "emulate_Bps": emulate_Bps, "iface": net.cluster_iface(c), "timeout_s": WORKER_TIMEOUT.total_seconds() / 2}
         argv = net.wrap([sys.executable, "-m", "hier_localsgd.experiments.linkcheck", json.dumps(spec)], where=c)
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -189,14 +229,14 @@ def _run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: f
 
 def report(ms: List[Measurement]) -> str:
     """A markdown table of the measurements, with the emulated-vs-kernel ratio per configuration."""
-    lines = ["| clusters | rate | payload | mode | time (s) | ring bound (s) | time/bound | wire bytes/analytic |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| clusters | rate | payload | op | busy | mode | time (s) | ring bound (s) | time/bound | wire bytes/analytic |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in ms:
-        lines.append(f"| {m.clusters} | {m.rate_mbit:g} Mbit/s | {m.nbytes / 2**20:.1f} MiB | {m.mode} | {m.time_s:.3f} | "
+        lines.append(f"| {m.clusters} | {m.rate_mbit:g} Mbit/s | {m.nbytes / 2**20:.1f} MiB | {m.op} | {m.busy} | {m.mode} | {m.time_s:.3f} | "
                      f"{m.bound_s:.3f} | {m.time_vs_bound:.3f} | {m.wire_vs_analytic:.3f} |")
-    kernel = {(m.clusters, m.rate_mbit, m.nbytes): m for m in ms if m.mode == "kernel"}
+    kernel = {(m.clusters, m.rate_mbit, m.nbytes, m.op, m.busy): m for m in ms if m.mode == "kernel"}
     for m in ms:
-        k = kernel.get((m.clusters, m.rate_mbit, m.nbytes))
+        k = kernel.get((m.clusters, m.rate_mbit, m.nbytes, m.op, m.busy))
         if m.mode == "emulated" and k is not None:
             lines.append(f"\nemulated/kernel time, {m.clusters} clusters at {m.rate_mbit:g} Mbit/s, "
                          f"{m.nbytes / 2**20:.1f} MiB: {m.time_s / k.time_s:.3f}")
