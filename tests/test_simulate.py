@@ -203,18 +203,27 @@ def test_replayed_kills_discard_what_the_model_says_by_hand():
 
 
 def test_a_replayed_kill_in_a_sync_phase_costs_the_round():
-    """The same kill of c1r1 at step 230 (a round boundary) placed by the phase it hit: in
-    local step 231 it loses nothing (the round at 230 committed); in INNER_REDUCE of the round
-    ending at 230 that round fails for c1r0 too (10 + 10 steps); in INNER_COMMIT the round's
-    collectives are done, so c1r0 commits and only the victim's 10 uncommitted steps go."""
-    def discarded(kill):
-        cfg = loaded(report.CHAOS_VALIDATION, runs=1, failures=FailureConfig(model="none", restart_s=6.0, kills=[kill]))
+    """A kill of c1r1 at a round boundary placed by the phase it hit (what chaos.py counts: a
+    dead process's steps since its last inner commit, and rolled-back rounds): in local step
+    231 it loses nothing (the round at 230 committed); in INNER_REDUCE of the round ending at
+    230 that round fails for c1r0 too (10 + 10 steps); in INNER_COMMIT the round's collectives
+    are done, so c1r0 commits and only the victim's 10 uncommitted steps go."""
+    def discarded(kill, *extra):
+        cfg = loaded([*report.CHAOS_VALIDATION, *extra], runs=1, failures=FailureConfig(model="none", restart_s=6.0, kills=[kill]))
         return one_run(cfg).steps_discarded
 
     assert discarded("s230:1:1") == 0
     assert discarded("s230:1:1@LOCAL") == 0
     assert discarded("s230:1:1@INNER_REDUCE") == 20
     assert discarded("s230:1:1@INNER_COMMIT") == 10
+    # INNER_QUORUM: with the early quorum (the default) the victim is already in the round's
+    # quorum, so the round fails as in INNER_REDUCE; without it the lighthouse waits for its
+    # heartbeat to stop and forms the quorum without it: only the victim's steps go.
+    assert discarded("s230:1:1@INNER_QUORUM") == 20
+    assert discarded("s230:1:1@INNER_QUORUM", "sync.inner.early_quorum=false") == 10
+    # BROADCAST of the outer round at 240: the outer commit holds the cluster's work, but the
+    # victim's process had not committed its round and c1r0's round fails with the broadcast.
+    assert discarded("s240:1:1@BROADCAST") == 20
 
 
 def test_torchft_per_step_shape():

@@ -32,6 +32,7 @@ class OuterBarrier:
             self.first_arrival = INF
         c.outer_outcome = "inner_only"
         c.state = S_COMMIT
+        self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))  # the header's broadcast; no outer round ran
         self.push(t + self.p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
         self.evaluate_barrier(t)
 
@@ -139,8 +140,8 @@ class OuterBarrier:
             c.outer_outcome = "committed"
             c.state = S_COMMIT
             self.outstanding.add(ci)
+            self.fire(c, t, ("BROADCAST",))  # before the commit's event: a kill at the same instant comes first
             self.push(t + self.p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
-            self.fire(c, t, ("BROADCAST",))
         if horizon:
             self.stop_pending = True
         self.evaluate_barrier(t)
@@ -161,5 +162,6 @@ class OuterBarrier:
             c.outer_outcome = "inner_only"
             c.state = S_COMMIT
             c.delay_cause = fid
+            self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
             self.push(t + self.p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
         self.evaluate_barrier(t)

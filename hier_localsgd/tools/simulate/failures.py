@@ -137,14 +137,20 @@ class Failures:
         """At the end of a round's compute (``c.step`` = K): the replayed kills of the round
         ending at K that fell in a sync phase. They fire as the cluster enters that phase
         (engine.py, barrier.py); an outer phase on a round that is not an outer round here
-        becomes INNER_REDUCE. Kills still armed when a new round starts fire at once."""
+        becomes INNER_REDUCE, and so does INNER_QUORUM with ``sync.inner.early_quorum`` (the
+        round's quorum, the victim in it, formed during the last local step: the round's
+        collectives fail). Kills still armed when a new round starts fire at once."""
         kills = self.step_kills.get(c.idx)
         if not kills:
             return
         outer = self.is_outer_round(c)
         for k, r, ph in [x for x in kills if x[0] == c.step and x[2] != "LOCAL"]:
             kills.remove((k, r, ph))
-            c.armed.append((r, ph if outer or not ph.startswith(("OUTER", "BROADCAST")) else "INNER_REDUCE"))
+            if ph.startswith(("OUTER", "BROADCAST")) and not outer:
+                ph = "INNER_REDUCE"
+            elif ph == "INNER_QUORUM" and self.p.early_quorum:
+                ph = "INNER_REDUCE"  # the quorum formed during the last local step: the victim is in it
+            c.armed.append((r, ph))
 
     def fail_member(self, c: Cluster, r: int, t: float, fid: int, hang: bool) -> None:
         """Replica group r of cluster c crashes (or hangs) at t."""
@@ -175,10 +181,12 @@ class Failures:
             self.steps_discarded += k
             self.lose("own_work", partial, fid)
         else:
-            # it finished computing the round; that round is not committed yet
-            share = c.round_compute / len(c.active) if c.active else 0.0
+            # It finished computing the round; its process has not committed it. Its steps
+            # count as discarded (chaos.py's uncommitted_at_death) even where an outer
+            # commit already holds its work; only then is the compute not lost.
+            self.steps_discarded += p.h_inner
             if not (c.state == S_COMMIT and c.outer_outcome == "committed"):
-                self.steps_discarded += p.h_inner
+                share = c.round_compute / len(c.active) if c.active else 0.0
                 c.round_compute -= share
                 self.lose("own_work", share, fid)
         c.active.discard(r)
@@ -234,6 +242,11 @@ class Failures:
             else:
                 c.broken = True
                 c.delay_cause = fid
+        elif c.state == S_COMMIT:
+            # BROADCAST (the leader hands the outer outcome to its cluster): a death breaks
+            # it, so the cluster's inner round fails; an outer commit holding its work stands.
+            c.broken = True
+            c.delay_cause = fid
 
     def on_abort(self, t: float, ci: int, fid: int, epoch: int) -> None:
         c = self.clusters[ci]

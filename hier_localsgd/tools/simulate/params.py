@@ -59,6 +59,7 @@ class SimParams:
     roles: Tuple[str, ...]
     stop_kills_at: float
     kills: Tuple[Tuple[float, int, int, int, str], ...]  # (t or -1, cluster, replica or -1, step or -1, phase)
+    early_quorum: bool  # sync.inner.early_quorum: a round's quorum is formed before its sync point
     hang_fraction: float
     duration_s: float
     steps: int
@@ -228,7 +229,7 @@ def resolve(cfg: "Config") -> SimParams:
         reconfigure_s=f.reconfigure_s,
         failure_model=f.model, mtbf_s=f.mtbf_s, cluster_mtbf_s=f.cluster_mtbf_s if hier else 0.0,
         kill_every_s=f.kill_every_s, roles=tuple(f.roles), stop_kills_at=f.stop_kills_at,
-        kills=kills, hang_fraction=f.hang_fraction, duration_s=sim.duration_s, steps=0 if sim.duration_s > 0 else cfg.train.steps,
+        kills=kills, early_quorum=hier and s.inner.early_quorum, hang_fraction=f.hang_fraction, duration_s=sim.duration_s, steps=0 if sim.duration_s > 0 else cfg.train.steps,
     )
     check_size(p)
     return p
