@@ -176,14 +176,18 @@ def _render(v: Any) -> str:
     return str(v)
 
 
-def _check_fragments(cfg: Config, runs: bool) -> None:
-    """``sync.outer.fragments`` > 1: hier only, and no more fragments than the model has
-    layer units (core/fragments.py; the model is built on the meta device: no memory)."""
-    s, F = cfg.sync, cfg.sync.outer.fragments
-    if s.mode != "hier":
-        fail("sync.outer.fragments", f"{F} — streams the hierarchy's outer level; needs sync.mode=hier (got {s.mode!r})")
+def _check_fragments(cfg: Config, runs: bool, path: str = "sync.outer.fragments") -> None:
+    """``sync.outer.fragments`` > 1: hier only; ``sync.flat.fragments`` > 1: flat only; and no
+    more fragments than the model has layer units (core/fragments.py; the model is built on
+    the meta device: no memory)."""
+    s = cfg.sync
+    F = s.flat.fragments if path == "sync.flat.fragments" else s.outer.fragments
+    mode = "flat" if path == "sync.flat.fragments" else "hier"
+    if s.mode != mode:
+        what = "torchft's flat DiLoCo" if mode == "flat" else "the hierarchy's outer level"
+        fail(path, f"{F} — streams {what}; needs sync.mode={mode} (got {s.mode!r})")
     if cfg.group.rank_shards(cfg.topology.ranks_per_replica) and cfg.group.sharding == "fsdp":
-        fail("sync.outer.fragments", f"{F} — not supported with group.sharding=fsdp yet (its parameters are DTensor shards)")
+        fail(path, f"{F} — not supported with group.sharding=fsdp yet (its parameters are DTensor shards)")
     if not runs:
         return
     import torch
@@ -196,7 +200,7 @@ def _check_fragments(cfg: Config, runs: bool) -> None:
     try:
         split_fragments(model, F)
     except ValueError as e:
-        fail("sync.outer.fragments", f"{F} — {e}")
+        fail(path, f"{F} — {e}")
 
 
 def validate(cfg: Config, command: str = "train") -> None:
@@ -237,6 +241,8 @@ def validate(cfg: Config, command: str = "train") -> None:
 
     if s.outer.fragments > 1:
         _check_fragments(cfg, runs)
+    if s.flat.fragments > 1:
+        _check_fragments(cfg, runs, "sync.flat.fragments")
 
     if command == "chaos" and s.mode not in ("hier", "flat"):
         fail("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")

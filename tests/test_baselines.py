@@ -43,6 +43,27 @@ def test_flat_baseline_is_torchft_diloco_over_every_group_on_a_parquet_corpus(tm
     assert [r["work"] for r in results] == [{"steps_run": 20, "steps_discarded": 0, "steps_since_commit": 0, "steps_since_outer": 0}] * 4
 
 
+def test_flat_streaming_fragments_are_torchfts_sent_in_turn(tmp_path):
+    """sync.flat.fragments=3 hands the hierarchy's split (the tiny model's three layer units)
+    to torchft's DiLoCo as model_fragments: one fragment synced every 15/3 = 5 steps, in
+    turn, so in 30 steps each is sent twice and each sync carries that fragment's bytes
+    only. (The run does not end on one model: the fragments synced before the last one
+    trained on after their sync, as in Streaming DiLoCo.)"""
+    run = run_job(tmp_path, ["sync.mode=flat", "sync.flat.every=15", "sync.flat.fragments=3", "train.steps=30"])
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    results = [run.job.result(k) for k in run.job.keys()]
+    assert {r["inner_rounds"] for r in results} == {6}
+    commits = [[e["step"] for e in read_events(replica_dir(run.job.run_dir, *k) / "events.jsonl")
+                if e["kind"] == "commit" and e["level"] == "flat"] for k in run.job.keys()]
+    assert commits == [[5, 10, 15, 20, 25, 30]] * 4
+    # The fragments partition the model and each was sent twice: six all-reduces (one bucket
+    # each) carrying two models' bytes in all, where unfragmented syncs would carry six.
+    for r in results:
+        link = r["link"]["flat"]
+        assert link["calls"]["allreduce/payload"] == 6, link["calls"]
+        assert link["tensor_bytes"]["allreduce/payload"] == 2 * r["model_bytes"], (link["tensor_bytes"], r["model_bytes"])
+
+
 def test_every_strategy_implements_what_the_loop_calls():
     """The loop calls a SyncStrategy without getattr fallbacks: every mode has every method."""
     import inspect

@@ -42,6 +42,9 @@ from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
          "sync.outer.every/sync.outer.fragments=2"),
         (["sync.mode=flat", "sync.outer.every=4", "sync.outer.fragments=2"], "sync.outer.fragments", "needs sync.mode=hier"),
         (["sync.inner.fragments=2"], "sync.inner.fragments", "only the outer level"),
+        (["sync.flat.every=30", "sync.flat.fragments=3", "sync.flat.algorithm=localsgd"], "sync.flat.fragments", "DiLoCo only"),
+        (["sync.mode=hier", "sync.flat.every=30", "sync.flat.fragments=3"], "sync.flat.fragments", "needs sync.mode=flat"),
+        (["sync.mode=flat", "model=tiny", "sync.flat.every=40", "sync.flat.fragments=4", "train.steps=400"], "sync.flat.fragments", "4 > 3 units"),
         (["sync.outer.early_quorum=true"], "sync.outer.early_quorum", "only the inner level"),
         # what a failed inner round keeps
         (["sync.failed_round=forget"], "sync.failed_round", "unknown policy 'forget'"),

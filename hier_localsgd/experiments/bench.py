@@ -101,6 +101,8 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         # the overlapped variants: torchft's own fragment_sync_delay (one inner period's worth
         # of local steps), and the hierarchy's outer round applied one inner round later
         "flat_overlap": ["sync.mode=flat", f"sync.flat.every={period}", f"sync.flat.delay={h_in}"],
+        # torchft's streaming DiLoCo: three fragments in turn, one every period/3 steps, each overlapped
+        "flat_overlap_frag3": ["sync.mode=flat", f"sync.flat.every={period}", f"sync.flat.delay={h_in}", "sync.flat.fragments=3"],
         "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],
         "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
         "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],

@@ -6,7 +6,8 @@ torchft Manager each (no hierarchy, no leaders):
 * ``ddp`` — fault-tolerant data parallelism: every step forms a quorum (healing a
   restarted group before its forward pass), all-reduces the gradients, and steps
   the optimizer only if the commit vote succeeds.
-* ``flat`` — torchft's own ``DiLoCo`` (outer Nesterov SGD) or ``LocalSGD``
+* ``flat`` — torchft's own ``DiLoCo`` (outer Nesterov SGD; with ``sync.flat.fragments`` its
+  streaming variant, one fragment every ``every/F`` steps) or ``LocalSGD``
   (parameter average) every ``sync.flat.every`` steps, used as torchft ships it, with
   DiLoCo's bucketization on (the whole model in one all-reduce per sync, like the
   hierarchy's flat buffer; torchft's LocalSGD has no such option and all-reduces each
@@ -37,6 +38,7 @@ from torch.optim import Optimizer
 
 from hier_localsgd.core.comm import LevelComm
 from hier_localsgd.core.flat import FlatParams, checksum
+from hier_localsgd.core.fragments import Fragment, fragment_parameters, split_fragments
 from hier_localsgd.core.invariants import CollectiveGate
 from hier_localsgd.core.device import host_copy, host_state
 from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup
@@ -47,6 +49,13 @@ from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Ident
 from hier_localsgd.core.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
+
+
+def _fragment_module(model: nn.Module, fragment: Fragment) -> nn.Module:
+    """A module holding (not copying) the fragment's parameters, for torchft's DiLoCo."""
+    m = nn.Module()
+    m.params = nn.ParameterList(fragment_parameters(model, fragment))
+    return m
 
 
 def baseline_replica_id(identity: Identity, replicas_per_cluster: int) -> str:
@@ -212,6 +221,7 @@ class FlatSync(_Baseline):
         momentum: float,
         nesterov: bool,
         delay: int = 0,
+        fragments: int = 1,
         **kwargs: object,
     ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -220,10 +230,15 @@ class FlatSync(_Baseline):
         manager = self.mgr.manager
         if algorithm == "diloco":
             outer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=nesterov)
+            # Streaming DiLoCo as torchft ships it: its model_fragments synced in turn, one every
+            # sync_every steps, so `every` (each parameter's period) is F·sync_every. The split is
+            # the hierarchy's (core/fragments.py), each fragment a module sharing the model's
+            # parameters (torchft reads only its named_parameters).
+            parts = [model] if fragments == 1 else [_fragment_module(model, f) for f in split_fragments(model, fragments)]
             # One bucket (torchft's default cap, 1 GiB) per sync, as the hierarchy sends one flat
             # buffer: per-parameter all-reduces would pay the WAN latency once per tensor.
             self.algo = DiLoCo(
-                manager, [model], self.opt, outer, sync_every=every, backup_device=torch.device("cpu"),
+                manager, parts, self.opt, outer, sync_every=every // fragments, backup_device=torch.device("cpu"),
                 pin_memory=self.flat.data.is_cuda, use_bucketization=True,
                 # torchft's own overlap (Streaming DiLoCo's tau): the all-reduce starts `delay`
                 # local steps before the sync point and is waited for at it.

@@ -50,8 +50,10 @@ class LevelConfig:
     # none | int8 | fp8, one fp32 scale per block of compression_block elements
     compression: str = NONE
     compression_block: int = DEFAULT_BLOCK
-    # outer only: streaming fragments (core/fragments.py): the model split by layer into F
-    # contiguous fragments, one synced per outer round every inner.every·every/F steps
+    # outer: streaming fragments (core/fragments.py): the model split by layer into F
+    # contiguous fragments, one synced per outer round every inner.every·every/F steps.
+    # flat (DiLoCo): the same split handed to torchft's DiLoCo as its model_fragments, one
+    # fragment synced every every/F steps (each parameter every `every` steps)
     fragments: int = 1
     # inner only: ask for a round's quorum during its last local step (sync/early.py)
     early_quorum: bool = False
@@ -94,8 +96,10 @@ class LevelConfig:
     def _check_fragments(self, path: str) -> None:
         if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
             fail(f"{path}.fragments", f"{self.fragments!r} — must be an integer of at least 1")
-        if self.fragments > 1 and path != "sync.outer":
-            fail(f"{path}.fragments", f"{self.fragments} — only the outer level streams fragments (sync.outer.fragments)")
+        if self.fragments > 1 and path not in ("sync.outer", "sync.flat"):
+            fail(f"{path}.fragments", f"{self.fragments} — only the outer level (and flat DiLoCo) streams fragments")
+        if self.fragments > 1 and path == "sync.flat" and self.algorithm != "diloco":
+            fail(f"{path}.fragments", f"{self.fragments} — torchft streams fragments with DiLoCo only; use sync.flat.algorithm=diloco")
         if self.every % self.fragments:
             fail(f"{path}.fragments", f"{self.fragments} — {path}.every={self.every} must be a multiple of it (one fragment syncs every every/fragments rounds)")
 

@@ -242,7 +242,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
     if s.mode == "ddp":
         return DDPSync(**common)
     f = s.flat
-    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov, delay=f.delay)
+    return FlatSync(**common, model=model, algorithm=f.algorithm, every=f.every, lr=f.lr, momentum=f.momentum, nesterov=f.nesterov, delay=f.delay,
+                    fragments=f.fragments)
 
 
 def wait_for_gate(path: str, timeout_s: float) -> None:
