@@ -229,16 +229,16 @@ class FlatSync(_Baseline):
 
         manager = self.mgr.manager
         if algorithm == "diloco":
-            outer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=nesterov)
             # Streaming DiLoCo as torchft ships it: its model_fragments synced in turn, one every
-            # sync_every steps, so `every` (each parameter's period) is F·sync_every. The split is
-            # the hierarchy's (core/fragments.py), each fragment a module sharing the model's
-            # parameters (torchft reads only its named_parameters).
+            # sync_every/F steps (torchft divides), each parameter every `every` steps. The split
+            # is the hierarchy's (core/fragments.py), each fragment a module sharing the model's
+            # parameters (torchft reads only its named_parameters) with an outer optimizer of its own.
             parts = [model] if fragments == 1 else [_fragment_module(model, f) for f in split_fragments(model, fragments)]
+            outer = [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, nesterov=nesterov) for m in parts]
             # One bucket (torchft's default cap, 1 GiB) per sync, as the hierarchy sends one flat
             # buffer: per-parameter all-reduces would pay the WAN latency once per tensor.
             self.algo = DiLoCo(
-                manager, parts, self.opt, outer, sync_every=every // fragments, backup_device=torch.device("cpu"),
+                manager, parts, self.opt, outer if fragments > 1 else outer[0], sync_every=every, backup_device=torch.device("cpu"),
                 pin_memory=self.flat.data.is_cuda, use_bucketization=True,
                 # torchft's own overlap (Streaming DiLoCo's tau): the all-reduce starts `delay`
                 # local steps before the sync point and is waited for at it.
