@@ -45,6 +45,19 @@ def level_manager(addr: str, rid: str, presence_s: float = 0.0, heartbeat_s: flo
                         heartbeat_interval=timedelta(seconds=heartbeat_s))
 
 
+def _beat_until(addr: str, replica_id: str, stop: threading.Event) -> None:
+    """Heartbeats ``replica_id`` to the lighthouse every 0.1 s until ``stop`` is set."""
+    from torchft.coordination import LighthouseClient
+
+    client = LighthouseClient(addr, connect_timeout=timedelta(seconds=5))
+    while not stop.is_set():
+        try:
+            client.heartbeat(replica_id, timeout=timedelta(seconds=1))
+        except Exception:  # the lighthouse is starting: the next beat tries again
+            pass
+        stop.wait(0.1)
+
+
 def allreduce_sum(m: LevelManager, value: float) -> float:
     t = torch.tensor([value])
     m.manager._pg.allreduce([t], ReduceOp.SUM).wait()
@@ -80,7 +93,17 @@ def test_a_restarted_lighthouse_reissuing_a_quorum_id_gets_a_fresh_group():
         b.shutdown()
         b = None
         lh = lighthouse(port)
-        view = a.start_quorum(timedelta(seconds=15))
+        # torchft's own heartbeat reaches the new lighthouse only after its reconnect backoff
+        # (up to ~10 s, longer on a loaded machine; the quorum waits for a heartbeat): beat
+        # directly while asking, as a returning member does (LevelManager._rejoin).
+        asked = threading.Event()
+        beater = threading.Thread(target=_beat_until, args=(addr, a.full_replica_id, asked), daemon=True)
+        beater.start()
+        try:
+            view = a.start_quorum(timedelta(seconds=30))
+        finally:
+            asked.set()
+            beater.join(5)
         assert view.size == 1
         assert a.quorum_id == first_id, "the test needs the restarted lighthouse to reissue the id"
         # Before the fix torchft kept the two-member group of the old quorum with this id and
