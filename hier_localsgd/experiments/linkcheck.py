@@ -159,8 +159,6 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
         LinkCheckError: a worker failed or timed out.
         netns.NetnsError: namespaces cannot be built here (see ``netns.available``).
     """
-    from hier_localsgd.launch.netns import ClusterNetwork
-
     rate = rate_mbit * 1e6
     if op == "int8":
         from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
@@ -171,10 +169,9 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
         bound, analytic = ring_bound_s(nbytes, clusters, rate), costs.ring_allreduce_bytes(nbytes, clusters)
     else:
         raise ValueError(f"linkcheck: op {op!r} — expected allreduce or int8")
-    out = []
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, bound, analytic, out)
+        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, bound, analytic)
     finally:
         for b in burners:
             b.kill()
@@ -182,9 +179,10 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
 
 
 def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: int, modes: tuple, op: str, busy: int,
-             bound: float, analytic: float, out: List[Measurement]) -> List[Measurement]:
+             bound: float, analytic: float) -> List[Measurement]:
     from hier_localsgd.launch.netns import ClusterNetwork
 
+    out = []
     with ClusterNetwork(clusters) as net:
         for mode in modes:
             for c in range(clusters):

@@ -231,14 +231,13 @@ class Simulation(OuterBarrier, Failures):
             c.round_step_s = p.step_s * max(0.05, 1.0 + self.jitter_rng.gauss(0.0, p.step_jitter))
         self.push(t + p.h_inner * c.round_step_s, COMPUTE_DONE, c.idx, 0, c.epoch)
         for r, _ in c.armed:  # armed for a sync phase the failed round never reached
-            self.push(t, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
+            self.kill_at(c, t, r)
         c.armed = []
         kills = self.step_kills.get(c.idx)
         if kills:
             for k, r, ph in [x for x in kills if c.step <= x[0] < c.step + p.h_inner and x[2] == "LOCAL"]:
                 kills.remove((k, r, ph))
-                at = t + (k - c.step + 0.5) * c.round_step_s  # half-way through local step k+1
-                self.push(at, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
+                self.kill_at(c, t + (k - c.step + 0.5) * c.round_step_s, r)  # half-way through local step k+1
 
     def on_compute_done(self, t: float, ci: int, _b: int, epoch: int) -> None:
         c = self.clusters[ci]
@@ -411,7 +410,7 @@ class Simulation(OuterBarrier, Failures):
         self.start_round(c, t)
         for r in at_commit:
             self.steps_discarded += p.h_inner * (len(c.active) if r < 0 else int(r in c.active))
-            self.push(t, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
+            self.kill_at(c, t, r)
         if self.hier and self.stop_pending and not self.outstanding:
             self.end = t
 

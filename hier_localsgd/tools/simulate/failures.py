@@ -131,7 +131,11 @@ class Failures:
         """The replayed kills armed for this round (:meth:`arm`) that fall in one of ``phases``."""
         for r, ph in [x for x in c.armed if x[1] in phases]:
             c.armed.remove((r, ph))
-            self.push(t, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
+            self.kill_at(c, t, r)
+
+    def kill_at(self, c: Cluster, t: float, r: int) -> None:
+        """A replayed kill of replica group ``r`` of ``c`` (-1: the whole cluster) at ``t``."""
+        self.push(t, CLUSTER_FAIL if r < 0 else FAIL, c.idx, max(r, 0), -1)
 
     def arm(self, c: Cluster) -> None:
         """At the end of a round's compute (``c.step`` = K): the replayed kills of the round
