@@ -47,3 +47,65 @@ def test_a_quorum_store_whose_host_is_gone_fails_configure_at_once_not_after_c10
     assert time.monotonic() - t0 < 15.0
     live = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg.configure(f"127.0.0.1:{live.port}/torchft/4/0", "r0", 0, 1, quorum_id=4)  # a live store passes the probe
+
+
+def _listener():
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    return srv, srv.getsockname()[1]
+
+
+def test_a_store_host_that_dies_mid_connect_fails_configure_within_seconds_not_c10d_minutes():
+    """Seen in CI: the probe reached the store, then its host was killed during c10d's
+    connect handshake; c10d retried for twice its 30 s timeout plus a backoff, and the
+    leader's phase watchdog ended the process. Here a host accepts the probe, accepts the
+    store client's connection, then dies. Without the bounded connect this takes ~60-70 s
+    (measured 69.6 s); with it a few seconds."""
+    import threading
+    import time
+
+    import pytest
+
+    from hier_localsgd.core.addresses import StoreUnreachable
+
+    srv, port = _listener()
+
+    def host_dies_mid_handshake():
+        a, _ = srv.accept()
+        a.close()  # the probe
+        b, _ = srv.accept()  # the store client's connection
+        time.sleep(0.3)
+        b.close()
+        srv.close()
+
+    threading.Thread(target=host_dies_mid_handshake, daemon=True).start()
+    pg = LinkProcessGroup("outer", timedelta(seconds=30))
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match=f"127.0.0.1:{port}"):
+        pg.configure(f"127.0.0.1:{port}/torchft/3/0", "r0", 0, 2, quorum_id=3)
+    assert time.monotonic() - t0 < 20.0  # c10d alone: > 60 s (twice its 30 s timeout)
+
+
+def test_a_store_host_that_accepts_but_never_answers_fails_configure_by_the_phase_deadline():
+    """A hung store host (the kernel accepts, the process never answers the handshake):
+    configure gives up by the deadline its caller set (LevelManager._quorum_once sets the
+    phase's), plus at most one short attempt, not after c10d's 2 x 30 s."""
+    import time
+
+    import pytest
+
+    from hier_localsgd.core.addresses import StoreUnreachable
+
+    srv, port = _listener()  # never accepts: connections complete in the kernel's backlog
+    try:
+        pg = LinkProcessGroup("outer", timedelta(seconds=30))
+        pg.configure_deadline = time.monotonic() + 3.0
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnreachable, match="did not complete a connection within 3s"):
+            pg.configure(f"127.0.0.1:{port}/torchft/3/0", "r0", 0, 2, quorum_id=3)
+        assert time.monotonic() - t0 < 20.0  # 3 s and one attempt (≤ 2 x 2 s plus a backoff)
+    finally:
+        srv.close()

@@ -53,10 +53,12 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions, Work
+import torchft.process_group as _torchft_pg
+from torch.distributed import PrefixStore
 from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.core.addresses import probe_store
+from hier_localsgd.core.addresses import STORE_ATTEMPT_S, connect_store
 from hier_localsgd.core.device import NCCL_BACKENDS, comm_device
 from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.core.presence import quorum_tag
@@ -66,6 +68,25 @@ logger = logging.getLogger(__name__)
 
 PAYLOAD = "payload"
 CONTROL = "control"
+
+# The connect bound of the configure running in this thread (LinkProcessGroup.configure).
+_connect = threading.local()
+
+
+def _create_store_client(store_addr: str, timeout: timedelta) -> PrefixStore:
+    """torchft's ``create_store_client`` (the same ``host:port/prefix`` and PrefixStore),
+    with the connect bounded by :func:`~hier_localsgd.core.addresses.connect_store`:
+    torchft 0.2.0's process groups connect to the quorum's store through it, and c10d's
+    own connect outlasts the phase deadline when the store's host dies mid-connect."""
+    within = getattr(_connect, "within", None)
+    op_timeout = min(timeout, within) if within is not None else timeout
+    return PrefixStore(store_addr.partition("/")[2], connect_store(store_addr, op_timeout, within))
+
+
+# torchft's ProcessGroupWrapper.configure looks the name up in its module at each call
+# (pinned torchft 0.2.0); fail at import, not mid-run, if that ever changes.
+assert callable(getattr(_torchft_pg, "create_store_client", None)), "torchft.process_group.create_store_client is gone"
+_torchft_pg.create_store_client = _create_store_client
 
 
 @dataclass
@@ -213,6 +234,9 @@ class LinkProcessGroup(ProcessGroupWrapper):
         self._retired: List[object] = []
         self._retire_pending = False
         self._quorum_tag = ""  # see note_quorum
+        # time.monotonic() by which configure must be done (the caller's phase deadline,
+        # LevelManager._quorum_once); None: the backend timeout bounds it.
+        self.configure_deadline: Optional[float] = None
 
     def set_emulation(self, spec: Optional[LinkSpec]) -> None:
         """Emulates ``spec`` on this level's links (None or inactive: a plain link)."""
@@ -280,13 +304,19 @@ class LinkProcessGroup(ProcessGroupWrapper):
             # wrapper's own _create_pg, which is not implemented, and every later quorum fails.
             self._pg = backend_pg(self.backend, self._timeout)
         self._retire_pending = False
-        # A store whose host died after the quorum formed: fail now (torchft records the
-        # error; the round's collectives fail at once and its commit vote fails), not
-        # after c10d's connect retries (addresses.probe_store).
-        probe_store(store_addr, self._timeout)
-        super().configure(
-            store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
-        )
+        # A store whose host died after the quorum formed, even mid-connect: fail within the
+        # phase (torchft records the error; the round's collectives fail at once and its
+        # commit vote fails), not after c10d's connect retries (addresses.connect_store).
+        within = self._timeout
+        if self.configure_deadline is not None:
+            within = min(within, timedelta(seconds=max(STORE_ATTEMPT_S, self.configure_deadline - time.monotonic())))
+        _connect.within = within
+        try:
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+        finally:
+            _connect.within = None
 
     # -- accounting and fault injection --------------------------------------------
     @contextmanager

@@ -375,6 +375,8 @@ class LevelManager:
         saved = self.manager._timeout
         if heal_budget is not None:
             self.manager._timeout = min(saved, heal_budget)
+            # the same for the process group's connect to the quorum's store (link.py)
+            self.pg.configure_deadline = time.monotonic() + heal_budget.total_seconds()
         try:
             self.manager.start_quorum(timeout=timeout)
             rank = self.manager.participating_rank()
@@ -387,6 +389,7 @@ class LevelManager:
                                dropped=isinstance(e, QuorumAbsent)) from e
         finally:
             self.manager._timeout = saved
+            self.pg.configure_deadline = None
         if self.pg.violation is not None:
             # Never run a collective in a group that breaks an invariant (I1). torchft set
             # its quorum id before configure() raised: forget it, so the next quorum

@@ -52,7 +52,7 @@ from typing import Dict, Sequence
 
 from torch.distributed import TCPStore
 
-from hier_localsgd.core.addresses import probe_store
+from hier_localsgd.core.addresses import connect_store
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,7 @@ class PresenceCheck:
     def _store(self, hostport: str) -> TCPStore:
         store = self._stores.get(hostport)
         if store is None:
-            probe_store(hostport, self.timeout)  # a dead host fails now, not after c10d's retries
-            host, _, port = hostport.rpartition(":")
-            store = TCPStore(host_name=host, port=int(port), is_master=False, wait_for_workers=False, timeout=self.timeout)
+            store = connect_store(hostport, self.timeout)  # a dead host fails now, not after c10d's retries
             self._stores = {hostport: store}  # keep one client: the primary rarely changes
         return store
 
