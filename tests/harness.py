@@ -10,9 +10,12 @@ restarts) is tested with real processes through ``hier_localsgd.launch.local``.
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -80,7 +83,9 @@ class ThreadedHier:
         outer_max_staleness: int = 0,
         inner_max_staleness: int = 0,
         join_timeout_ms: int = 20000,
+        quorum_slice: Optional[timedelta] = None,
     ) -> None:
+        self.quorum_slice = quorum_slice  # None: HierSettings' default
         self.outer_fragments, self.early_quorum, self.keep_local = outer_fragments, early_quorum, keep_local
         self.outer_max_staleness, self.inner_max_staleness = outer_max_staleness, inner_max_staleness
         self.C, self.R = clusters, replicas
@@ -126,6 +131,7 @@ class ThreadedHier:
             keep_local=self.keep_local,
             outer_max_staleness=self.outer_max_staleness,
             inner_max_staleness=self.inner_max_staleness,
+            **({"quorum_slice": self.quorum_slice} if self.quorum_slice is not None else {}),
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(
@@ -173,6 +179,25 @@ class ThreadedHier:
         self.global_lh.shutdown()
         for lh in self.cluster_lh:
             lh.shutdown()
+
+
+_PARTICIPANTS = re.compile(r"\[(\d+)/(\d+) participants healthy\]")
+
+
+def await_pending_requests(lighthouse_addr: str, n: int, bound_s: float = 60.0) -> bool:
+    """Waits until ``n`` quorum requests are pending at the lighthouse (its status page's
+    participant count), for at most ``bound_s``: a test orders who asks first by this,
+    not by a sleep."""
+    from hier_localsgd.core.peers import fetch_status
+
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        html = fetch_status(lighthouse_addr, timedelta(seconds=2)) or ""
+        m = _PARTICIPANTS.search(html)
+        if m and int(m.group(2)) >= n:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def local_steps(rep: Replica, updates: Callable[[int, int, int], torch.Tensor], steps: int, record: Optional[Callable[[Replica], None]] = None) -> None:

@@ -5,12 +5,13 @@ update exactly; lighthouses, torchft Managers, stores, checkpoint servers and Gl
 groups are all real.
 """
 
+from datetime import timedelta
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
-from harness import ThreadedHier, local_steps
+from harness import ThreadedHier, await_pending_requests, local_steps
 from hier_localsgd.core.faults import Fault
 from hier_localsgd.core.invariants import InvariantViolation
 from hier_localsgd.core.managers import GroupRefused
@@ -329,10 +330,13 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
     from hier_localsgd.core.phases import Phase
 
     L = LevelAlgorithm.build("localsgd")
-    h = ThreadedHier(2, R, 1, 2, inner=L, outer=L, min_clusters=1, outer_max_staleness=max_staleness)
+    # One quorum request per phase (no 5 s slices: this test has no outage to detect), so
+    # a request seen pending at the lighthouse stays there until its quorum forms.
+    h = ThreadedHier(2, R, 1, 2, inner=L, outer=L, min_clusters=1, outer_max_staleness=max_staleness,
+                     quorum_slice=timedelta(seconds=60))
     reps, finals = {}, {}
     alone = threading.Event()  # cluster 1 committed step 2's outer round without cluster 0
-    asking = threading.Event()  # cluster 0's leader asks for step 4's outer quorum
+    asking = threading.Event()  # cluster 0's leader is about to ask for step 4's outer quorum
 
     def body(rep):
         reps[rep.key] = rep
@@ -363,8 +367,11 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
                 # Cluster 0 asks first: torchft's lighthouse forms a quorum at once when all
                 # of the previous quorum's members ask (cluster 1 alone), so if cluster 1
                 # asked first it would sync alone again; this way the lighthouse waits for
-                # cluster 1, which heartbeats (up to its 20 s join timeout).
+                # cluster 1, which heartbeats (up to its 20 s join timeout). Its request must
+                # be at the lighthouse, not just about to be sent (its new Manager starts
+                # first: under CI load cluster 1 once asked before it and synced alone).
                 assert asking.wait(60)
+                assert await_pending_requests(h.global_lh.address(), 1), "cluster 0's step-4 request never reached the lighthouse"
 
         local_steps(rep, update, 4, record=record)
         finals[rep.key] = rep.flat.data.clone()
