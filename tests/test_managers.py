@@ -18,6 +18,7 @@ from torchft.coordination import LighthouseServer
 from hier_localsgd.core.link import LinkProcessGroup
 from hier_localsgd.core.managers import LevelManager, QuorumFailed
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, lighthouse_answers
+from hier_localsgd.core.peers import fetch_status, parse_status
 from hier_localsgd.core.presence import PresenceCheck, QuorumAbsent
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -215,7 +216,9 @@ def test_after_its_lighthouse_restarts_a_member_does_not_take_rank_0_from_one_no
 
     lh = start()
     a, b = level_manager(addr, "a_r0000", heartbeat_s=60), level_manager(addr, "b_r0001", heartbeat_s=60)
-    health = {m: LighthouseHealth("inner", "lighthouse.cluster_addrs[0]", addr, timedelta(seconds=0.2), hb,
+    # probe timeout 2 s: a probe slower than its timeout is an outage, and a loaded machine
+    # has answered a live lighthouse's probe in more than 0.2 s (a refused one is instant)
+    health = {m: LighthouseHealth("inner", "lighthouse.cluster_addrs[0]", addr, timedelta(seconds=2), hb,
                                   timedelta(seconds=600)) for m in ("a", "b")}
     q = timedelta(seconds=30)
     try:
@@ -231,10 +234,17 @@ def test_after_its_lighthouse_restarts_a_member_does_not_take_rank_0_from_one_no
                 pass
             assert health[name].down
         lh = start()
-        time.sleep(0.3)  # past the first probe backoff (0.2 s): the next request probes
+        time.sleep(2.1)  # past the first probe backoff (the probe timeout, 2 s): the next request probes
 
         def a_later():
-            time.sleep(1.0)  # b asks first; without the rejoin step it had its quorum of one by now
+            # b comes first: a asks once the lighthouse has heard b (its rejoin heartbeat, or
+            # without the rejoin step its request, which formed its quorum of one at once)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                page = fetch_status(addr, timedelta(seconds=2))
+                if page and parse_status(page).heartbeat_age_s.get(b.full_replica_id, float("inf")) < hb.total_seconds():
+                    break
+                time.sleep(0.05)
             return a.start_quorum(q, health["a"], hb)
 
         views = in_threads(("b", lambda: b.start_quorum(q, health["b"], hb)), ("a", a_later))
