@@ -55,7 +55,10 @@ Failures:
 * a replica group that crashes loses its steps since its last inner commit; if it dies
   while its cluster's collectives run, the round fails for the survivors at once (Gloo
   connections close) and they roll back; it restarts after ``restart_s`` and joins at
-  its cluster's next quorum (healing, weight 0 there), contributing from the next round;
+  its cluster's next quorum (healing, weight 0 there), contributing from the next round.
+  With ``early_quorum`` (sync.inner.early_quorum) the round's quorum is asked for during
+  its last local step, so a member that fails in that step is in the quorum: the round
+  fails for the survivors (at once for a death, at ``inner_reduce_s`` for a hang);
 * a leader that crashes during the outer round fails that outer round for every cluster
   (the others' inner rounds commit: their work is kept for the next outer round); a
   non-leader that crashes while its leader is in the outer round breaks its cluster's
@@ -223,6 +226,7 @@ class Simulation(OuterBarrier, Failures):
         c.round_compute = 0.0
         c.round_joiners = 0
         c.broken = False
+        c.early_broken, c.early_hang = -1, False
         c.outer_join = False
         c.outer_outcome = None
         self.enter(c, t, "compute")
@@ -248,6 +252,20 @@ class Simulation(OuterBarrier, Failures):
         c.step += p.h_inner
         c.round_compute = n * (t - c.round_start)
         self.steps_run += n * p.h_inner
+        if c.early_broken >= 0:
+            # A member failed during the last local step, after its early quorum request
+            # joined the round's quorum (sync/early.py): the round's collectives fail and
+            # the others roll back — at once for a death (its connections close), at the
+            # reduce's timeout for a hang.
+            self.arm(c)
+            if c.early_hang:
+                c.state, c.phase_start = S_SYNC, t
+                self.enter(c, t, "sync")
+                c.epoch += 1
+                self.push(t + p.inner_reduce_s, ABORT, c.idx, c.early_broken, c.epoch)
+            else:
+                self.abort(c, t, c.early_broken)
+            return
         c.state = S_QUORUM
         c.phase_start = t
         self.enter(c, t, "wait")

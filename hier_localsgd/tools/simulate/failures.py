@@ -219,7 +219,12 @@ class Failures:
     def disrupt(self, c: Cluster, t: float, fid: int, hang: bool, leader: bool) -> None:
         """What a member's failure does to its surviving peers, by the cluster's phase."""
         p = self.p
-        if c.state == S_QUORUM:
+        if c.state == S_COMPUTE:
+            # sync.inner.early_quorum: the round's last local step asked for the quorum
+            # (sync/early.py), so a member that dies in it is in the quorum its peers get.
+            if p.early_quorum and t >= c.round_start + (p.h_inner - 1) * c.round_step_s - 1e-9:
+                c.early_broken, c.early_hang = fid, hang
+        elif c.state == S_QUORUM:
             self.schedule_quorum(c, t)  # waits for the lighthouse to drop it
         elif c.state == S_SYNC:
             if hang:  # the collective waits for it until the phase timeout

@@ -83,6 +83,8 @@ class Cluster:
         self.stale_cause = -1
         self.delay_cause = -1
         self.broken = False  # a non-leader died during the outer phase
+        self.early_broken = -1  # a member that failed in the round's last local step, in its early quorum (fid)
+        self.early_hang = False  # ... and it hung rather than died
         self.outer_join = False  # restarted whole: its join round is an outer round of weight 0
         self.armed: List[Tuple[int, str]] = []  # replayed kills of this round's sync phases: (replica or -1, phase)
         self.outer_weight = 0.0  # this cluster's weight in the outer round in flight
