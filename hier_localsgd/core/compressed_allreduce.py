@@ -13,7 +13,7 @@ device and without triton, with a per-block scale instead of a per-row one:
    dequantizes the same bytes, so every rank ends with the same bits.
 
 Wire bytes per rank (payload, headers aside): the all-to-all sends ``W−1`` packed
-shards, Gloo's ring all-gather forwards ``W−1`` packed shards, so
+shards, the all-gather sends its reduced shard to the ``W−1`` others, so
 ``2·(W−1)·shard_bytes`` with ``shard_bytes ≈ (n/W)·(1 + 4/block)``
 (:func:`compressed_allreduce_bytes`), against ``2·(W−1)·(n/W)·4`` for an fp32 ring
 all-reduce (:func:`fp32_ring_allreduce_bytes`): 3.94× fewer with ``block=256``.
@@ -25,8 +25,11 @@ each rank's ``error_feedback`` (its whole tensor), the second by ``shard_feedbac
 ``Σ result = Σ true mean − mean_r(residual_r) − shard residuals`` (for ``avg``), so
 the accumulated result stays within about one step of each quantizer of the true one.
 
-Gloo in torch 2.13 has ``alltoall_base`` (checked; uint8 payloads) and ``allgather``;
-the packed bytes travel as uint8 because Gloo has no float8 type.
+The two exchanges are the process group's ``alltoall_base`` and ``allgather``; the
+project's level group (core/link.py) runs them as concurrent point-to-point sends and
+receives, which on a shaped link move their bytes at close to the link's rate where
+Gloo's own alltoall and allgather did not (docs/benchmarks.md). The packed bytes travel
+as uint8 because Gloo has no float8 type.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def shard_layout(numel: int, world: int, block: int) -> ShardLayout:
 
 def compressed_allreduce_bytes(n_elems: int, world: int, fmt: str, block: int = DEFAULT_BLOCK) -> int:
     """Payload bytes one rank sends in :func:`compressed_allreduce` (padding included):
-    ``W−1`` packed shards in the all-to-all and ``W−1`` in the ring all-gather. Both
+    ``W−1`` packed shards in the all-to-all and ``W−1`` in the all-gather. Both
     formats use one byte per element; ``fmt`` is validated."""
     _validate(fmt, block)
     lay = shard_layout(n_elems, world, block)
@@ -315,8 +318,8 @@ def compressed_allreduce(
     if ok:
         result = dequantize(_unpack(torch.stack(gathered), fmt, lay, n))
         tensor.view(-1).copy_(result)
-    # all-to-all: the W-1 rows not addressed to me; ring all-gather: W-1 chunks of
-    # mine.numel() bytes forwarded to the next rank (and as many received)
+    # all-to-all: the W-1 rows not addressed to me; all-gather: my reduced shard of
+    # mine.numel() bytes to each of the W-1 others (and as many received)
     sent = sum(send[j].numel() for j in range(world) if j != rank) + (world - 1) * mine.numel()
     received = sum(recv[j].numel() for j in range(world) if j != rank) + (world - 1) * mine.numel()
     return CompressedAllreduceResult(sent, received, alltoall_s, allgather_s, time.perf_counter() - started, ok)
