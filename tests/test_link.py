@@ -109,3 +109,46 @@ def test_a_store_host_that_accepts_but_never_answers_fails_configure_by_the_phas
         assert time.monotonic() - t0 < 20.0  # 3 s and one attempt (≤ 2 x 2 s plus a backoff)
     finally:
         srv.close()
+
+
+def test_alltoall_and_allgather_are_point_to_point_exchanges_with_the_collectives_results():
+    """The level group's all-to-all and all-gather (concurrent sends and receives, link.py
+    ``_exchange``) give what the collectives give, on a real Gloo group of two and of
+    three, with options that set a timeout and with c10d's defaults (timeout unset, -1 ms)."""
+    import threading
+
+    from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+
+    for world in (2, 3):
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        got, errors = {}, []
+
+        def member(rank, world=world, store=store):
+            try:
+                pg = LinkProcessGroup("outer", timedelta(seconds=30))
+                pg.configure(f"127.0.0.1:{store.port}/x", f"r{rank}", rank, world)
+                for set_timeout in (True, False):
+                    send = torch.tensor([[10.0 * rank + j] * 2 for j in range(world)])  # row j goes to rank j
+                    recv = torch.empty_like(send)
+                    a2a = AllToAllOptions()
+                    ag = AllgatherOptions()
+                    if set_timeout:
+                        a2a.timeout = ag.timeout = timedelta(seconds=20)
+                    pg.alltoall_base(recv, send, [], [], a2a).get_future().wait()
+                    outs = [torch.empty(3) for _ in range(world)]
+                    pg.allgather([outs], [torch.full((3,), float(rank))], ag).wait()
+                    got[(rank, set_timeout)] = (recv.tolist(), [o.tolist() for o in outs])
+            except Exception as e:  # reported below
+                errors.append((rank, repr(e)))
+
+        ths = [threading.Thread(target=member, args=(r,)) for r in range(world)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(60)
+        assert not errors, errors
+        for rank in range(world):
+            for set_timeout in (True, False):
+                recv, outs = got[(rank, set_timeout)]
+                assert recv == [[10.0 * s + rank] * 2 for s in range(world)], (world, rank)
+                assert outs == [[float(s)] * 3 for s in range(world)], (world, rank)

@@ -598,7 +598,9 @@ class LinkProcessGroup(ProcessGroupWrapper):
 
     def _exchange(self, sends: Dict[int, torch.Tensor], recvs: Dict[int, torch.Tensor], tag: int,
                   opts: object, result: List[torch.Tensor]) -> Work:
-        timeout = getattr(opts, "timeout", None) or self._timeout
+        timeout = getattr(opts, "timeout", None)
+        if timeout is None or timeout.total_seconds() <= 0:  # c10d's default is -1 ms: unset
+            timeout = self._timeout
         works: List[Work] = []
         for j in sorted(set(sends) | set(recvs)):
             if j in recvs:
