@@ -18,7 +18,7 @@ from torchft.coordination import LighthouseServer
 from hier_localsgd.core.link import LinkProcessGroup
 from hier_localsgd.core.managers import LevelManager, QuorumFailed
 from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, lighthouse_answers
-from hier_localsgd.core.peers import fetch_status, parse_status
+from hier_localsgd.core.peers import await_heartbeats
 from hier_localsgd.core.presence import PresenceCheck, QuorumAbsent
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -239,12 +239,7 @@ def test_after_its_lighthouse_restarts_a_member_does_not_take_rank_0_from_one_no
         def a_later():
             # b comes first: a asks once the lighthouse has heard b (its rejoin heartbeat, or
             # without the rejoin step its request, which formed its quorum of one at once)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                page = fetch_status(addr, timedelta(seconds=2))
-                if page and parse_status(page).heartbeat_age_s.get(b.full_replica_id, float("inf")) < hb.total_seconds():
-                    break
-                time.sleep(0.05)
+            await_heartbeats(addr, [b.full_replica_id], hb, timedelta(seconds=30), poll=timedelta(milliseconds=50))
             return a.start_quorum(q, health["a"], hb)
 
         views = in_threads(("b", lambda: b.start_quorum(q, health["b"], hb)), ("a", a_later))

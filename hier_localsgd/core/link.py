@@ -51,10 +51,9 @@ from datetime import timedelta
 from typing import Dict, Iterator, List, Optional
 
 import torch
-from torch.distributed import ReduceOp
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions, Work
 import torchft.process_group as _torchft_pg
-from torch.distributed import PrefixStore
+from torch.distributed import PrefixStore, ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions, Work
 from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.costs import ring_allreduce_bytes
