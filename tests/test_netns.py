@@ -331,7 +331,7 @@ def test_a_partition_inside_an_outer_all_reduce(tmp_path):
     def during(job):
         now = time.time()
         if "shaped" not in seen:
-            job.netns.shape(1, 1_000_000)
+            job.netns.shape(1, 1_000_000, burst_bytes=16_000)  # a small bucket: the tiny model's ring must not fit in it
             seen["shaped"] = now
         st = job.status((0, 0)) or {}
         if "partition" not in seen and int(st.get("step", 0)) >= 30 and st.get("phase") == "OUTER_REDUCE":

@@ -56,7 +56,7 @@ from hier_localsgd import costs
 from hier_localsgd.config import Config, ConfigError, load_config
 from hier_localsgd.schema import fail
 from hier_localsgd.launch.local import LocalJob, child_env
-from hier_localsgd.launch.netns import TBF_BURST_BYTES
+from hier_localsgd.launch.netns import tbf_transfer_s
 from hier_localsgd.core.status import read_events, replica_dir
 
 
@@ -236,11 +236,10 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
     alpha = cfg.links.outer.latency_ms / 1000.0
 
     def kernel_bound(nbytes: float) -> float:
-        # The ring's bytes past tbf's bucket (sent ahead of the rate after an idle spell) at tbf's
-        # rate, or the user-space latency floor if longer: the emulation sleeps up to its bound
+        # The ring's bytes through tbf (its bucket goes ahead of the rate after an idle spell),
+        # or the user-space latency floor if longer: the emulation sleeps up to its bound
         # (here latency only), so on kernel links the two overlap, never add.
-        past_bucket = max(0.0, costs.ring_allreduce_bytes(nbytes, wan_n) - TBF_BURST_BYTES)
-        return max(past_bucket / (wan_bps / 8), costs.allreduce_time(nbytes, wan_n, alpha, 0.0))
+        return max(tbf_transfer_s(costs.ring_allreduce_bytes(nbytes, wan_n), wan_bps), costs.allreduce_time(nbytes, wan_n, alpha, 0.0))
     return {
         "arm": name,
         "mode": mode,

@@ -11,7 +11,8 @@ torchft's Gloo group, as an outer level would) and time model-sized all-reduces.
 Three figures, each measured against something it was not derived from:
 
 * ``time_vs_bound`` — the all-reduce's wall time on the shaped link ÷ the ring bound
-  ``2(n-1)/n · S / B`` for the shaped rate ``B`` (the planner's and emulator's model).
+  ``2(n-1)/n · S / B`` for the shaped rate ``B`` (the planner's and emulator's model), less
+  the bytes tbf's bucket lets through at once (``netns.tbf_transfer_s``) on kernel links.
 * ``wire_vs_analytic`` — bytes each process's uplink really sent (its interface's
   ``tx_bytes`` in ``/proc/net/dev``, headers and TCP acknowledgements included) ÷ the
   analytic ring count ``2(n-1)/n · S`` (link.py's accounting). Above 1 by the
@@ -60,11 +61,6 @@ class LinkCheckError(RuntimeError):
     """A worker failed or timed out; the message carries its stderr tail."""
 
 
-def ring_bound_s(nbytes: int, world: int, rate_bits_per_s: float) -> float:
-    """The ring all-reduce's bandwidth bound at ``rate_bits_per_s`` (costs.py's model, α = 0)."""
-    return costs.allreduce_time(nbytes, world, 0.0, rate_bits_per_s / 8)
-
-
 @dataclass
 class Measurement:
     """One configuration's figures (medians over repetitions; every repetition kept)."""
@@ -75,6 +71,7 @@ class Measurement:
     mode: str  # "kernel" (tbf-shaped, no emulation) or "emulated" (unshaped, user-space rate)
     op: str = "allreduce"  # or "int8": the compressed all-reduce
     busy: int = 0  # CPU-spinning processes alongside
+    burst_bytes: Optional[int] = None  # tbf's bucket (kernel mode)
     times_s: List[float] = field(default_factory=list)  # slowest rank, per repetition
     tx_bytes: List[float] = field(default_factory=list)  # mean over ranks, per repetition
     bound_s: float = 0.0
@@ -150,7 +147,7 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 * 1024, reps: int = 3, modes: tuple = ("kernel", "emulated"),
-            op: str = "allreduce", busy: int = 0) -> List[Measurement]:
+            op: str = "allreduce", busy: int = 0, burst_bytes: Optional[int] = None) -> List[Measurement]:
     """Times ``reps`` all-reduces of ``nbytes`` among ``clusters`` processes (one per
     cluster namespace) for each mode, on a fresh cluster network removed afterwards
     (``op``, ``busy``: the module's docstring).
@@ -164,14 +161,14 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
         from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
 
         sent = compressed_allreduce_bytes(nbytes // 4, clusters, "int8")  # per rank, both collectives
-        bound, analytic = sent / (rate / 8), float(sent)
+        analytic = float(sent)
     elif op == "allreduce":
-        bound, analytic = ring_bound_s(nbytes, clusters, rate), costs.ring_allreduce_bytes(nbytes, clusters)
+        analytic = costs.ring_allreduce_bytes(nbytes, clusters)
     else:
         raise ValueError(f"linkcheck: op {op!r} — expected allreduce or int8")
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, bound, analytic)
+        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, analytic, burst_bytes)
     finally:
         for b in burners:
             b.kill()
@@ -179,18 +176,23 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
 
 
 def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: int, modes: tuple, op: str, busy: int,
-             bound: float, analytic: float) -> List[Measurement]:
-    from hier_localsgd.launch.netns import ClusterNetwork
+             analytic: float, burst_bytes: Optional[int] = None) -> List[Measurement]:
+    from hier_localsgd.launch.netns import ClusterNetwork, tbf_burst_bytes, tbf_transfer_s
+
+    burst = tbf_burst_bytes(rate) if burst_bytes is None else burst_bytes
 
     out = []
     with ClusterNetwork(clusters) as net:
         for mode in modes:
             for c in range(clusters):
                 if mode == "kernel":
-                    net.shape(c, rate)
+                    net.shape(c, rate, burst_bytes=burst)
                 else:
                     net.unshape(c)
-            m = Measurement(clusters, rate_mbit, nbytes, mode, op, busy, bound_s=bound, analytic_bytes=analytic)
+            # The emulator sleeps up to the bound at the rate; tbf first lets its bucket through.
+            kernel = mode == "kernel"
+            bound = tbf_transfer_s(analytic, rate, burst) if kernel else analytic / (rate / 8)
+            m = Measurement(clusters, rate_mbit, nbytes, mode, op, busy, burst if kernel else None, bound_s=bound, analytic_bytes=analytic)
             results = _run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0, op)
             for i in range(reps):
                 m.times_s.append(max(r["times_s"][i] for r in results))
