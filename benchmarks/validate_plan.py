@@ -1,10 +1,12 @@
 """The planner's time model against a measured bench sweep, out of sample (issue #14 §5).
 
-    python benchmarks/validate_plan.py RUN_DIR/bench [--calibrate hier@1] [--save FILE] [overrides ...]
+    python benchmarks/validate_plan.py RUN_DIR/bench [--calibrate hier@1 | --calibrated-on FILE] [--save FILE] [overrides ...]
 
 RUN_DIR/bench holds the sweep.json of ``hier-localsgd bench bench.sweep_gbps=[...]``.
 ``overrides``: the sweep's own overrides (e.g. ``model.dim=512``), when its sweep.json does
-not record them (sweeps before they were recorded). Prints the table of
+not record them (sweeps before they were recorded). ``--calibrated-on FILE``: take the
+round overhead from another sweep's saved validation (``--save`` output) instead of
+fitting it here, so that every point of this sweep is out of sample. Prints the table of
 hier_localsgd/tools/plan/validate.py and, with ``--save``, writes the trimmed sweep and the
 result as JSON (tests/data/ keeps one for the suite). Exit 0, or 2 with one line naming
 what is missing.
@@ -28,6 +30,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_dir", type=Path)
     ap.add_argument("--calibrate", default="hier@1", help="ARM@GBPS: the calibration point (default hier@1)")
+    ap.add_argument("--calibrated-on", type=Path, help="a saved validation JSON whose round_overhead_s to use")
     ap.add_argument("--save", type=Path)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args()
@@ -63,12 +66,22 @@ def main() -> int:
     deployment = {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster,
                   "model_bytes": model_bytes, "lan_gbps": b.lan_gbps, "lan_latency_ms": b.lan_latency_ms, "wan_latency_ms": b.wan_latency_ms}
     data = trim(sweep, deployment, overlapped, variants)
-    arm, _, gbps = a.calibrate.partition("@")
-    try:
-        v = validate(data, (arm, float(gbps)))
-    except (ValueError, KeyError) as e:
-        print(f"validate_plan: --calibrate {a.calibrate!r}: {e} (expected ARM@GBPS, e.g. hier@1, of a finished point)", file=sys.stderr)
-        return 2
+    if a.calibrated_on is not None:
+        try:
+            other = json.loads(a.calibrated_on.read_text())["validation"]
+            overhead = float(other["round_overhead_s"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"validate_plan: --calibrated-on {a.calibrated_on}: no validation.round_overhead_s ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        where = f"{a.calibrated_on.name}: {other.get('calibrate_on')}"
+        v = validate(data, overhead_s=overhead, calibrated_elsewhere=where)
+    else:
+        arm, _, gbps = a.calibrate.partition("@")
+        try:
+            v = validate(data, (arm, float(gbps)))
+        except (ValueError, KeyError) as e:
+            print(f"validate_plan: --calibrate {a.calibrate!r}: {e} (expected ARM@GBPS, e.g. hier@1, of a finished point)", file=sys.stderr)
+            return 2
     print(table(v))
     worst = worst_out_of_sample(v)
     print(f"worst out-of-sample error: {'none predicted' if worst is None else f'{worst * 100:.1f} %'}")

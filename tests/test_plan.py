@@ -469,3 +469,23 @@ def test_planner_predicts_overlapped_and_int8_hier_out_of_sample():
     assert len(rows) == 9
     for name, r in rows:
         assert abs(r["error"]) <= 0.20, (name, r)
+
+
+def test_an_overhead_calibrated_elsewhere_makes_every_point_out_of_sample():
+    """validate(overhead_s=...) (benchmarks/validate_plan.py --calibrated-on): the same
+    predictions as the calibration it came from, no row marked as the calibration, and the
+    table says where the overhead was fitted; giving both or neither is refused."""
+    from hier_localsgd.tools.plan.validate import table, validate
+
+    sweep = _measured("mid")["sweep"]
+    here = validate(sweep, ("hier", 1.0))
+    given = validate(sweep, overhead_s=here["round_overhead_s"], calibrated_elsewhere="plan_validation_mid.json")
+    assert not any(r["calibration"] for r in given["rows"])
+    pairs = [(a, b) for a, b in zip(here["rows"], given["rows"]) if "predicted_s" in a]
+    assert len(pairs) >= 9
+    for a, b in pairs:
+        assert (a["arm"], a["wan_gbps"]) == (b["arm"], b["wan_gbps"]) and b["predicted_s"] == pytest.approx(a["predicted_s"], rel=1e-12)
+    assert "plan_validation_mid.json" in table(given) and "every row here is out of sample" in table(given)
+    for bad in ({}, {"calibrate_on": ("hier", 1.0), "overhead_s": 0.1}):
+        with pytest.raises(ValueError):
+            validate(sweep, **bad)

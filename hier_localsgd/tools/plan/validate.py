@@ -16,7 +16,9 @@ as the planner models it (network.py :func:`sync_times` and :func:`sync_per_step
 - ``round_overhead_s`` is the one fitted constant: the value that makes the prediction
   exact on the **calibration point** (an arm at a WAN rate, median over its seeds). It is
   then held fixed for every other point, which are the out-of-sample predictions; the
-  calibration point itself is reported as such (error 0 by construction).
+  calibration point itself is reported as such (error 0 by construction). Or it is given
+  (``overhead_s``: calibrated on another sweep, e.g. another model size), and every point
+  of this sweep is out of sample.
 
 hier arms with ``sync.outer.delay``, compression or fragments are predicted with
 :func:`~hier_localsgd.tools.plan.network.hier_variant_sync_per_step` (the overlapped outer
@@ -114,14 +116,18 @@ def _points(sweep: Dict[str, Any]) -> Dict[Tuple[str, float], Dict[str, Any]]:
     return pts
 
 
-def validate(sweep: Dict[str, Any], calibrate_on: Tuple[str, float]) -> Dict[str, Any]:
-    """Calibrates ``round_overhead_s`` on ``calibrate_on`` = (arm, WAN Gbit/s) and predicts
-    every other blocking (arm, rate) point. Returns the overhead and one row per point:
-    measured and predicted seconds, the relative error, and whether it is the calibration."""
+def validate(sweep: Dict[str, Any], calibrate_on: Optional[Tuple[str, float]] = None, overhead_s: Optional[float] = None,
+             calibrated_elsewhere: str = "") -> Dict[str, Any]:
+    """Calibrates ``round_overhead_s`` on ``calibrate_on`` = (arm, WAN Gbit/s), or takes the
+    given ``overhead_s`` (then ``calibrated_elsewhere`` says where it was fitted), and
+    predicts every other modelled (arm, rate) point. Returns the overhead and one row per
+    point: measured and predicted seconds, the relative error, and whether it is the calibration."""
+    if (calibrate_on is None) == (overhead_s is None):
+        raise ValueError("validate: give either calibrate_on or overhead_s")
     d = sweep["deployment"]
     C, R, S, step_s = d["clusters"], d["replicas_per_cluster"], d["model_bytes"], sweep["bare_step_s"]
     pts = _points(sweep)
-    if calibrate_on not in pts:
+    if calibrate_on is not None and calibrate_on not in pts:
         raise KeyError(f"calibration point {calibrate_on} has no finished run in the sweep")
 
     def rounds_per_step(p: Dict[str, Any]) -> float:  # sync rounds (each pays the overhead once) per step
@@ -129,10 +135,13 @@ def validate(sweep: Dict[str, Any], calibrate_on: Tuple[str, float]) -> Dict[str
         return (predict(p["mode"], p["sync_every"], 1, 0.0, S, C, R, lan, wan, 1.0)
                 - predict(p["mode"], p["sync_every"], 1, 0.0, S, C, R, lan, wan, 0.0))
 
-    cal = pts[calibrate_on]
-    lan, wan = _links(sweep, cal["wan_gbps"])
-    zero = predict(cal["mode"], cal["sync_every"], cal["steps"], step_s, S, C, R, lan, wan, 0.0)
-    overhead = (cal["measured_s"] - zero) / (cal["steps"] * rounds_per_step(cal))
+    if overhead_s is not None:
+        overhead = overhead_s
+    else:
+        cal = pts[calibrate_on]
+        lan, wan = _links(sweep, cal["wan_gbps"])
+        zero = predict(cal["mode"], cal["sync_every"], cal["steps"], step_s, S, C, R, lan, wan, 0.0)
+        overhead = (cal["measured_s"] - zero) / (cal["steps"] * rounds_per_step(cal))
     rows: List[Dict[str, Any]] = []
     for key in sorted(pts, key=lambda k: (-k[1], k[0])):
         p = pts[key]
@@ -148,13 +157,15 @@ def validate(sweep: Dict[str, Any], calibrate_on: Tuple[str, float]) -> Dict[str
                        transfer_over_latency=transfer_over_latency(p["mode"], S, C, R, wan, outer),
                        variant=bool(p.get("overlapped")))
         rows.append(row)
-    return {"calibrate_on": list(calibrate_on), "round_overhead_s": overhead, "bare_step_s": step_s, "rows": rows}
+    return {"calibrate_on": list(calibrate_on) if calibrate_on else None, "calibrated_elsewhere": calibrated_elsewhere or None,
+            "round_overhead_s": overhead, "bare_step_s": step_s, "rows": rows}
 
 
 def table(v: Dict[str, Any]) -> str:
     """Markdown table of :func:`validate`'s rows."""
-    lines = [f"round_overhead_s = {v['round_overhead_s']:.4f} s, calibrated on {v['calibrate_on'][0]} at "
-             f"{v['calibrate_on'][1] * 1e3:g} Mbit/s; bare step {v['bare_step_s']:.4f} s (measured)", "",
+    where = (f"{v['calibrate_on'][0]} at {v['calibrate_on'][1] * 1e3:g} Mbit/s" if v.get("calibrate_on")
+             else f"another sweep ({v.get('calibrated_elsewhere') or 'given'}): every row here is out of sample")
+    lines = [f"round_overhead_s = {v['round_overhead_s']:.4f} s, calibrated on {where}; bare step {v['bare_step_s']:.4f} s (measured)", "",
              "| WAN | arm | measured s (median) | predicted s | error | |", "|---|---|---|---|---|---|"]
     for r in v["rows"]:
         rate = f"{r['wan_gbps'] * 1e3:g} Mbit/s"
