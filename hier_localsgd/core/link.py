@@ -88,6 +88,19 @@ assert callable(getattr(_torchft_pg, "create_store_client", None)), "torchft.pro
 _torchft_pg.create_store_client = _create_store_client
 
 
+def sent_per_rank(op: str, tensor_bytes: float, world: int) -> float:
+    """Bytes one rank sends over its links for one ``op`` collective whose input is
+    ``tensor_bytes``, as :class:`LinkStats` counts them: the ring's 2(W−1)/W of it for an
+    all-reduce, its W−1 other rows for an all-to-all, W−1 copies for an all-gather."""
+    if op == "allreduce":
+        return ring_allreduce_bytes(tensor_bytes, world)
+    if op == "alltoall":
+        return float((world - 1) * (tensor_bytes // max(1, world)))
+    if op == "allgather":
+        return float((world - 1) * tensor_bytes)
+    raise ValueError(f"sent_per_rank: op {op!r} — expected allreduce, alltoall or allgather")
+
+
 @dataclass
 class LinkStats:
     """What one level's links carried in this process."""
@@ -439,7 +452,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
 
     def _allreduce(self, tensors: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(tensors)
-        self.stats.record("allreduce", self._kind, n, ring_allreduce_bytes(n, self._world))
+        self.stats.record("allreduce", self._kind, n, sent_per_rank("allreduce", n, self._world))
         emu = self.emu
         if emu is None:
             return self._finish(super().allreduce(tensors, opts))
@@ -535,7 +548,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
 
     def _allgather(self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: object) -> Work:
         n = self._nbytes(input_tensor)
-        self.stats.record("allgather", self._kind, n, float((self._world - 1) * n))
+        self.stats.record("allgather", self._kind, n, sent_per_rank("allgather", n, self._world))
         emu = self.emu
         if emu is None:
             return self._finish(self._exchange_allgather(output_tensors, input_tensor, opts))
@@ -568,8 +581,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         if output_split_sizes or input_split_sizes:
             raise ValueError(f"{self.level} link: alltoall_base with explicit split sizes is not supported")
         n = self._nbytes([input_buffer])
-        row = n // max(1, self._world)
-        self.stats.record("alltoall", self._kind, n, float((self._world - 1) * row))
+        self.stats.record("alltoall", self._kind, n, sent_per_rank("alltoall", n, self._world))
         emu = self.emu
         if emu is None:
             return self._finish(self._exchange_alltoall(output_buffer, input_buffer, opts))

@@ -57,6 +57,7 @@ from hier_localsgd.config import Config, ConfigError, load_config
 from hier_localsgd.schema import fail
 from hier_localsgd.launch.local import LocalJob, child_env
 from hier_localsgd.launch.netns import tbf_transfer_s
+from hier_localsgd.core.link import sent_per_rank
 from hier_localsgd.core.status import read_events, replica_dir
 
 
@@ -158,24 +159,35 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
     return curve
 
 
-def _sync_ratio(results: List[dict], level: str, kernel_bound: Optional[Callable[[float], float]] = None) -> Optional[Dict[str, float]]:
-    """Mean measured time of a level's payload all-reduce and its ring bound. ``kernel_bound``
-    (payload bytes -> seconds): the bound at the kernel-shaped rate, for a level whose
-    user-space bound holds only the latency (``bench.links=kernel``)."""
+PAYLOAD_OPS = ("allreduce", "alltoall", "allgather")  # a round: one all-reduce, or the compressed one's all-to-all + all-gather
+
+
+def _sync_ratio(results: List[dict], level: str, world: int,
+                through_tbf: Optional[Callable[[float], float]] = None) -> Optional[Dict[str, float]]:
+    """Mean measured time of a level's payload round (an all-reduce, or the compressed
+    all-reduce's all-to-all and all-gather) and its bound. Without ``through_tbf`` the bound
+    is the emulation's (link.py's analytic bound). With it (bytes one rank sends -> seconds
+    through tbf: ``bench.links=kernel``, where the emulation holds only the latency), each
+    collective's bound is the larger of its sent bytes through tbf (link.sent_per_rank of
+    its mean input, ``world`` ranks) and the latency floor the emulation slept."""
     secs = bound = 0.0
-    calls = 0
+    rounds = 0
     for r in results:
         st = r["link"].get(level, {})
-        secs += st.get("seconds", {}).get("allreduce/payload", 0.0)
-        n = st.get("calls", {}).get("allreduce/payload", 0)
-        if kernel_bound is not None and n:
-            bound += n * kernel_bound(st.get("tensor_bytes", {}).get("allreduce/payload", 0) / n)
-        else:
-            bound += st.get("bound_seconds", {}).get("allreduce/payload", 0.0)
-        calls += n
-    if calls == 0 or bound == 0:
+        calls, tensor, measured, floor = (st.get(k, {}) for k in ("calls", "tensor_bytes", "seconds", "bound_seconds"))
+        for op in PAYLOAD_OPS:
+            key, n = f"{op}/payload", calls.get(f"{op}/payload", 0)
+            if not n:
+                continue
+            secs += measured.get(key, 0.0)
+            if through_tbf is None:
+                bound += floor.get(key, 0.0)
+            else:
+                bound += n * max(through_tbf(sent_per_rank(op, tensor.get(key, 0) / n, world)), floor.get(key, 0.0) / n)
+        rounds += calls.get("allreduce/payload", 0) + calls.get("alltoall/payload", 0)
+    if rounds == 0 or bound == 0:
         return None
-    return {"measured_s": secs / calls, "bound_s": bound / calls, "ratio": secs / bound, "calls": calls}
+    return {"measured_s": secs / rounds, "bound_s": bound / rounds, "ratio": secs / bound, "calls": rounds}
 
 
 def sync_eval(cfg: Config) -> List[str]:
@@ -233,13 +245,11 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
     levels = ["inner", "outer"] if mode == "hier" else [mode]
     local = [r["local_step_s"] for r in results if r.get("local_step_s")]
     wan_level, wan_n = ("outer", C) if mode == "hier" else (mode, C * R)
-    alpha = cfg.links.outer.latency_ms / 1000.0
 
-    def kernel_bound(nbytes: float) -> float:
-        # The ring's bytes through tbf (its bucket goes ahead of the rate after an idle spell),
-        # or the user-space latency floor if longer: the emulation sleeps up to its bound
-        # (here latency only), so on kernel links the two overlap, never add.
-        return max(tbf_transfer_s(costs.ring_allreduce_bytes(nbytes, wan_n), wan_bps), costs.allreduce_time(nbytes, wan_n, alpha, 0.0))
+    def through_tbf(sent: float) -> float:
+        # tbf's bucket goes ahead of the rate after an idle spell; the emulation's latency
+        # floor (_sync_ratio) overlaps this, never adds.
+        return tbf_transfer_s(sent, wan_bps)
     return {
         "arm": name,
         "mode": mode,
@@ -253,7 +263,7 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         "excess_loss": None if floor is None else final - floor,
         "consistent": len({r["checksum"] for r in results}) == 1,
         "curve": _curve(mode, events, C, R),
-        "sync": {lv: _sync_ratio(results, lv, kernel_bound if wire and lv == wan_level else None) for lv in levels},
+        "sync": {lv: _sync_ratio(results, lv, wan_n, through_tbf if wire and lv == wan_level else None) for lv in levels},
         "wire": None if wire is None else {**wire, "accounted_slow_bytes": slow, "wire_vs_accounted": wire["tx_bytes"] / slow if slow else None},
         "local_step_s": sum(local) / len(local) if local else None,
         "run_dir": str(run_dir),
