@@ -17,7 +17,23 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
+from hier_localsgd.experiments.bench import _sync_ratio
 from hier_localsgd.experiments.bench_sweep import plots, summarize, table
+from hier_localsgd.launch.netns import tbf_transfer_s
+
+
+def wan_sync(run: Dict[str, Any]) -> str:
+    """The run's WAN collective per round against its bound through tbf at the run's rate
+    (bench._sync_ratio, recomputed from its replicas' result.json: sweeps run before the
+    compressed round was counted have none for it), as "measured / bound s (ratio)"."""
+    d = Path(run["run_dir"])
+    files = sorted(d.glob("replicas/c*r*/result.json"))
+    if not files or not run.get("wan_gbps"):
+        return "-"
+    clusters = {f.parent.name.split("r")[0] for f in files}
+    level, world = ("outer", len(clusters)) if run["mode"] == "hier" else (run["mode"], len(files))
+    r = _sync_ratio([json.loads(f.read_text()) for f in files], level, world, lambda sent: tbf_transfer_s(sent, run["wan_gbps"] * 1e9))
+    return "-" if r is None else f"{r['measured_s']:.2f} / {r['bound_s']:.2f} s ({r['ratio']:.2f}x)"
 
 
 def main() -> int:
@@ -50,8 +66,9 @@ def main() -> int:
     lines = [f"target {target:.4f}; sweeps: {', '.join(str(d) for d in a.sweeps)}; bare loops "
              f"{', '.join(format(r['bare_step_s'], '.4f') for r in reports)} s/step", "", table(points, target), "",
              f"Per seed: {a.hier} against its compute bound (its invocation's bare step x its steps) and each of {a.vs}", "",
-             "| WAN | seed | hier steps, s to target | x bound | " + " | ".join(f"{v}: s to target, time ratio, WAN MB ratio" for v in a.vs) + " |",
-             "|---|---|---|---|" + "---|" * len(a.vs)]
+             "| WAN | seed | hier steps, s to target | x bound | hier WAN round: measured / bound | "
+             + " | ".join(f"{v}: s to target, time ratio, WAN MB ratio, WAN round" for v in a.vs) + " |",
+             "|---|---|---|---|---|" + "---|" * len(a.vs)]
     by = {(run["arm"], run["wan_gbps"], run["seed"]): run for run in runs if not run.get("failed")}
     for (arm, g, seed), run in sorted(by.items(), key=lambda kv: (-kv[0][1], kv[0][2])):
         if arm != a.hier or not run.get("reached"):
@@ -66,8 +83,9 @@ def main() -> int:
             r = o["reached"]
             src = "" if o["wan_gbps"] == g else f" (bytes from {o['wan_gbps'] * 1e3:g} Mbit/s)"
             time_ratio = f"{r['t'] / h['t']:.2f}x" if o["wan_gbps"] == g else "-"
-            cells.append(f"{r['t']:.1f} ({r['step']} steps), {time_ratio}, {r['slow_bytes'] / h['slow_bytes']:.1f}x{src}")
-        lines.append(f"| {g * 1e3:g} Mbit/s | {seed} | {h['step']}, {h['t']:.1f} | {h['t'] / (run['bare_step_s'] * h['step']):.2f} | " + " | ".join(cells) + " |")
+            cells.append(f"{r['t']:.1f} ({r['step']} steps), {time_ratio}, {r['slow_bytes'] / h['slow_bytes']:.1f}x{src}, {wan_sync(o)}")
+        lines.append(f"| {g * 1e3:g} Mbit/s | {seed} | {h['step']}, {h['t']:.1f} | {h['t'] / (run['bare_step_s'] * h['step']):.2f} | {wan_sync(run)} | "
+                     + " | ".join(cells) + " |")
     md = "\n".join(lines)
     (a.out / "sweep.md").write_text(md + "\n")
     (a.out / "sweep.json").write_text(json.dumps({"target_loss": target, "sweeps": [str(d) for d in a.sweeps], "points": points,
