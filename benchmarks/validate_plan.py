@@ -41,10 +41,13 @@ def main() -> int:
     sweep = json.loads(path.read_text())
     overrides = sweep.get("overrides") or a.overrides
     cfg = load_config(overrides, validate_for="bench")
-    _, arms, _ = plan_arms(cfg)
+    common, arms, _ = plan_arms(cfg)
     overlapped, variants = [], {}
+    ran = {r["arm"] for r in sweep["runs"]}
     for name, extra in arms.items():
-        c = load_config([*overrides, *extra], validate_for="demo")
+        if name not in ran:  # an arm the sweep did not run may not even be valid with its overrides
+            continue
+        c = load_config([*overrides, *common, *extra], validate_for="demo")  # as bench runs the arm
         v = OuterVariant.of(c.sync)
         if c.sync.flat.delay > 0 or (c.sync.mode == "hier" and v != OuterVariant()):
             overlapped.append(name)
