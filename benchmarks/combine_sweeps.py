@@ -83,7 +83,8 @@ def main() -> int:
             r = o["reached"]
             src = "" if o["wan_gbps"] == g else f" (bytes from {o['wan_gbps'] * 1e3:g} Mbit/s)"
             time_ratio = f"{r['t'] / h['t']:.2f}x" if o["wan_gbps"] == g else "-"
-            cells.append(f"{r['t']:.1f} ({r['step']} steps), {time_ratio}, {r['slow_bytes'] / h['slow_bytes']:.1f}x{src}, {wan_sync(o)}")
+            round_ = wan_sync(o) if o["wan_gbps"] == g else "-"
+            cells.append(f"{r['t']:.1f} ({r['step']} steps), {time_ratio}, {r['slow_bytes'] / h['slow_bytes']:.1f}x{src}, {round_}")
         lines.append(f"| {g * 1e3:g} Mbit/s | {seed} | {h['step']}, {h['t']:.1f} | {h['t'] / (run['bare_step_s'] * h['step']):.2f} | {wan_sync(run)} | "
                      + " | ".join(cells) + " |")
     md = "\n".join(lines)

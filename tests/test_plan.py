@@ -489,3 +489,25 @@ def test_an_overhead_calibrated_elsewhere_makes_every_point_out_of_sample():
     for bad in ({}, {"calibrate_on": ("hier", 1.0), "overhead_s": 0.1}):
         with pytest.raises(ValueError):
             validate(sweep, **bad)
+
+
+def test_planner_predicts_another_model_size_from_an_overhead_fitted_on_the_small_one():
+    """Calibrated on the 1.58 MB workload (hier at 1 Gbit/s, plan_validation_mid.json), the
+    planner predicts the debugmodel sweep (24.65 MB; flat every 60 and hier with three int8
+    fragments overlapped, at 10, 100 and 1000 Mbit/s, 3 seeds; measured 2026-11-26 with the
+    same code, benchmarks/measured/plan_validation_debug_*.json): nothing of this sweep was
+    fitted. Held to the issue's 15 %, fixed before these runs. ddp is reported, not held:
+    its quorum is asynchronous, so the blocking round overhead does not apply to its steps
+    (known from the mid sweep; here +33 %)."""
+    from hier_localsgd.tools.plan.validate import validate
+
+    overhead = _measured("mid")["validation"]["round_overhead_s"]
+    held, ddp = [], []
+    for name in ("debug_h6", "debug_h6_10mbit", "debug_ddp"):
+        v = validate(_measured(name)["sweep"], overhead_s=overhead, calibrated_elsewhere="plan_validation_mid.json")
+        held += [r for r in v["rows"] if r["arm"] != "ddp"]
+        ddp += [r for r in v["rows"] if r["arm"] == "ddp"]
+    assert {(r["arm"], r["wan_gbps"]) for r in held} == {(a, g) for a in ("flat_count", "hier_overlap_int8_frag3") for g in (0.01, 0.1, 1.0)}
+    for r in held:
+        assert "predicted_s" in r and abs(r["error"]) <= 0.15, r
+    assert len(ddp) == 1 and ddp[0]["error"] > 0  # over-predicted: no per-step round overhead in ddp
