@@ -367,3 +367,29 @@ def test_a_replica_group_restarted_during_its_lighthouses_outage_waits_for_it(tm
     assert "answers again" in log.read_text()
     assert not run.kinds((0, 0), "heal", level="inner")  # c0r0's training was not reset
     assert run.summary["consistent"] is True
+
+
+def test_a_failed_quorum_checks_whether_the_job_finished_at_the_first_failure():
+    """HierarchicalSync._quorum_failed asks job_done at every failure, so a group behind a
+    finished job leaves after one quorum timeout (JobFinished: exit 0), not after
+    sync.max_quorum_failures of them; with the job not finished it counts as before."""
+    import types
+
+    from hier_localsgd.sync.common import FatalSyncError, JobFinished
+    from hier_localsgd.sync.hier import HierarchicalSync
+
+    def stub(done):
+        s = types.SimpleNamespace(_quorum_failures={"inner": 0, "outer": 0}, id="c1r0", s=types.SimpleNamespace(max_quorum_failures=3),
+                                  job_done=lambda: done, events=lambda *a, **k: None, tracker=types.SimpleNamespace(phase=types.SimpleNamespace(value="OUTER_QUORUM")))
+        s._check_job_done = lambda: HierarchicalSync._check_job_done(s)
+        return s
+
+    finished = stub("the job has finished without this replica group: c0r0 completed step 400/400")
+    with pytest.raises(JobFinished):
+        HierarchicalSync._quorum_failed(finished, "outer", TimeoutError("Timeout expired"))
+    assert finished._quorum_failures["outer"] == 1
+    running = stub(None)
+    for _ in range(2):
+        HierarchicalSync._quorum_failed(running, "outer", TimeoutError("Timeout expired"))
+    with pytest.raises(FatalSyncError):
+        HierarchicalSync._quorum_failed(running, "outer", TimeoutError("Timeout expired"))

@@ -678,8 +678,11 @@ class HierarchicalSync(OuterRound, CommittedState):
         n = self._quorum_failures[level]
         self.events("timeout" if is_timeout(e) else "quorum_failed", level=level, op="quorum", phase=self.tracker.phase.value, detail=str(e)[:200])
         logger.warning("%s %s quorum failed (%d in a row): %s", self.id, level, n, e)
+        # At every failure, not only the last: a group behind a job that has finished waits
+        # out one quorum timeout, not max_quorum_failures of them (seen: a lagging cluster's
+        # leader 3 x 120 s, then its successor as long again).
+        self._check_job_done()
         if n >= self.s.max_quorum_failures:
-            self._check_job_done()
             raise FatalSyncError(f"{level} quorum failed {n} times in a row (last: {e})") from e
 
     def _check_job_done(self) -> None:
