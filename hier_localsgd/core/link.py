@@ -581,6 +581,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         if output_split_sizes or input_split_sizes:
             raise ValueError(f"{self.level} link: alltoall_base with explicit split sizes is not supported")
         n = self._nbytes([input_buffer])
+        row = n // max(1, self._world)
         self.stats.record("alltoall", self._kind, n, sent_per_rank("alltoall", n, self._world))
         emu = self.emu
         if emu is None:
