@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-from hier_localsgd.experiments.bench import _sync_ratio
+from hier_localsgd.experiments.bench import sync_ratio
 from hier_localsgd.experiments.bench_sweep import plots, summarize, table
 from hier_localsgd.launch.netns import tbf_transfer_s
 
 
 def wan_sync(run: Dict[str, Any]) -> str:
     """The run's WAN collective per round against its bound through tbf at the run's rate
-    (bench._sync_ratio, recomputed from its replicas' result.json: sweeps run before the
+    (bench.sync_ratio, recomputed from its replicas' result.json: sweeps run before the
     compressed round was counted have none for it), as "measured / bound s (ratio)"."""
     d = Path(run["run_dir"])
     files = sorted(d.glob("replicas/c*r*/result.json"))
@@ -32,7 +32,7 @@ def wan_sync(run: Dict[str, Any]) -> str:
         return "-"
     clusters = {f.parent.name.split("r")[0] for f in files}
     level, world = ("outer", len(clusters)) if run["mode"] == "hier" else (run["mode"], len(files))
-    r = _sync_ratio([json.loads(f.read_text()) for f in files], level, world, lambda sent: tbf_transfer_s(sent, run["wan_gbps"] * 1e9))
+    r = sync_ratio([json.loads(f.read_text()) for f in files], level, world, lambda sent: tbf_transfer_s(sent, run["wan_gbps"] * 1e9))
     return "-" if r is None else f"{r['measured_s']:.2f} / {r['bound_s']:.2f} s ({r['ratio']:.2f}x)"
 
 
@@ -76,7 +76,8 @@ def main() -> int:
         h = run["reached"]
         cells = []
         for v in a.vs:
-            o = (by.get((v, g, seed)) or by.get((v, 1.0, seed))) if v == "ddp" else by.get((v, g, seed))  # ddp ran at 1 Gbit/s only
+            # An arm not run at this rate (ddp: 1 Gbit/s only) still gives its bytes, which no rate changes.
+            o = by.get((v, g, seed)) or next((r for (arm_, _, s), r in by.items() if arm_ == v and s == seed), None)
             if o is None or not o.get("reached"):
                 cells.append("-" if o is None else "not reached")
                 continue

@@ -49,12 +49,12 @@ def test_quick_bench_runs_every_arm_and_writes_table_json_and_plots(tmp_path):
 
 
 def test_sync_ratio_counts_a_compressed_round_and_bounds_each_collective_through_tbf():
-    """bench._sync_ratio on link stats written by hand: an all-reduce round and a compressed
+    """bench.sync_ratio on link stats written by hand: an all-reduce round and a compressed
     round (all-to-all + all-gather), per collective the larger of its sent bytes through tbf
     (link.sent_per_rank) and the latency floor the emulation slept; without tbf the
     emulation's own bound."""
     from hier_localsgd.core.link import sent_per_rank
-    from hier_localsgd.experiments.bench import _sync_ratio
+    from hier_localsgd.experiments.bench import sync_ratio
     from hier_localsgd.launch.netns import tbf_transfer_s
 
     rate = 10e6
@@ -64,14 +64,14 @@ def test_sync_ratio_counts_a_compressed_round_and_bounds_each_collective_through
                                      "seconds": {"alltoall/payload": 4.0, "allgather/payload": 4.2, "allreduce/control": 9.0},
                                      "bound_seconds": {"alltoall/payload": 0.04, "allgather/payload": 0.04, "allreduce/control": 0.2}}}}
     assert sent_per_rank("alltoall", S, 2) == S / 2 and sent_per_rank("allgather", S / 2, 2) == S / 2
-    r = _sync_ratio([compressed], "outer", 2, lambda sent: tbf_transfer_s(sent, rate))
+    r = sync_ratio([compressed], "outer", 2, lambda sent: tbf_transfer_s(sent, rate))
     per_round = 2 * tbf_transfer_s(S / 2, rate)  # each collective sends S/2 through tbf (bucket first)
     assert r["calls"] == 2 and r["measured_s"] == pytest.approx(4.1) and r["bound_s"] == pytest.approx(per_round)
     assert r["ratio"] == pytest.approx(8.2 / (2 * per_round))
     # Without tbf (emulated links): the emulation's bound, control traffic left out.
-    assert _sync_ratio([compressed], "outer", 2)["bound_s"] == pytest.approx(0.04)
+    assert sync_ratio([compressed], "outer", 2)["bound_s"] == pytest.approx(0.04)
     # A latency floor longer than the bytes' time through tbf is the bound.
     ring = {"link": {"flat": {"calls": {"allreduce/payload": 3}, "tensor_bytes": {"allreduce/payload": 3 * 1000},
                               "seconds": {"allreduce/payload": 0.4}, "bound_seconds": {"allreduce/payload": 0.36}}}}
-    assert _sync_ratio([ring], "flat", 4, lambda sent: tbf_transfer_s(sent, rate))["bound_s"] == pytest.approx(0.12)
-    assert _sync_ratio([ring], "outer", 4) is None
+    assert sync_ratio([ring], "flat", 4, lambda sent: tbf_transfer_s(sent, rate))["bound_s"] == pytest.approx(0.12)
+    assert sync_ratio([ring], "outer", 4) is None

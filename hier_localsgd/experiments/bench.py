@@ -162,7 +162,7 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
 PAYLOAD_OPS = ("allreduce", "alltoall", "allgather")  # a round: one all-reduce, or the compressed one's all-to-all + all-gather
 
 
-def _sync_ratio(results: List[dict], level: str, world: int,
+def sync_ratio(results: List[dict], level: str, world: int,
                 through_tbf: Optional[Callable[[float], float]] = None) -> Optional[Dict[str, float]]:
     """Mean measured time of a level's payload round (an all-reduce, or the compressed
     all-reduce's all-to-all and all-gather) and its bound. Without ``through_tbf`` the bound
@@ -248,7 +248,7 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
 
     def through_tbf(sent: float) -> float:
         # tbf's bucket goes ahead of the rate after an idle spell; the emulation's latency
-        # floor (_sync_ratio) overlaps this, never adds.
+        # floor (sync_ratio) overlaps this, never adds.
         return tbf_transfer_s(sent, wan_bps)
     return {
         "arm": name,
@@ -263,7 +263,7 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         "excess_loss": None if floor is None else final - floor,
         "consistent": len({r["checksum"] for r in results}) == 1,
         "curve": _curve(mode, events, C, R),
-        "sync": {lv: _sync_ratio(results, lv, wan_n, through_tbf if wire and lv == wan_level else None) for lv in levels},
+        "sync": {lv: sync_ratio(results, lv, wan_n, through_tbf if wire and lv == wan_level else None) for lv in levels},
         "wire": None if wire is None else {**wire, "accounted_slow_bytes": slow, "wire_vs_accounted": wire["tx_bytes"] / slow if slow else None},
         "local_step_s": sum(local) / len(local) if local else None,
         "run_dir": str(run_dir),
