@@ -335,6 +335,7 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
     h = ThreadedHier(2, R, 1, 2, inner=L, outer=L, min_clusters=1, outer_max_staleness=max_staleness,
                      quorum_slice=timedelta(seconds=60))
     reps, finals = {}, {}
+    dropped = threading.Event()  # cluster 0's leader has left the outer level (step 2)
     alone = threading.Event()  # cluster 1 committed step 2's outer round without cluster 0
     asking = threading.Event()  # cluster 0's leader is about to ask for step 4's outer quorum
 
@@ -351,6 +352,7 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
                 tr.enter(Phase.OUTER_QUORUM)  # as a failed quorum: an inner-only round
                 rep.sync.outer_mgr.shutdown()  # its heartbeat stops; a new Manager joins at step 3
                 rep.sync.outer_mgr, rep.sync.outer_comm = None, None
+                dropped.set()
                 # Its new Manager must not join the round cluster 1 is waiting in (the
                 # lighthouse forms it once this one's heartbeats have lapsed).
                 assert alone.wait(60)
@@ -358,6 +360,19 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
                 return None
 
             rep.sync._outer_quorum = drop_out_at_step_2
+        if rep.key == (1, 0):
+            orig1 = rep.sync._outer_quorum
+
+            def after_cluster_0_left(tr, cur_round, cur_step):
+                # Cluster 1 asks for step 2's quorum only once cluster 0 has left. Else a
+                # cluster 0 slow to start (its join round took 10 s under load) finds the
+                # global level at step 2 already, joins it at step 0 (outer_join), and waits
+                # there for cluster 1, which waits at step 3 for cluster 0's step 4.
+                if cur_step == 2:
+                    assert dropped.wait(60), "cluster 0 never reached step 2"
+                return orig1(tr, cur_round, cur_step)
+
+            rep.sync._outer_quorum = after_cluster_0_left
 
         def record(r):
             if r.key == (1, 0) and r.sync.counters.step == 2:
