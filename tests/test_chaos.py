@@ -530,3 +530,113 @@ def test_discarded_steps_are_broken_down_by_the_reason_the_processes_gave():
     assert discarded_by(events) == {"outer:cluster_weight0": 20, "inner:rollback": 9, "inner:heal": 3}
     assert list(discarded_by(events)) == ["outer:cluster_weight0", "inner:rollback", "inner:heal"]
     assert discarded_by({(0, 0): [{"kind": "commit"}]}) == {}
+
+
+def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in_hier_and_flat(tmp_path):
+    """chaos.draw=plan: the seed and the topology alone give the faults (steps, kinds,
+    replica groups). A hier-like job (with leaders) and a flat-like one (none), stepping
+    alike, fire the same faults in the same order; one whose target is down when due waits
+    (and the later ones behind it) until the target runs again, then fires at a later step."""
+    from hier_localsgd.config import load_config
+    from hier_localsgd.experiments.chaos import ChaosMonkey
+    from hier_localsgd.experiments.chaos_plan import draw_plan, schedule_match
+
+    over = [f"run.dir={tmp_path}", "chaos.kinds=[kill,multi_kill,hang,lighthouse]", "chaos.draw=plan", "chaos.kill_every_steps=15",
+            "chaos.seed=7", "train.steps=210", "chaos.stop_kills_at=0.8"]
+    cfg = load_config(over, validate_for="chaos")
+    args = (7, cfg.chaos.kinds, 2, 2, cfg.chaos.roles, cfg.chaos.phase_targets, 15, 168, True)  # faults until 80 % of 210
+    plan = draw_plan(*args)
+    assert [f.as_dict() for f in plan] == [f.as_dict() for f in draw_plan(*args)]  # a function of its arguments
+    assert [f.as_dict() for f in plan] != [f.as_dict() for f in draw_plan(8, *args[1:])]
+    assert len(plan) >= 4 and all(0 < f.at < 168 for f in plan) and {f.kind for f in plan} >= {"kill", "hang"}
+    first_kill = next(f for f in plan if f.kind in ("kill", "multi_kill"))
+
+    from types import SimpleNamespace
+
+    class Job:
+        history, netns = [], None
+
+        def __init__(self, sub, leaders, lighthouses):
+            self.run_dir, self.leaders, self.step, self.down = tmp_path / sub, leaders, 0, {}
+            self.replicas = {k: SimpleNamespace(popen=SimpleNamespace(pid=1)) for k in self.keys()}
+            self.lighthouses = dict.fromkeys(lighthouses)
+            self.killed = []
+
+        def keys(self):
+            return [(c, r) for c in range(2) for r in range(2)]
+
+        def status(self, key):
+            if self.down.get(key, -1) >= self.step:
+                return None
+            return {"step": self.step, "state": "running", "leader": self.leaders and key[1] == 0, "pid": 1}
+
+        def kill(self, key, sig):
+            self.killed.append(key)
+            self.down[key] = self.step + 4  # back four steps later
+
+        def kill_lighthouse(self, role):
+            self.killed.append(role)
+
+    def drive(job, hold=None):
+        monkey = ChaosMonkey(job, cfg)  # type: ignore[arg-type]
+        monkey.stall = lambda: None  # type: ignore[method-assign, assignment]
+        monkey._continuous_now = lambda: [SimpleNamespace(key=k) for k in job.keys() if job.status(k)]  # type: ignore[method-assign]
+        monkey._running = lambda continuous: {k: job.status(k) for k in job.keys() if job.status(k)}  # type: ignore[method-assign]
+        monkey.pending.add = lambda *a: None  # type: ignore[method-assign]  # a hang ends at once here
+        import hier_localsgd.experiments.chaos as chaos_mod
+        chaos_mod.signal_group, saved = (lambda pid, sig: None), chaos_mod.signal_group
+        try:
+            for step in range(0, 210):
+                job.step = step
+                if hold and step == hold[1]:
+                    job.down[hold[0]] = first_kill.at + 10  # the first kill's target is down when it is due
+                monkey.retry_at = 0.0  # each call is a new second here
+                monkey()
+        finally:
+            chaos_mod.signal_group = saved
+        return {"plan": [f.as_dict() for f in monkey.plan], "kills": monkey.kills, "faults": monkey.faults, "skipped": monkey.skipped}
+
+    hier = drive(Job("h", True, ["global", "cluster0", "cluster1"]))
+    flat = drive(Job("f", False, ["global"]), hold=(first_kill.targets[0], int(first_kill.at) - 1))
+    m = schedule_match(hier, flat)
+    fired_kinds = [f.kind for f in plan]
+    skipped_in_flat = [f.index for f in plan if f.kind == "lighthouse" and f.lighthouse != "global"]
+    assert m["identical"] and m["same"] == m["fired"][0] == len(plan), m  # every planned fault, same order, both runs
+    assert m["skipped"] == [[], skipped_in_flat]  # flat has no cluster lighthouses: said, not faked
+    steps_h, steps_f = m["steps"]
+    assert all(h >= f.at and g >= f.at for h, g, f in zip(steps_h, steps_f, plan))  # never early
+    held = first_kill.index
+    assert steps_f[held] == first_kill.at + 11 and steps_h[held] == first_kill.at  # waited until its target ran again
+    assert all(steps_f[i] >= steps_f[held] for i in range(held + 1, len(plan)))  # the later ones waited behind it
+    assert "kill" in fired_kinds
+    for k in hier["kills"]:
+        assert set(k["was_leader"]) == set(k["targets"])
+        assert all(v == (t.endswith("r0")) for t, v in k["was_leader"].items())  # (c, 0) leads in the hier-like job
+
+
+@pytest.mark.slow
+def test_hier_and_flat_meet_the_same_planned_faults_end_to_end(tmp_path):
+    """``chaos.compare_flat`` with ``chaos.draw=plan`` on real processes: hier and flat
+    torchft DiLoCo each fire every planned fault (a kill and hangs here), the same faults on
+    the same groups in the same order, recover from each and end consistent."""
+    report_path = tmp_path / "report.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}",
+         "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=300", "sync.inner.every=5",
+         "sync.outer.every=2", "sync.min_clusters=1", "chaos.kinds=[kill,hang]", "chaos.draw=plan", "chaos.kill_every_steps=40",
+         "chaos.seed=3", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.6", "chaos.hang_s=5", "chaos.baseline=false",
+         "chaos.compare_flat=true", "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50",
+         "lighthouse.join_timeout_ms=10000", "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30",
+         "timeouts.outer_reduce=30", "timeouts.broadcast=30"],
+        capture_output=True, text=True, timeout=600,
+    )
+    print(p.stdout[-2500:])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(report_path.read_text())
+    sm = r["vs_flat"]["schedule"]
+    # seed 3 plans 4 faults before step 180 (a whole-cluster kill among them: chaos_plan.draw_plan)
+    assert sm["planned"] == len(r["plan"]) >= 2 and sm["identical"] and sm["fired"] == [sm["planned"]] * 2, sm
+    for rep in (r, r["flat"]):
+        assert rep["consistent"] is True
+        assert rep["recovered"] == len(rep["kills"]) and all(f["recovered"] for f in rep["faults"]), (rep["kills"], rep["faults"])
+    assert "the same in both, in order" in p.stdout

@@ -11,7 +11,8 @@ evaluation time; a restarted group keeps its first start, so time lost to faults
 
 Settings: every ``chaos.*`` override given to the sweep applies (seed, kinds, rate of
 faults: give ``chaos.kill_every_steps`` so hier and flat meet faults at the same training
-steps — a wall-clock schedule hits the faster run less); ``bench.chaos_steps`` sets the run's length (faults need a run longer than the
+steps — a wall-clock schedule hits the faster run less — and ``chaos.draw=plan`` so they meet
+the same faults on the same groups, drawn before either run: chaos_plan.py); ``bench.chaos_steps`` sets the run's length (faults need a run longer than the
 quick workload's seconds). The WAN's bandwidth is the user-space emulation's even with
 ``bench.links=kernel`` (chaos.py builds its own jobs, which bench.py does not shape); with
 namespaces available chaos.py runs the clusters in them for its partition faults. ``chaos.baseline`` is off (goodput needs none). WAN bytes are not
@@ -62,7 +63,8 @@ def run_chaos_arm(base: List[str], out: Path, target: float, steps: int) -> Dict
             "final_eval_loss": rep["final_eval_loss"], "consistent": rep["consistent"], "wall_s": rep["wall_s"],
             "curve": [{k: p[k] for k in ("step", "loss", "t")} for p in curve],
         }
-    return {"exit_code": code, "seed": cfg.chaos.seed, "steps": steps, "target_loss": target, "report": str(report_path), **out_modes}
+    return {"exit_code": code, "seed": cfg.chaos.seed, "steps": steps, "target_loss": target, "report": str(report_path),
+            "draw": cfg.chaos.draw, "schedule": (report.get("vs_flat") or {}).get("schedule"), **out_modes}
 
 
 def table(res: Dict[str, Any], gbps: float) -> str:
@@ -79,4 +81,8 @@ def table(res: Dict[str, Any], gbps: float) -> str:
             continue
         lines.append(f"| {mode} | {m['faults']} | {f(m['goodput'], '.3f')} | {f(m['steps_to_target'], 'd')} | {f(m['time_to_target_s'], '.1f')} | "
                      f"{f(m['final_eval_loss'], '.4f')} | {m['consistent']} | {m['wall_s']:.1f} |")
+    sm = res.get("schedule")
+    if sm is not None:
+        lines += ["", f"chaos.draw=plan: {sm['planned']} faults planned; fired hier {sm['fired'][0]}, flat {sm['fired'][1]}; "
+                  f"the same faults on the same groups, in order: {sm['same']}; at steps hier {sm['steps'][0]}, flat {sm['steps'][1]}"]
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.experiments.chaos_evidence import WORK_KEYS, Incarnation, Timeline, evidence, name
 from hier_localsgd.experiments.chaos_faults import FAULT_KINDS, PendingFaults, fault_evidence, signal_group
+from hier_localsgd.experiments.chaos_plan import PlannedFault, draw_plan, schedule_match
 from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.core.phases import Phase
@@ -117,6 +118,14 @@ class ChaosMonkey:
         self.pending = PendingFaults()
         self.armed: Optional[Dict[str, Any]] = None  # a phase_kill waiting for its phase
         self.kinds_done: List[str] = []
+        # chaos.draw=plan: the whole schedule drawn now (chaos_plan.py), fired in order.
+        self.plan: Optional[List[PlannedFault]] = None
+        self.plan_next, self.retry_at = 0, 0.0
+        self.skipped: List[Dict[str, Any]] = []  # planned faults this mode cannot have
+        if ch.draw == "plan":
+            t = cfg.topology
+            self.plan = draw_plan(ch.seed, self.kinds, t.clusters, t.replicas_per_cluster, self.roles, ch.phase_targets,
+                                  self.step_mean or self.mean, self.stop_at_step if self.step_mean else ch.timeout_s, bool(self.step_mean))
 
     def _running(self, continuous: Sequence["Incarnation"]) -> Dict[Key, dict]:
         """Processes a fault may hit: running, and continuous (not still recovering from an
@@ -161,6 +170,9 @@ class ChaosMonkey:
             self._end(action, arg, now)
         if self.armed is not None:
             self._phase_kill(now)
+        if self.plan is not None:
+            self._planned(now)
+            return
         if now < self.next_kill or (self.step_mean and self.progress() < self.next_step):
             return
         continuous = self._continuous_now()  # read once per fault: every events file
@@ -244,12 +256,13 @@ class ChaosMonkey:
         assert arm is not None
         continuous = self._continuous_now()
         running = self._running(continuous)
-        cands = sorted(k for k, st in running.items() if bool(st.get("leader")) == (arm["role"] == "leader")
+        cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
                        and any(i.key != k for i in continuous))
         hits = [k for k in cands if running[k].get("phase") == arm["phase"]]
         if hits or (cands and now - arm["since"] > self.cfg.chaos.phase_arm_s):
             target = (hits or cands)[0]
-            self._kill([target], running, now, arm["role"], kind="phase_kill", armed_phase=arm["phase"], phase_hit=bool(hits))
+            extra = {k: arm[k] for k in ("planned", "progress") if k in arm}
+            self._kill([target], running, now, arm["role"], kind="phase_kill", armed_phase=arm["phase"], phase_hit=bool(hits), **extra)
             self.armed = None
 
     def _multi_kill(self, running: Dict[Key, dict], continuous: Sequence["Incarnation"], now: float) -> bool:
@@ -268,21 +281,22 @@ class ChaosMonkey:
         self._kill(targets, running, now, "multi", kind="multi_kill")
         return True
 
-    def _fault(self, kind: str, running: Dict[Key, dict], now: float) -> bool:
+    def _fault(self, kind: str, running: Dict[Key, dict], now: float, target: Any = None, **extra: Any) -> bool:
+        """A non-kill fault; ``target`` (a planned fault's group, lighthouse or cluster), else drawn."""
         ch = self.cfg.chaos
-        rec: Dict[str, Any] = {"t": now - self.t0, "t_abs": now, "kind": kind}
+        rec: Dict[str, Any] = {"t": now - self.t0, "t_abs": now, "kind": kind, **extra}
         if kind == "hang":
-            key = self.rng.choice(sorted(running))
+            key = self.rng.choice(sorted(running)) if target is None else target
             st = running[key]
             rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=ch.hang_s)
             signal_group(self.job.replicas[key].popen.pid, signal.SIGSTOP)
             self.pending.add(now + ch.hang_s, "cont", self.job.replicas[key].popen.pid)
         elif kind == "lighthouse":
-            role = self.rng.choice(sorted(self.job.lighthouses))
+            role = self.rng.choice(sorted(self.job.lighthouses)) if target is None else target
             rec.update(target=role, duration_s=self.cfg.lighthouse.restart_delay_s)
             self.job.kill_lighthouse(role)  # the launcher's supervisor brings it back
         else:  # partition
-            c = self.rng.randrange(self.cfg.topology.clusters)
+            c = self.rng.randrange(self.cfg.topology.clusters) if target is None else target
             rec.update(target=f"cluster{c}", duration_s=ch.partition_s)
             self.job.partition(c)  # type: ignore[attr-defined]
             self.pending.add(now + ch.partition_s, "heal", c)
@@ -303,11 +317,67 @@ class ChaosMonkey:
         ended: back-to-back partitions left a cluster no time to rejoin. (Waiting a whole
         interval after each end, as before, made a 30 s mean give 1 fault per 42 s.) On
         training progress, the next fault is at least one interval of steps away."""
-        if self.step_mean:
+        gap = self.cfg.lighthouse.heartbeat_timeout_ms / 1000.0
+        if self.plan is not None:  # the plan keeps its points; none starts right after an end
+            self.retry_at = max(self.retry_at, now + gap)
+        elif self.step_mean:
             self.schedule_next(now, at_least=True)
         else:
-            gap = self.cfg.lighthouse.heartbeat_timeout_ms / 1000.0
             self.next_kill = max(self.next_kill, now + gap)
+
+    def _planned(self, now: float) -> None:
+        """chaos.draw=plan: fires the next planned fault once due and eligible (module doc
+        of chaos_plan.py); an ineligible one is tried again every second, in order."""
+        assert self.plan is not None
+        if self.plan_next >= len(self.plan) or now < self.retry_at:
+            return
+        f = self.plan[self.plan_next]
+        progress = self.progress()
+        if (progress if self.step_mean else now - self.t0) < f.at:
+            return
+        continuous = self._continuous_now()
+        running = self._running(continuous)
+        if not running or min(int(st.get("step", 0)) for st in running.values()) >= self.stop_at_step:
+            self.plan_next = len(self.plan)  # past the last fault's step: the rest never fire
+            return
+        if self._fire_planned(f, running, continuous, now, progress):
+            self.plan_next += 1
+            self.kinds_done.append(f.kind)
+        else:
+            self.retry_at = now + 1.0
+
+    def _fire_planned(self, f: PlannedFault, running: Dict[Key, dict], continuous: Sequence["Incarnation"], now: float, progress: int) -> bool:
+        extra = {"planned": f.index, "planned_at": f.at, "progress": progress}
+        if f.kind in FAULT_KINDS:
+            if self.pending.busy:
+                return False
+            if f.kind == "hang":
+                if f.targets[0] not in running:
+                    return False
+                return self._fault("hang", running, now, target=f.targets[0], **extra)
+            if f.kind == "partition":
+                return self._fault("partition", running, now, target=f.cluster, **extra)
+            if f.lighthouse not in self.job.lighthouses:
+                self.skipped.append({"t": now - self.t0, "kind": f.kind, "target": f.lighthouse, **extra,
+                                     "why": f"no {f.lighthouse} lighthouse in sync.mode={self.cfg.sync.mode}"})
+                return True
+            return self._fault("lighthouse", running, now, target=f.lighthouse, **extra)
+        if self.armed is not None:  # a phase_kill still waiting for its phase
+            return False
+        if not all(k in running for k in f.targets) or not any(i.key not in f.targets for i in continuous):
+            return False
+        if f.role == "cluster":
+            c = f.targets[0][0]
+            R = self.cfg.topology.replicas_per_cluster
+            others = [x for x in range(self.cfg.topology.clusters) if x != c and all((x, r) in running for r in range(R))]
+            if not others:  # never the last cluster standing
+                return False
+        if f.kind == "phase_kill":
+            self.armed = {"role": f.role, "phase": f.phase, "since": now, "target": f.targets[0], **extra}
+            return True
+        was = {name(k): bool(running[k].get("leader")) for k in f.targets}
+        self._kill(list(f.targets), running, now, f.role, kind=f.kind, was_leader=was, **extra)
+        return True
 
     def finish(self) -> None:
         """Ends every fault still in progress (a stopped process, a cut cluster)."""
@@ -343,9 +413,11 @@ def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float, base
         "steps_target": tr.steps,
         "steps_reached": summary["steps"],
         "chaos": {"seed": cfg.chaos.seed, "kill_every_s": cfg.chaos.kill_every_s, "roles": list(cfg.chaos.roles), "restart_delay_s": cfg.chaos.restart_delay_s,
-                  "kinds": list(monkey.kinds), "hang_s": cfg.chaos.hang_s, "lighthouse_down_s": cfg.chaos.lighthouse_down_s, "partition_s": cfg.chaos.partition_s},
+                  "kinds": list(monkey.kinds), "draw": cfg.chaos.draw, "hang_s": cfg.chaos.hang_s, "lighthouse_down_s": cfg.chaos.lighthouse_down_s, "partition_s": cfg.chaos.partition_s},
         "mode": cfg.sync.mode,
         **ev,
+        **({"plan": [f.as_dict() for f in monkey.plan], "planned_fired": monkey.plan_next, "skipped": monkey.skipped}
+           if monkey.plan is not None else {}),
         "hangs": sum(len(v) for v in hd.values()),
         "hangs_detail": hd,
         "throughput_retained": retained,
@@ -469,11 +541,17 @@ def run_chaos(cfg: Config, overrides: List[str]) -> int:
         report["flat"] = flat
         report["vs_flat"] = {"goodput": (report["goodput"], flat["goodput"]),
                              "throughput_retained": (report["throughput_retained"], flat["throughput_retained"])}
+        if cfg.chaos.draw == "plan":
+            report["vs_flat"]["schedule"] = schedule_match(report, flat)
     path.write_text(json.dumps(report, indent=2, default=str))
     print(human(report))
     if "flat" in report:
         print("same schedule, flat torchft DiLoCo:")
         print(human(report["flat"]))
+        sm = report["vs_flat"].get("schedule")
+        if sm is not None:
+            print(f"planned faults: {sm['planned']}; fired hier {sm['fired'][0]}, flat {sm['fired'][1]}; the same in both, in order: {sm['same']}"
+                  + (f"; at steps hier {sm['steps'][0]}, flat {sm['steps'][1]}" if sm["same"] else ""))
         print(f"goodput hier {report['vs_flat']['goodput'][0]} vs flat {report['vs_flat']['goodput'][1]}; "
               f"throughput retained hier {report['vs_flat']['throughput_retained'][0]} vs flat {report['vs_flat']['throughput_retained'][1]}")
     print(f"report written to {path}")

@@ -50,7 +50,9 @@ class ChaosConfig:
     lighthouse_down_s: float = 10.0  # a killed lighthouse is restarted after this long
     partition_s: float = 10.0  # how long a partitioned cluster stays cut off
     compare_flat: bool = False  # run the same schedule against sync.mode=flat and compare
-    draw: str = "random"  # random: each fault's kind drawn with the seed; cycle: kinds in order
+    # random: each fault drawn with the seed from the job's state; cycle: kinds in order;
+    # plan: the whole schedule (steps, kinds, replica groups) drawn before the run (chaos_plan.py)
+    draw: str = "random"
     warm_spare: bool = True  # restarts run in a process with the training stack already imported (spare.py)
 
     def check(self) -> None:
@@ -72,8 +74,8 @@ class ChaosConfig:
                 fail(f"chaos.kinds[{i}]", f"{k!r} — expected one of {KINDS}")
         if not self.kinds:
             fail("chaos.kinds", "empty — name at least one fault kind")
-        if self.draw not in ("random", "cycle"):
-            fail("chaos.draw", f"{self.draw!r} — expected random or cycle")
+        if self.draw not in ("random", "cycle", "plan"):
+            fail("chaos.draw", f"{self.draw!r} — expected random, cycle or plan")
         for i, pt in enumerate(self.phase_targets):
             role, _, phase = str(pt).partition(":")
             if role not in ("leader", "non_leader") or phase not in Phase.__members__:

@@ -1,0 +1,138 @@
+"""A fault schedule fixed in advance (``chaos.draw=plan``): the same faults, at the same
+points of training, on the same replica groups, whatever the run does.
+
+Why: with ``chaos.draw=random`` or ``cycle`` the monkey picks each fault's target from the
+job's state at that moment (who leads, who is running), drawing from one random stream; two
+runs (hier and flat torchft DiLoCo, issue #14 §4) then part after their first difference,
+and their goodputs compare different fault sequences. Here the seed, the topology and the
+``chaos.*`` settings alone give the list, before anything runs; both runs get that list.
+
+Each planned fault has ``at`` (the furthest replica group's step with
+``chaos.kill_every_steps``, else seconds from the start; intervals exponential with that
+mean, drawn from the seed), a kind drawn from ``chaos.kinds`` and concrete targets:
+
+* ``kill``: role ``leader`` is group ``(c, 0)`` (it leads cluster c whenever it runs:
+  torchft ranks a quorum by replica id; a flat baseline has no leaders, and the same group
+  is killed), ``non_leader`` a group ``(c, r)`` with r >= 1, ``cluster`` every group of c;
+* ``phase_kill``: one phase target (role and phase) on the group of that role in cluster c;
+* ``multi_kill``: ``(c1, 0)`` and ``(c2, r)``, r >= 1 where there is one, c1 != c2;
+* ``hang``: a group ``(c, r)``; ``partition``: cluster c;
+* ``lighthouse``: ``global`` or ``cluster<i>`` (a mode without that lighthouse, flat,
+  records the fault as skipped: it cannot have it).
+
+A fault fires once due and its targets are eligible under the monkey's rules (running and
+healed; never the last processes whose model continues from the job's start; never the last
+whole cluster; one non-kill fault at a time). Until then it waits, and the later ones wait
+behind it, so the order never changes; the record says at which step it fired.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from hier_localsgd.experiments.chaos_evidence import Key, name
+
+
+@dataclass
+class PlannedFault:
+    index: int
+    at: float  # steps of the furthest group (kill_every_steps) or seconds from the start
+    kind: str
+    targets: List[Key] = field(default_factory=list)  # replica groups (kills, hang)
+    role: str = ""  # kill / phase_kill: the role the targets stand for
+    phase: str = ""  # phase_kill: the phase it waits for
+    cluster: Optional[int] = None  # partition
+    lighthouse: str = ""  # lighthouse: global | cluster<i>
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["targets"] = [name(k) for k in self.targets]
+        return {k: v for k, v in d.items() if v not in ("", None, [])}
+
+
+def _kinds_possible(kinds: Sequence[str], clusters: int, replicas: int, roles: Sequence[str], phase_targets: Sequence[str]) -> List[str]:
+    out = []
+    for k in kinds:
+        if k == "multi_kill" and clusters < 2:
+            continue
+        if k == "kill" and not _roles_possible(roles, clusters, replicas):
+            continue
+        if k == "phase_kill" and not [p for p in phase_targets if _roles_possible([p.split(":")[0]], clusters, replicas)]:
+            continue
+        out.append(k)
+    return out
+
+
+def _roles_possible(roles: Sequence[str], clusters: int, replicas: int) -> List[str]:
+    return [r for r in roles if not (r == "non_leader" and replicas < 2) and not (r == "cluster" and clusters < 2)]
+
+
+def draw_plan(
+    seed: int, kinds: Sequence[str], clusters: int, replicas: int, roles: Sequence[str], phase_targets: Sequence[str],
+    mean: float, until: float, step_based: bool,
+) -> List[PlannedFault]:
+    """The schedule: faults at exponential intervals of mean ``mean`` (steps if
+    ``step_based``, else seconds) up to ``until``, each drawn as the module doc says.
+    Depends on its arguments only (its own random stream)."""
+    rng = random.Random(f"chaos-plan/{seed}")
+    kinds = _kinds_possible(kinds, clusters, replicas, roles, phase_targets)
+    roles = _roles_possible(roles, clusters, replicas)
+    out: List[PlannedFault] = []
+    at = 0.0
+    while kinds:
+        gap = rng.expovariate(1.0 / mean)
+        at += max(1, round(gap)) if step_based else gap
+        if at >= until:
+            break
+        kind = rng.choice(kinds)
+        c = rng.randrange(clusters)
+        f = PlannedFault(index=len(out), at=at, kind=kind)
+
+        def member(cluster: int, role: str) -> Key:
+            return (cluster, 0) if role == "leader" else (cluster, rng.randrange(1, replicas))
+
+        if kind == "kill":
+            f.role = rng.choice(roles)
+            f.targets = [(c, r) for r in range(replicas)] if f.role == "cluster" else [member(c, f.role)]
+        elif kind == "phase_kill":
+            pt = rng.choice([p for p in phase_targets if _roles_possible([p.split(":")[0]], clusters, replicas)])
+            f.role, f.phase = pt.split(":")
+            f.targets = [member(c, f.role)]
+        elif kind == "multi_kill":
+            c2 = rng.choice([x for x in range(clusters) if x != c])
+            f.role = "multi"
+            f.targets = [(c, 0), (c2, rng.randrange(1, replicas) if replicas > 1 else 0)]
+        elif kind == "hang":
+            f.targets = [(c, rng.randrange(replicas))]
+        elif kind == "partition":
+            f.cluster = c
+        else:  # lighthouse
+            f.lighthouse = rng.choice(["global", *(f"cluster{i}" for i in range(clusters))])
+        out.append(f)
+    return out
+
+
+def fired(report: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """A chaos report's planned faults as they fired (kills, other faults, skipped), in plan order."""
+    recs = [*report.get("kills", []), *report.get("faults", []), *report.get("skipped", [])]
+    return sorted((r for r in recs if "planned" in r), key=lambda r: r["planned"])
+
+
+def schedule_match(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    """How far two runs (hier and flat) met the same planned faults: the faults both fired
+    with the same kind and targets, in order, and where they parted; steps at which each
+    fired (``progress``: the furthest group's step)."""
+    fa, fb = fired(a), fired(b)
+
+    def key(rec: Dict[str, Any]) -> tuple:
+        return (rec["planned"], rec.get("kind"), tuple(rec.get("targets") or [rec.get("target")]))
+
+    same = 0
+    while same < min(len(fa), len(fb)) and key(fa[same]) == key(fb[same]):
+        same += 1
+    return {"planned": len(a.get("plan", [])), "fired": [len(fa), len(fb)], "same": same,
+            "identical": same == len(fa) == len(fb),
+            "steps": [[r.get("progress") for r in fa], [r.get("progress") for r in fb]],
+            "skipped": [[r["planned"] for r in a.get("skipped", [])], [r["planned"] for r in b.get("skipped", [])]]}
