@@ -541,14 +541,14 @@ def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in
     from hier_localsgd.experiments.chaos import ChaosMonkey
     from hier_localsgd.experiments.chaos_plan import draw_plan, schedule_match
 
-    over = [f"run.dir={tmp_path}", "chaos.kinds=[kill,multi_kill,hang,lighthouse]", "chaos.draw=plan", "chaos.kill_every_steps=15",
+    over = [f"run.dir={tmp_path}", "chaos.kinds=[kill,multi_kill,hang,lighthouse,phase_kill]", "chaos.draw=plan", "chaos.kill_every_steps=15",
             "chaos.seed=7", "train.steps=210", "chaos.stop_kills_at=0.8"]
     cfg = load_config(over, validate_for="chaos")
     args = (7, cfg.chaos.kinds, 2, 2, cfg.chaos.roles, cfg.chaos.phase_targets, 15, 168, True)  # faults until 80 % of 210
     plan = draw_plan(*args)
     assert [f.as_dict() for f in plan] == [f.as_dict() for f in draw_plan(*args)]  # a function of its arguments
     assert [f.as_dict() for f in plan] != [f.as_dict() for f in draw_plan(8, *args[1:])]
-    assert len(plan) >= 4 and all(0 < f.at < 168 for f in plan) and {f.kind for f in plan} >= {"kill", "hang"}
+    assert len(plan) >= 4 and all(0 < f.at < 168 for f in plan) and {f.kind for f in plan} >= {"kill", "hang", "phase_kill"}
     first_kill = next(f for f in plan if f.kind in ("kill", "multi_kill"))
 
     from types import SimpleNamespace
@@ -568,7 +568,10 @@ def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in
         def status(self, key):
             if self.down.get(key, -1) >= self.step:
                 return None
-            return {"step": self.step, "state": "running", "leader": self.leaders and key[1] == 0, "pid": 1}
+            # a round's phases, one per step; flat's one level has INNER_* phases only
+            phases = ["LOCAL", "INNER_REDUCE", "OUTER_REDUCE", "BROADCAST", "INNER_COMMIT"] if self.leaders else ["LOCAL", "INNER_REDUCE", "INNER_COMMIT"]
+            return {"step": self.step, "state": "running", "leader": self.leaders and key[1] == 0, "pid": 1,
+                    "phase": phases[self.step % len(phases)]}
 
         def kill(self, key, sig):
             self.killed.append(key)
@@ -577,7 +580,7 @@ def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in
         def kill_lighthouse(self, role):
             self.killed.append(role)
 
-    def drive(job, hold=None):
+    def drive(job, cfg, hold=None):
         monkey = ChaosMonkey(job, cfg)  # type: ignore[arg-type]
         monkey.stall = lambda: None  # type: ignore[method-assign, assignment]
         monkey._continuous_now = lambda: [SimpleNamespace(key=k) for k in job.keys() if job.status(k)]  # type: ignore[method-assign]
@@ -596,8 +599,8 @@ def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in
             chaos_mod.signal_group = saved
         return {"plan": [f.as_dict() for f in monkey.plan], "kills": monkey.kills, "faults": monkey.faults, "skipped": monkey.skipped}
 
-    hier = drive(Job("h", True, ["global", "cluster0", "cluster1"]))
-    flat = drive(Job("f", False, ["global"]), hold=(first_kill.targets[0], int(first_kill.at) - 1))
+    hier = drive(Job("h", True, ["global", "cluster0", "cluster1"]), cfg)
+    flat = drive(Job("f", False, ["global"]), load_config([*over, "sync.mode=flat"], validate_for="chaos"), hold=(first_kill.targets[0], int(first_kill.at) - 1))
     m = schedule_match(hier, flat)
     fired_kinds = [f.kind for f in plan]
     skipped_in_flat = [f.index for f in plan if f.kind == "lighthouse" and f.lighthouse != "global"]
@@ -609,7 +612,13 @@ def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in
     assert steps_f[held] == first_kill.at + 11 and steps_h[held] == first_kill.at  # waited until its target ran again
     assert all(steps_f[i] >= steps_f[held] for i in range(held + 1, len(plan)))  # the later ones waited behind it
     assert "kill" in fired_kinds
+    phase_kills = [(k, g) for k, g in zip(hier["kills"], flat["kills"]) if k["kind"] == "phase_kill"]
+    assert phase_kills and all(k["phase_hit"] and g["phase_hit"] for k, g in phase_kills)  # each in its phase, or flat's own
+    assert all(g["phase_as"] == {"OUTER_REDUCE": "INNER_REDUCE", "BROADCAST": "INNER_COMMIT"}.get(k["armed_phase"], k["armed_phase"])
+               for k, g in phase_kills if "phase_as" in g)
     for k in hier["kills"]:
+        if k["kind"] == "phase_kill":
+            continue
         assert set(k["was_leader"]) == set(k["targets"])
         assert all(v == (t.endswith("r0")) for t, v in k["was_leader"].items())  # (c, 0) leads in the hier-like job
 

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.experiments.chaos_evidence import WORK_KEYS, Incarnation, Timeline, evidence, name
 from hier_localsgd.experiments.chaos_faults import FAULT_KINDS, PendingFaults, fault_evidence, signal_group
-from hier_localsgd.experiments.chaos_plan import PlannedFault, draw_plan, schedule_match
+from hier_localsgd.experiments.chaos_plan import BASELINE_PHASE, PlannedFault, draw_plan, schedule_match
 from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.core.phases import Phase
@@ -258,10 +258,13 @@ class ChaosMonkey:
         running = self._running(continuous)
         cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
                        and any(i.key != k for i in continuous))
-        hits = [k for k in cands if running[k].get("phase") == arm["phase"]]
+        phase = arm.get("phase_as", arm["phase"])  # a planned one in a mode with other phase names
+        hits = [k for k in cands if running[k].get("phase") == phase]
         if hits or (cands and now - arm["since"] > self.cfg.chaos.phase_arm_s):
             target = (hits or cands)[0]
-            extra = {k: arm[k] for k in ("planned", "progress") if k in arm}
+            extra = {k: arm[k] for k in ("planned", "planned_at", "phase_as") if k in arm}
+            if "planned" in arm:
+                extra.update(progress=self.progress(), armed_at_progress=arm["progress"])
             self._kill([target], running, now, arm["role"], kind="phase_kill", armed_phase=arm["phase"], phase_hit=bool(hits), **extra)
             self.armed = None
 
@@ -329,8 +332,8 @@ class ChaosMonkey:
         """chaos.draw=plan: fires the next planned fault once due and eligible (module doc
         of chaos_plan.py); an ineligible one is tried again every second, in order."""
         assert self.plan is not None
-        if self.plan_next >= len(self.plan) or now < self.retry_at:
-            return
+        if self.plan_next >= len(self.plan) or now < self.retry_at or self.armed is not None:
+            return  # (an armed phase_kill holds the later faults: the order stays the plan's)
         f = self.plan[self.plan_next]
         progress = self.progress()
         if (progress if self.step_mean else now - self.t0) < f.at:
@@ -362,8 +365,6 @@ class ChaosMonkey:
                                      "why": f"no {f.lighthouse} lighthouse in sync.mode={self.cfg.sync.mode}"})
                 return True
             return self._fault("lighthouse", running, now, target=f.lighthouse, **extra)
-        if self.armed is not None:  # a phase_kill still waiting for its phase
-            return False
         if not all(k in running for k in f.targets) or not any(i.key not in f.targets for i in continuous):
             return False
         if f.role == "cluster":
@@ -374,6 +375,8 @@ class ChaosMonkey:
                 return False
         if f.kind == "phase_kill":
             self.armed = {"role": f.role, "phase": f.phase, "since": now, "target": f.targets[0], **extra}
+            if self.cfg.sync.mode != "hier" and f.phase in BASELINE_PHASE:
+                self.armed["phase_as"] = BASELINE_PHASE[f.phase]
             return True
         was = {name(k): bool(running[k].get("leader")) for k in f.targets}
         self._kill(list(f.targets), running, now, f.role, kind=f.kind, was_leader=was, **extra)

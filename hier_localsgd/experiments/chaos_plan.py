@@ -15,6 +15,8 @@ mean, drawn from the seed), a kind drawn from ``chaos.kinds`` and concrete targe
   torchft ranks a quorum by replica id; a flat baseline has no leaders, and the same group
   is killed), ``non_leader`` a group ``(c, r)`` with r >= 1, ``cluster`` every group of c;
 * ``phase_kill``: one phase target (role and phase) on the group of that role in cluster c;
+  a baseline (flat) has one level, whose phases are named INNER_*: an outer phase waits for
+  the same phase of that level, BROADCAST (hier's alone) for its commit (``BASELINE_PHASE``);
 * ``multi_kill``: ``(c1, 0)`` and ``(c2, r)``, r >= 1 where there is one, c1 != c2;
 * ``hang``: a group ``(c, r)``; ``partition``: cluster c;
 * ``lighthouse``: ``global`` or ``cluster<i>`` (a mode without that lighthouse, flat,
@@ -23,7 +25,8 @@ mean, drawn from the seed), a kind drawn from ``chaos.kinds`` and concrete targe
 A fault fires once due and its targets are eligible under the monkey's rules (running and
 healed; never the last processes whose model continues from the job's start; never the last
 whole cluster; one non-kill fault at a time). Until then it waits, and the later ones wait
-behind it, so the order never changes; the record says at which step it fired.
+behind it (behind an armed phase_kill too, until it fired), so the order never changes; the
+record says at which step it fired (``progress``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from hier_localsgd.experiments.chaos_evidence import Key, name
+
+
+# A planned phase_kill's phase in a baseline's one level (sync/baselines.py publishes INNER_*).
+BASELINE_PHASE = {"OUTER_QUORUM": "INNER_QUORUM", "OUTER_REDUCE": "INNER_REDUCE", "OUTER_COMMIT": "INNER_COMMIT",
+                  "BROADCAST": "INNER_COMMIT"}
 
 
 @dataclass
