@@ -75,3 +75,17 @@ def test_sync_ratio_counts_a_compressed_round_and_bounds_each_collective_through
                               "seconds": {"allreduce/payload": 0.4}, "bound_seconds": {"allreduce/payload": 0.36}}}}
     assert sync_ratio([ring], "flat", 4, lambda sent: tbf_transfer_s(sent, rate))["bound_s"] == pytest.approx(0.12)
     assert sync_ratio([ring], "outer", 4) is None
+
+
+def test_a_users_setting_wins_over_the_workloads_own(tmp_path):
+    """The quick workload pads steps to 0.02 s; a user's train.min_step_time_s (or model) is
+    what every arm, the bare loop and the chaos arm run with, and the workload's other
+    settings stay."""
+    from hier_localsgd.config import load_config
+    from hier_localsgd.experiments.bench import prepare
+
+    over = [f"run.dir={tmp_path}", "bench.mode=quick", "train.min_step_time_s=0.1"]
+    _, _, _, base = prepare(load_config(over, validate_for="demo"), over)
+    cfg = load_config(base, validate_for="demo")
+    assert cfg.train.min_step_time_s == 0.1 and "train.min_step_time_s=0.02" not in base
+    assert cfg.model.name == "tiny" and cfg.train.batch_size == 16  # the workload's, not given

@@ -400,6 +400,10 @@ def prepare(cfg: Config, overrides: List[str]) -> Optional[Tuple[Path, Dict[str,
         print(f"bench: bench.links=kernel: {why}", flush=True)
         return None
     common, arms, steps = plan_arms(cfg)
+    # The workload's own settings yield to the user's (they come after them: the last wins).
+    given = {o.split("=", 1)[0] for o in overrides if "=" in o}
+    own = {o.split("=", 1)[0] for o in WORKLOADS[cfg.bench.mode]["over"]}
+    common = [o for o in common if o.split("=", 1)[0] not in given & own]
     for name, extra in arms.items():  # an arm this workload cannot run fails here, in one line, not mid-sweep
         try:
             load_config([*overrides, *common, *extra], validate_for="demo")
