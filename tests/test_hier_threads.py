@@ -505,3 +505,52 @@ def test_steps_kept_from_a_round_whose_outer_commit_held_them_are_never_a_stale_
     assert [e["step"] for e in member.kinds("heal", level="inner") if e["step"] > 0] == [2]
     assert member.kinds("stale_update") == []
     assert [(e["reason"], e["steps"]) for e in member.kinds("discard")] == [("heal", 2)]
+
+
+def test_a_final_round_skipped_for_an_outage_ends_on_the_leaders_model_after_finish():
+    """One cluster of two groups, every round an outer round (localsgd at both levels,
+    min_clusters=1). At the last step (3) the cluster lighthouse is out for both: the leader
+    syncs across clusters alone, the member keeps its own step, and the loop ends with the
+    cluster on two models. finish() (sync/final.py) waits for the lighthouse (here it
+    answers at once), runs a join round with both groups in it, and the member takes the
+    leader's model; its own last step is lost (weight 0). A group whose final round ran
+    returns from finish() at once."""
+    from hier_localsgd.core.outage import LighthouseOutage
+
+    L = LevelAlgorithm.build("localsgd")
+    h = ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, final_step=3)
+    reps, before, finals = {}, {}, {}
+
+    def body(rep):
+        reps[rep.key] = rep
+        orig = rep.sync._inner_quorum
+
+        def out_at_the_last_step(join):
+            if not join and rep.sync.counters.step == 3:
+                raise LighthouseOutage("test: cluster lighthouse out at the last step")
+            return orig(join)
+
+        rep.sync._inner_quorum = out_at_the_last_step
+        local_steps(rep, update, 3)
+        before[rep.key] = rep.flat.data.clone()
+        rep.sync.finish()
+        finals[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    leader, member = reps[(0, 0)], reps[(0, 1)]
+    assert not torch.equal(before[(0, 0)], before[(0, 1)])  # the loop ended on two models
+    for key, got in finals.items():
+        torch.testing.assert_close(got, before[(0, 0)], rtol=0, atol=0, msg=str(key))
+    for rep in (leader, member):
+        assert [e["state"] for e in rep.kinds("final_wait")] == ["start", "done"]
+        assert [e["quorum"] for e in rep.kinds("final_wait") if e["state"] == "done"] == [2]
+    assert [e["step"] for e in leader.kinds("commit", level="outer") if e["step"] == 3] == [3]  # alone through the outage
+
+    # Without an outage at the last step finish() has nothing to do.
+    reps2, finals2 = run_steps(ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, final_step=2), 2)
+    for rep in reps2.values():
+        rep.sync.finish()
+        assert rep.kinds("final_wait") == []

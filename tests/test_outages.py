@@ -163,6 +163,32 @@ def test_a_silent_lighthouse_is_ridden_out_until_the_outage_limit(tmp_path):
         assert 8 <= exit_["t"] - paused["t"] <= 8 + 2 * HB_S + 5, exit_["t"] - paused["t"]
 
 
+def test_a_run_that_ends_during_its_cluster_lighthouses_outage_ends_consistent(tmp_path):
+    """Cluster 0's lighthouse is killed ~20 steps before the end and stays down 20 s: its
+    groups skip their last rounds, the leader syncs across clusters alone, and the loop ends
+    with the cluster on two models. Each waits for the lighthouse (sync.final_wait_s,
+    sync/final.py), a join round brings the member to the leader's model, and the job ends
+    consistent with no process restarted."""
+    seen = {}
+
+    def during(job):
+        if "kill" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 280 for k in ALL):
+            seen["kill"] = time.time()
+            job.kill_lighthouse("cluster0")
+
+    run = run_job(tmp_path, [*OUTAGE, "lighthouse.restart_delay_s=20"], during=during, restart=True, timeout_s=300)
+    assert "kill" in seen, logs_tail(run)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    assert not [h for h in run.job.history if h["event"] == "restart" and not isinstance(h["key"], str)], run.job.history
+    for k in [(0, 0), (0, 1)]:
+        waits = run.kinds(k, "final_wait")
+        assert [e["state"] for e in waits] == ["start", "done"], (k, waits, logs_tail(run))
+        done = waits[-1]
+        assert done["quorum"] == 2 and done["step"] == 300, done
+    assert not run.kinds((1, 0), "final_wait") and not run.kinds((1, 1), "final_wait")  # their last round ran
+    assert run.summary["consistent"] is True, run.summary["checksums"]
+
+
 def test_a_group_back_after_the_job_finished_exits_0_and_is_not_restarted(tmp_path):
     """A group stopped until the others finished trains on alone, fails its outer quorums,
     learns the job is over and exits 0; started again, it exits 0 at once."""

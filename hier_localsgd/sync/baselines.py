@@ -151,6 +151,9 @@ class _Baseline:
         self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
         return True  # ddp: every step synced
 
+    def finish(self) -> None:
+        """Nothing: a baseline's one level has no lighthouse of its own to wait for (sync/final.py is the hierarchy's)."""
+
     def work_counters(self) -> Dict[str, int]:
         """ddp keeps no work accounting (every step is one sync); FlatSync counts rounds."""
         return {}

@@ -141,6 +141,7 @@ class SyncStrategy(Protocol):
     def before_forward(self) -> None: ...  # ddp: the step's quorum
     def before_optimizer_step(self) -> bool: ...  # ddp: gradient all-reduce + commit vote
     def after_optimizer_step(self) -> bool: ...  # hier/flat: a round at round boundaries
+    def finish(self) -> None: ...  # after the last step (hier: sync/final.py; baselines: nothing)
     def work_counters(self) -> Dict[str, int]: ...  # steps run / discarded (chaos accounting)
     def link_stats(self) -> Dict[str, Dict[str, object]]: ...
     def close(self) -> None: ...  # stops heartbeats; idempotent

@@ -99,6 +99,7 @@ from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_rou
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status, training_progress
+from hier_localsgd.sync.final import FinalWait
 from hier_localsgd.sync.outer_round import OuterRound
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -137,6 +138,9 @@ class HierSettings:
     # lighthouse has not answered for outage_limit ends the process.
     quorum_slice: timedelta = timedelta(seconds=5)
     outage_limit: timedelta = timedelta(seconds=600)
+    # A final round skipped for a cluster lighthouse outage: how long finish() waits for
+    # the lighthouse and the cluster's quorum to reconcile the groups' models (final.py).
+    final_wait: timedelta = timedelta(seconds=60)
     # Overlapped outer sync (overlap.py): inner rounds between an outer round's launch and
     # the application of its result; 0 = blocking. The outer round at final_step (the run's
     # last step, 0 = unknown) always blocks, so a run ends on a synced model.
@@ -169,7 +173,7 @@ class HierSettings:
         return max(1, len(self.outer_fragments))
 
 
-class HierarchicalSync(OuterRound, CommittedState):
+class HierarchicalSync(OuterRound, CommittedState, FinalWait):
     """Runs the hierarchical sync for one replica group (see the module docstring).
 
     The training loop calls :meth:`start` once, then :meth:`after_optimizer_step`
@@ -422,6 +426,8 @@ class HierarchicalSync(OuterRound, CommittedState):
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             self._outage("inner", e)
+            if not join and self.s.final_step > 0 and c.step >= self.s.final_step:
+                self._final_outage = True  # finish() reconciles the cluster (final.py)
             if self._leader and self.is_outer_round() and self.s.group_world_size == 1 and not join:
                 self._outer_without_cluster()
             tr.enter(Phase.LOCAL, reason="cluster lighthouse not answering: round skipped")

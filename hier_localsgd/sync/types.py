@@ -130,6 +130,9 @@ class SyncConfig:
     # A level whose lighthouse does not answer skips its rounds and trains on; past this
     # many seconds of outage the process gives up (hier mode; core/outage.py).
     outage_limit_s: float = 600.0
+    # The run's last round skipped for a cluster lighthouse outage: wait this long for the
+    # lighthouse and the cluster's quorum, so its groups end on one model (sync/final.py).
+    final_wait_s: float = 60.0
     # What a replica group does when an inner round fails while nothing it committed moved
     # (a peer died or stalled, a quorum failed): rollback (restore the last commit,
     # torchft's rule) | keep_local (keep the local steps; the next round's pseudo-gradient
@@ -154,6 +157,8 @@ class SyncConfig:
             fail("sync.max_commit_failures", f"{self.max_commit_failures} — must be at least 0")
         if self.outage_limit_s <= 0:
             fail("sync.outage_limit_s", f"{self.outage_limit_s} — must be positive (seconds)")
+        if self.final_wait_s < 0:
+            fail("sync.final_wait_s", f"{self.final_wait_s} — must be at least 0 (seconds; 0: no wait)")
         if self.failed_round not in FAILED_ROUND:
             fail("sync.failed_round", f"unknown policy {self.failed_round!r} (expected one of {FAILED_ROUND})")
         if self.failed_round == "keep_local" and (self.mode != "hier" or t.ranks_per_replica != 1):

@@ -207,6 +207,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             group_shards=cfg.group.rank_shards(grp.size),
             quorum_slice=timedelta(milliseconds=cfg.lighthouse.heartbeat_timeout_ms),
             outage_limit=timedelta(seconds=s.outage_limit_s),
+            final_wait=timedelta(seconds=s.final_wait_s),
             outer_delay=s.outer.delay,
             final_step=cfg.train.steps,
             outer_compression=s.outer.compression,
@@ -472,6 +473,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
             pub.update(eval_loss=ev, eval_step=c.step)
             tb.add(c.step, eval__loss=ev, eval__excess=None if floor is None else ev - floor)
 
+    sync.finish()  # hier: a final round skipped for an outage reconciles the cluster first
     loop_s = time.perf_counter() - t_loop  # every step, syncs included
     # -- final evaluation and result ---------------------------------------------
     final = evaluate(model, eval_set, tr.precision)

@@ -1,0 +1,70 @@
+"""The end of a run whose last round met a cluster lighthouse outage (a mixin of
+:class:`~hier_localsgd.sync.hier.HierarchicalSync`).
+
+Why: a round whose cluster lighthouse does not answer is skipped (outage.py): the members
+keep their own progress, the leader syncs across clusters alone (``_outer_without_cluster``),
+and the consistency guard brings the members to the leader's model at the first round after
+the lighthouse is back. At the run's last step there is no such round: the cluster ended on
+different models (seen in a chaos run, docs/benchmarks.md: a 10 s outage of cluster 1's
+lighthouse 10 s before the end).
+
+What: a group whose final round was skipped for that reason waits, at most
+``sync.final_wait_s``, for its cluster lighthouse to answer, then runs join rounds (every
+weight 0: nothing new is merged, no outer round) until its whole cluster is in one quorum.
+In that quorum a member behind the leader's outer round is resynced from it by the guard
+(guard.py), as in any round after an outage; the member's steps since its last commit are
+lost (they are in no model the other clusters hold). A group whose final round ran does
+nothing.
+
+Failure semantics: never raises for the outage. Past the bound (the lighthouse still out,
+or the cluster never whole again: a peer that had finished normally does not come back) it
+logs and ends with the model it has, and the job's consistency check reports it. Replica
+groups of one rank only (as ``_outer_without_cluster``): the ranks of a larger group could
+see the outage at different rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+logger = logging.getLogger(__name__)
+
+
+class FinalWait:
+    """``finish()``: the reconciliation after a final round skipped for an outage."""
+
+    _final_outage: bool = False  # set by round() when the final round met an inner outage
+
+    def finish(self) -> None:
+        """After the last step (module doc). Returns once the cluster is in one quorum,
+        at once when there is nothing to do, or at ``sync.final_wait_s``."""
+        s = self.s  # type: ignore[attr-defined]
+        bound: timedelta = s.final_wait
+        if not self._final_outage or bound.total_seconds() <= 0 or s.group_world_size != 1:
+            return
+        health = self.health["inner"]  # type: ignore[attr-defined]
+        t0 = time.time()
+        deadline = t0 + bound.total_seconds()
+        self.events("final_wait", state="start", step=self.counters.step, bound_s=bound.total_seconds())  # type: ignore[attr-defined]
+        while not health.probe():
+            if time.time() >= deadline:
+                return self._final_gave_up(t0, "the cluster lighthouse did not answer")
+            time.sleep(min(1.0, max(0.0, deadline - time.time())))
+        while True:
+            self.round(join=True)  # type: ignore[attr-defined]
+            size = self._last_quorum_size  # type: ignore[attr-defined]
+            if size >= s.replicas_per_cluster:
+                self._final_outage = False
+                self.events("final_wait", state="done", step=self.counters.step, quorum=size, waited_s=round(time.time() - t0, 2))  # type: ignore[attr-defined]
+                logger.info("%s reconciled with its cluster after the final round's outage (%.1fs)", self.id, time.time() - t0)  # type: ignore[attr-defined]
+                return
+            if time.time() >= deadline:
+                return self._final_gave_up(t0, f"{size} of {s.replicas_per_cluster} replica groups in the quorum")
+            time.sleep(0.2)
+
+    def _final_gave_up(self, t0: float, why: str) -> None:
+        self.events("final_wait", state="gave_up", step=self.counters.step, why=why, waited_s=round(time.time() - t0, 2))  # type: ignore[attr-defined]
+        logger.warning("%s ends with its own model: %s within sync.final_wait_s=%gs after the final round's outage",
+                       self.id, why, self.s.final_wait.total_seconds())  # type: ignore[attr-defined]
