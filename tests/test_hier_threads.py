@@ -554,3 +554,46 @@ def test_a_final_round_skipped_for_an_outage_ends_on_the_leaders_model_after_fin
     for rep in reps2.values():
         rep.sync.finish()
         assert rep.kinds("final_wait") == []
+
+
+def test_finish_gives_up_at_its_bound_when_the_lighthouse_stays_out():
+    """The same ending with the lighthouse still out (its probe never answers): each group
+    waits sync.final_wait_s (1 s here), records gave_up, ends with its own model and does not
+    raise (it trained every step: its result must be written)."""
+    import dataclasses
+    import time
+
+    from hier_localsgd.core.outage import LighthouseOutage
+
+    L = LevelAlgorithm.build("localsgd")
+    h = ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, final_step=2)
+    reps, before, finals, took = {}, {}, {}, {}
+
+    def body(rep):
+        reps[rep.key] = rep
+        orig = rep.sync._inner_quorum
+
+        def out_at_the_last_step(join):
+            if not join and rep.sync.counters.step == 2:
+                raise LighthouseOutage("test: cluster lighthouse out at the last step")
+            return orig(join)
+
+        rep.sync._inner_quorum = out_at_the_last_step
+        local_steps(rep, update, 2)
+        before[rep.key] = rep.flat.data.clone()
+        rep.sync.health["inner"].probe = lambda: False
+        rep.sync.s = dataclasses.replace(rep.sync.s, final_wait=timedelta(seconds=1))
+        t0 = time.monotonic()
+        rep.sync.finish()
+        took[rep.key] = time.monotonic() - t0
+        finals[rep.key] = rep.flat.data.clone()
+
+    try:
+        h.run(body)
+    finally:
+        h.close()
+    assert not torch.equal(finals[(0, 0)], finals[(0, 1)])
+    for key, rep in reps.items():
+        assert [e["state"] for e in rep.kinds("final_wait")] == ["start", "gave_up"], key
+        torch.testing.assert_close(finals[key], before[key], rtol=0, atol=0)
+        assert 1.0 <= took[key] < 10.0, took  # its bound, not a phase timeout

@@ -346,10 +346,11 @@ class ChaosMonkey:
         if self._fire_planned(f, running, continuous, now, progress):
             self.plan_next += 1
             self.kinds_done.append(f.kind)
-        else:
-            self.retry_at = now + 1.0
+        # a fault that waited fires, and the next (perhaps overdue) comes a second later at the earliest
+        self.retry_at = max(self.retry_at, now + 1.0)
 
     def _fire_planned(self, f: PlannedFault, running: Dict[Key, dict], continuous: Sequence["Incarnation"], now: float, progress: int) -> bool:
+        """Fires ``f`` if its targets are eligible now (chaos_plan.py); False: not yet."""
         extra = {"planned": f.index, "planned_at": f.at, "progress": progress}
         if f.kind in FAULT_KINDS:
             if self.pending.busy:
@@ -364,6 +365,9 @@ class ChaosMonkey:
                 self.skipped.append({"t": now - self.t0, "kind": f.kind, "target": f.lighthouse, **extra,
                                      "why": f"no {f.lighthouse} lighthouse in sync.mode={self.cfg.sync.mode}"})
                 return True
+            proc = self.job.lighthouses[f.lighthouse]
+            if proc is not None and proc.popen.poll() is not None:
+                return False  # still down from an earlier fault: the supervisor brings it back
             return self._fault("lighthouse", running, now, target=f.lighthouse, **extra)
         if not all(k in running for k in f.targets) or not any(i.key not in f.targets for i in continuous):
             return False
@@ -419,7 +423,8 @@ def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float, base
                   "kinds": list(monkey.kinds), "draw": cfg.chaos.draw, "hang_s": cfg.chaos.hang_s, "lighthouse_down_s": cfg.chaos.lighthouse_down_s, "partition_s": cfg.chaos.partition_s},
         "mode": cfg.sync.mode,
         **ev,
-        **({"plan": [f.as_dict() for f in monkey.plan], "planned_fired": monkey.plan_next, "skipped": monkey.skipped}
+        **({"plan": [f.as_dict() for f in monkey.plan],
+            "planned_fired": sum(1 for r in [*monkey.kills, *monkey.faults] if "planned" in r), "skipped": monkey.skipped}
            if monkey.plan is not None else {}),
         "hangs": sum(len(v) for v in hd.values()),
         "hangs_detail": hd,

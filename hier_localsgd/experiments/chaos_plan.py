@@ -45,6 +45,9 @@ BASELINE_PHASE = {"OUTER_QUORUM": "INNER_QUORUM", "OUTER_REDUCE": "INNER_REDUCE"
 
 @dataclass
 class PlannedFault:
+    """One fault of the plan: when (``at``), what (``kind``) and on which groups,
+    lighthouse or cluster (module doc)."""
+
     index: int
     at: float  # steps of the furthest group (kill_every_steps) or seconds from the start
     kind: str
@@ -61,6 +64,7 @@ class PlannedFault:
 
 
 def _kinds_possible(kinds: Sequence[str], clusters: int, replicas: int, roles: Sequence[str], phase_targets: Sequence[str]) -> List[str]:
+    """The kinds this topology can have (a double kill needs two clusters, ...)."""
     out = []
     for k in kinds:
         if k == "multi_kill" and clusters < 2:
@@ -74,6 +78,8 @@ def _kinds_possible(kinds: Sequence[str], clusters: int, replicas: int, roles: S
 
 
 def _roles_possible(roles: Sequence[str], clusters: int, replicas: int) -> List[str]:
+    """The kill roles this topology has (a non-leader needs two groups per cluster, a
+    whole-cluster kill two clusters: the last one standing is never killed)."""
     return [r for r in roles if not (r == "non_leader" and replicas < 2) and not (r == "cluster" and clusters < 2)]
 
 
@@ -123,24 +129,26 @@ def draw_plan(
 
 
 def fired(report: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """A chaos report's planned faults as they fired (kills, other faults, skipped), in plan order."""
-    recs = [*report.get("kills", []), *report.get("faults", []), *report.get("skipped", [])]
+    """A chaos report's planned faults that fired (kills and other faults; not the skipped
+    ones), in plan order."""
+    recs = [*report.get("kills", []), *report.get("faults", [])]
     return sorted((r for r in recs if "planned" in r), key=lambda r: r["planned"])
 
 
 def schedule_match(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    """How far two runs (hier and flat) met the same planned faults: the faults both fired
-    with the same kind and targets, in order, and where they parted; steps at which each
-    fired (``progress``: the furthest group's step)."""
-    fa, fb = fired(a), fired(b)
+    """Which planned faults two runs (hier and flat) both met, with the same kind and
+    targets (``same``: their plan indices; the order is the plan's in both by
+    construction), the steps at which each run met them (``progress``: the furthest
+    group's step), and the faults each run skipped (one it cannot have). ``identical``:
+    both met exactly the same faults and skipped none."""
+    fa = {r["planned"]: r for r in fired(a)}
+    fb = {r["planned"]: r for r in fired(b)}
 
     def key(rec: Dict[str, Any]) -> tuple:
-        return (rec["planned"], rec.get("kind"), tuple(rec.get("targets") or [rec.get("target")]))
+        return (rec.get("kind"), tuple(rec.get("targets") or [rec.get("target")]))
 
-    same = 0
-    while same < min(len(fa), len(fb)) and key(fa[same]) == key(fb[same]):
-        same += 1
-    return {"planned": len(a.get("plan", [])), "fired": [len(fa), len(fb)], "same": same,
-            "identical": same == len(fa) == len(fb),
-            "steps": [[r.get("progress") for r in fa], [r.get("progress") for r in fb]],
-            "skipped": [[r["planned"] for r in a.get("skipped", [])], [r["planned"] for r in b.get("skipped", [])]]}
+    same = [i for i in sorted(set(fa) & set(fb)) if key(fa[i]) == key(fb[i])]
+    skipped = [[r["planned"] for r in a.get("skipped", [])], [r["planned"] for r in b.get("skipped", [])]]
+    return {"planned": len(a.get("plan", [])), "fired": [len(fa), len(fb)], "same": len(same), "same_indices": same,
+            "identical": len(same) == len(fa) == len(fb) and not skipped[0] and not skipped[1],
+            "steps": [[fa[i].get("progress") for i in same], [fb[i].get("progress") for i in same]], "skipped": skipped}

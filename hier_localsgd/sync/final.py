@@ -11,14 +11,22 @@ lighthouse 10 s before the end).
 What: a group whose final round was skipped for that reason waits, at most
 ``sync.final_wait_s``, for its cluster lighthouse to answer, then runs join rounds (every
 weight 0: nothing new is merged, no outer round) until its whole cluster is in one quorum.
-In that quorum a member behind the leader's outer round is resynced from it by the guard
-(guard.py), as in any round after an outage; the member's steps since its last commit are
-lost (they are in no model the other clusters hold). A group whose final round ran does
-nothing.
+In that quorum a member behind the leader's outer round heals or is resynced from it
+(guard.py), as in any round after an outage: the cluster ends on the leader's model (the
+global model when the leader's lone outer round committed, else its last inner commit). A
+member's steps since its last commit are lost (weight 0: they are in no model the other
+clusters hold). A group whose final round ran does nothing.
 
-Failure semantics: never raises for the outage. Past the bound (the lighthouse still out,
-or the cluster never whole again: a peer that had finished normally does not come back) it
-logs and ends with the model it has, and the job's consistency check reports it. Replica
+Timeouts: the lighthouse is probed until ``sync.final_wait_s`` has passed; a join round is
+started only before then, and runs within its own phase timeouts, so ``finish()`` returns
+at most one round's timeouts after the bound.
+
+Failure semantics: never raises. Past the bound (the lighthouse still out, or the cluster
+never whole again: a peer that had finished normally does not come back), or when a join
+round fails fatally, it logs, records ``final_wait`` ``gave_up`` and ends with the model it
+has (a partial join round may already have rolled it back to its last commit); the job's
+consistency check reports it. While it waits, a failed quorum does not end the group as
+"job finished without it" (it trained every step: its result must be written). Replica
 groups of one rank only (as ``_outer_without_cluster``): the ranks of a larger group could
 see the outage at different rounds.
 """
@@ -28,6 +36,8 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+
+from hier_localsgd.sync.common import FatalSyncError, JobFinished
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +49,8 @@ class FinalWait:
 
     def finish(self) -> None:
         """After the last step (module doc). Returns once the cluster is in one quorum,
-        at once when there is nothing to do, or at ``sync.final_wait_s``."""
+        at once when there is nothing to do, or past ``sync.final_wait_s`` (module doc:
+        Timeouts). Never raises."""
         s = self.s  # type: ignore[attr-defined]
         bound: timedelta = s.final_wait
         if not self._final_outage or bound.total_seconds() <= 0 or s.group_world_size != 1:
@@ -52,10 +63,22 @@ class FinalWait:
             if time.time() >= deadline:
                 return self._final_gave_up(t0, "the cluster lighthouse did not answer")
             time.sleep(min(1.0, max(0.0, deadline - time.time())))
+        job_done, self.job_done = self.job_done, None  # type: ignore[attr-defined,has-type]
+        try:
+            return self._reconcile(t0, deadline)
+        except (FatalSyncError, JobFinished) as e:
+            return self._final_gave_up(t0, f"a join round failed ({type(e).__name__}: {str(e)[:200]})")
+        finally:
+            self.job_done = job_done  # type: ignore[attr-defined]
+
+    def _reconcile(self, t0: float, deadline: float) -> None:
+        """Join rounds until one commits with the whole cluster in its quorum."""
+        s = self.s  # type: ignore[attr-defined]
         while True:
-            self.round(join=True)  # type: ignore[attr-defined]
-            size = self._last_quorum_size  # type: ignore[attr-defined]
-            if size >= s.replicas_per_cluster:
+            self._last_quorum_size = 0  # a round that fails before its quorum leaves no stale size
+            committed = self.round(join=True)  # type: ignore[attr-defined]
+            size = self._last_quorum_size
+            if committed and size >= s.replicas_per_cluster:
                 self._final_outage = False
                 self.events("final_wait", state="done", step=self.counters.step, quorum=size, waited_s=round(time.time() - t0, 2))  # type: ignore[attr-defined]
                 logger.info("%s reconciled with its cluster after the final round's outage (%.1fs)", self.id, time.time() - t0)  # type: ignore[attr-defined]
