@@ -152,6 +152,21 @@ def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phas
             assert not rep.kinds("rollback", level="inner"), f"{key} should not have rolled back"
 
 
+def cluster_lighthouse_out_at(rep, step: int) -> None:
+    """The group's cluster lighthouse does not answer at ``step`` (not in join rounds): its
+    quorum call raises LighthouseOutage there, as outage.py's would."""
+    from hier_localsgd.core.outage import LighthouseOutage
+
+    orig = rep.sync._inner_quorum
+
+    def quorum(join):
+        if not join and rep.sync.counters.step == step:
+            raise LighthouseOutage(f"test: cluster lighthouse out at step {step}")
+        return orig(join)
+
+    rep.sync._inner_quorum = quorum
+
+
 def run_steps(h: ThreadedHier, steps: int):
     """Runs every replica group for ``steps`` local steps of update(); closes ``h``.
     Returns the replicas and their final models, by key."""
@@ -440,22 +455,13 @@ def test_a_member_that_healed_after_an_outage_contributes_its_steps_as_a_stale_u
     since its last commit (step 0) still count, measured from that commit and averaged
     with the leader's step into the healed model (an inner stale update); with 0 they
     carry weight 0 and are lost, as before. Both end equal to the hand computation."""
-    from hier_localsgd.core.outage import LighthouseOutage
-
     L = LevelAlgorithm.build("localsgd")
     h = ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, inner_max_staleness=max_staleness)
     reps, finals = {}, {}
 
     def body(rep):
         reps[rep.key] = rep
-        orig = rep.sync._inner_quorum
-
-        def out_at_step_1(join):
-            if not join and rep.sync.counters.step == 1:
-                raise LighthouseOutage("test: cluster lighthouse out at step 1")
-            return orig(join)
-
-        rep.sync._inner_quorum = out_at_step_1
+        cluster_lighthouse_out_at(rep, 1)
         local_steps(rep, update, 3)
         finals[rep.key] = rep.flat.data.clone()
 
@@ -515,22 +521,13 @@ def test_a_final_round_skipped_for_an_outage_ends_on_the_leaders_model_after_fin
     answers at once), runs a join round with both groups in it, and the member takes the
     leader's model; its own last step is lost (weight 0). A group whose final round ran
     returns from finish() at once."""
-    from hier_localsgd.core.outage import LighthouseOutage
-
     L = LevelAlgorithm.build("localsgd")
     h = ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, final_step=3)
     reps, before, finals = {}, {}, {}
 
     def body(rep):
         reps[rep.key] = rep
-        orig = rep.sync._inner_quorum
-
-        def out_at_the_last_step(join):
-            if not join and rep.sync.counters.step == 3:
-                raise LighthouseOutage("test: cluster lighthouse out at the last step")
-            return orig(join)
-
-        rep.sync._inner_quorum = out_at_the_last_step
+        cluster_lighthouse_out_at(rep, 3)  # the last step
         local_steps(rep, update, 3)
         before[rep.key] = rep.flat.data.clone()
         rep.sync.finish()
@@ -563,22 +560,13 @@ def test_finish_gives_up_at_its_bound_when_the_lighthouse_stays_out():
     import dataclasses
     import time
 
-    from hier_localsgd.core.outage import LighthouseOutage
-
     L = LevelAlgorithm.build("localsgd")
     h = ThreadedHier(1, 2, 1, 1, inner=L, outer=L, min_clusters=1, final_step=2)
     reps, before, finals, took = {}, {}, {}, {}
 
     def body(rep):
         reps[rep.key] = rep
-        orig = rep.sync._inner_quorum
-
-        def out_at_the_last_step(join):
-            if not join and rep.sync.counters.step == 2:
-                raise LighthouseOutage("test: cluster lighthouse out at the last step")
-            return orig(join)
-
-        rep.sync._inner_quorum = out_at_the_last_step
+        cluster_lighthouse_out_at(rep, 2)  # the last step
         local_steps(rep, update, 2)
         before[rep.key] = rep.flat.data.clone()
         rep.sync.health["inner"].probe = lambda: False
