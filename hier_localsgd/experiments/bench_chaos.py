@@ -32,6 +32,7 @@ from hier_localsgd.config import load_config
 from hier_localsgd.core.status import read_events, replica_dir
 from hier_localsgd.experiments.bench import _curve, sync_eval
 from hier_localsgd.experiments.chaos import run_chaos
+from hier_localsgd.experiments.chaos_plan import describe_match
 
 
 def run_chaos_arm(base: List[str], out: Path, target: float, steps: int) -> Dict[str, Any]:
@@ -81,8 +82,6 @@ def table(res: Dict[str, Any], gbps: float) -> str:
             continue
         lines.append(f"| {mode} | {m['faults']} | {f(m['goodput'], '.3f')} | {f(m['steps_to_target'], 'd')} | {f(m['time_to_target_s'], '.1f')} | "
                      f"{f(m['final_eval_loss'], '.4f')} | {m['consistent']} | {m['wall_s']:.1f} |")
-    sm = res.get("schedule")
-    if sm is not None:
-        lines += ["", f"chaos.draw=plan: {sm['planned']} faults planned; fired hier {sm['fired'][0]}, flat {sm['fired'][1]}; "
-                  f"the same faults on the same groups, in order: {sm['same']}; at steps hier {sm['steps'][0]}, flat {sm['steps'][1]}"]
+    if res.get("schedule") is not None:
+        lines += ["", describe_match(res["schedule"])]
     return "\n".join(lines)

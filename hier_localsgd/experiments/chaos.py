@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.experiments.chaos_evidence import WORK_KEYS, Incarnation, Timeline, evidence, name
 from hier_localsgd.experiments.chaos_faults import FAULT_KINDS, PendingFaults, fault_evidence, signal_group
-from hier_localsgd.experiments.chaos_plan import BASELINE_PHASE, PlannedFault, draw_plan, schedule_match
+from hier_localsgd.experiments.chaos_plan import BASELINE_PHASE, PlannedFault, describe_match, draw_plan, schedule_match
 from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.core.phases import Phase
@@ -90,6 +90,12 @@ class StallWatch:
         if self._open is not None:
             self._open["duration_s"] = time.time() - self.t0 - self._open["since"]
             self._open = None
+
+
+def keeps_continuous(targets: Sequence[Key], continuous: Sequence["Incarnation"]) -> bool:
+    """Whether killing ``targets`` leaves a process whose model continues from the job's
+    start (module doc): never kill the last ones, nothing could recover the job's state."""
+    return any(i.key not in targets for i in continuous)
 
 
 class ChaosMonkey:
@@ -160,7 +166,7 @@ class ChaosMonkey:
         # Never kill the last processes whose model continues from the job's start (a cluster
         # restarted whole is not standing until it healed): that would end the job's state,
         # and nothing could recover from it.
-        cands = [ts for ts in cands if any(i.key not in ts for i in continuous)]
+        cands = [ts for ts in cands if keeps_continuous(ts, continuous)]
         return self.rng.choice(cands) if cands else None
 
     def __call__(self) -> None:
@@ -257,7 +263,7 @@ class ChaosMonkey:
         continuous = self._continuous_now()
         running = self._running(continuous)
         cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
-                       and any(i.key != k for i in continuous))
+                       and keeps_continuous([k], continuous))
         phase = arm.get("phase_as", arm["phase"])  # a planned one in a mode with other phase names
         hits = [k for k in cands if running[k].get("phase") == phase]
         if hits or (cands and now - arm["since"] > self.cfg.chaos.phase_arm_s):
@@ -279,7 +285,7 @@ class ChaosMonkey:
         first = [k for k in by_cluster[c1] if running[k].get("leader")] or by_cluster[c1]
         second = [k for k in by_cluster[c2] if not running[k].get("leader")] or by_cluster[c2]
         targets = [self.rng.choice(first), self.rng.choice(second)]
-        if not any(i.key not in targets for i in continuous):
+        if not keeps_continuous(targets, continuous):
             return False
         self._kill(targets, running, now, "multi", kind="multi_kill")
         return True
@@ -345,7 +351,6 @@ class ChaosMonkey:
             return
         if self._fire_planned(f, running, continuous, now, progress):
             self.plan_next += 1
-            self.kinds_done.append(f.kind)
         # a fault that waited fires, and the next (perhaps overdue) comes a second later at the earliest
         self.retry_at = max(self.retry_at, now + 1.0)
 
@@ -369,7 +374,7 @@ class ChaosMonkey:
             if proc is not None and proc.popen.poll() is not None:
                 return False  # still down from an earlier fault: the supervisor brings it back
             return self._fault("lighthouse", running, now, target=f.lighthouse, **extra)
-        if not all(k in running for k in f.targets) or not any(i.key not in f.targets for i in continuous):
+        if not all(k in running for k in f.targets) or not keeps_continuous(f.targets, continuous):
             return False
         if f.role == "cluster":
             c = f.targets[0][0]
@@ -556,10 +561,8 @@ def run_chaos(cfg: Config, overrides: List[str]) -> int:
     if "flat" in report:
         print("same schedule, flat torchft DiLoCo:")
         print(human(report["flat"]))
-        sm = report["vs_flat"].get("schedule")
-        if sm is not None:
-            print(f"planned faults: {sm['planned']}; fired hier {sm['fired'][0]}, flat {sm['fired'][1]}; the same in both, in order: {sm['same']}"
-                  + (f"; at steps hier {sm['steps'][0]}, flat {sm['steps'][1]}" if sm["same"] else ""))
+        if "schedule" in report["vs_flat"]:
+            print(describe_match(report["vs_flat"]["schedule"]))
         print(f"goodput hier {report['vs_flat']['goodput'][0]} vs flat {report['vs_flat']['goodput'][1]}; "
               f"throughput retained hier {report['vs_flat']['throughput_retained'][0]} vs flat {report['vs_flat']['throughput_retained'][1]}")
     print(f"report written to {path}")

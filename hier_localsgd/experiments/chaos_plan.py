@@ -152,3 +152,9 @@ def schedule_match(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     return {"planned": len(a.get("plan", [])), "fired": [len(fa), len(fb)], "same": len(same), "same_indices": same,
             "identical": len(same) == len(fa) == len(fb) and not skipped[0] and not skipped[1],
             "steps": [[fa[i].get("progress") for i in same], [fb[i].get("progress") for i in same]], "skipped": skipped}
+
+
+def describe_match(sm: Dict[str, Any]) -> str:
+    """One line of a :func:`schedule_match` result (chaos's printout, the bench's table)."""
+    return (f"chaos.draw=plan: {sm['planned']} faults planned; fired hier {sm['fired'][0]}, flat {sm['fired'][1]}; "
+            f"the same in both, in order: {sm['same']}" + (f"; at steps hier {sm['steps'][0]}, flat {sm['steps'][1]}" if sm["same"] else ""))
