@@ -280,3 +280,49 @@ def test_presence_verdict_is_one_for_every_member():
     out = in_threads(*[(n, lambda c=c, n=n: c.confirm(whole, n)) for c, n in zip(checks, ["x:1", "y:2", "z:3"])])
     assert out == {"x:1": None, "y:2": None, "z:3": None}, out
     checks[0].confirm(FakeQuorum("127.0.0.1:1/none", ["x:1"]), "x:1")  # one member: no store is even asked
+
+
+def test_a_collective_abandoned_in_one_round_that_fails_later_does_not_fail_the_next_round():
+    """comm.py, contract point 6, with real Managers, a real lighthouse and a real Gloo
+    group: a waits in an all-reduce b never joins; b's heartbeat stops, so a abandons the
+    wait (the watch) and starts its next round alone. The abandoned all-reduce fails only
+    after that (b's group is aborted then). With torchft's ``wrap_future`` that failure was
+    reported into a's new round and failed its commit (a CI run: two clusters one outer
+    round apart at the end)."""
+    from hier_localsgd.core.comm import LevelComm
+    from hier_localsgd.core.invariants import CollectiveGate
+    from hier_localsgd.core.peers import QuorumWatch
+    from hier_localsgd.core.phases import Phase, PhaseTracker
+
+    port = free_port()
+    lh = lighthouse(port)
+    addr = f"http://127.0.0.1:{port}"
+    a, b = level_manager(addr, "a_r0000"), level_manager(addr, "b_r0001")
+    events: list = []
+    try:
+        q = timedelta(seconds=15)
+        views = in_threads(("a", lambda: a.start_quorum(q)), ("b", lambda: b.start_quorum(q)))
+        assert views["a"].size == views["b"].size == 2, views
+        tracker = PhaseTracker("a")
+        tracker.enter(Phase.INNER_QUORUM, timedelta(seconds=60))
+        tracker.enter(Phase.INNER_REDUCE, timedelta(seconds=60))  # longer than the whole test: the abort ends the wait
+        comm = LevelComm(a, a.pg, tracker, CollectiveGate(), events=lambda kind, **f: events.append((kind, f)),
+                         watch=QuorumWatch(addr, timedelta(seconds=1), poll=timedelta(milliseconds=100)))
+        b.manager._manager.shutdown()  # b's heartbeat stops; its process group stays open
+        assert comm.allreduce_sum(torch.tensor([1.0]), "test") is False  # abandoned once b's heartbeat lapsed
+        assert [k for k, _ in events] == ["peer_lapsed"], events
+        assert a.errored() is not None  # that round fails its commit
+
+        view = a.start_quorum(q)  # the next round: a alone
+        assert view.size == 1 and a.errored() is None
+        b.pg.abort(errored=False)  # now the abandoned all-reduce fails (its peer's group is gone)
+        deadline = time.monotonic() + 60  # bounded: the all-reduce's own timeout is 60 s
+        while a.errored() is None and not [k for k, _ in events if k == "stale_failure"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert a.errored() is None, a.errored()  # torchft's wrap_future: the abort's error, in this round
+        assert [k for k, _ in events] == ["peer_lapsed", "stale_failure"], events
+        assert a.should_commit(q) is True
+    finally:
+        for m in (a, b):
+            m.shutdown()
+        lh.shutdown()

@@ -17,7 +17,14 @@ Every collective the hierarchy issues goes through :class:`LevelComm`:
 5. with a :class:`hier_localsgd.core.peers.QuorumWatch`, a wait whose peer stopped
    heartbeating (a stopped process) is abandoned within the heartbeat timeout plus a
    poll instead of running to the deadline (peers.py says why that is safe), and the
-   round's remaining collectives in the same quorum fail at once.
+   round's remaining collectives in the same quorum fail at once;
+6. a collective abandoned that way still ends later (its own timeout, or its group's
+   peers giving up). That failure belongs to a round that is over and is *not* reported
+   to the Manager: torchft's ``wrap_future`` would report it into whatever round is open
+   then, and fail that round's commit (seen: an outer all-reduce abandoned during a
+   partition timed out 30 s later, inside the run's final outer round, and the two
+   clusters ended one outer round apart). The round is told by the Manager's count of
+   quorum requests (``LevelManager.rounds_started``).
 
 :meth:`LevelComm.compressed_allreduce_sum` keeps the same contract for the compressed
 outer reduce (an all-to-all then an all-gather, :mod:`hier_localsgd.core.compressed_allreduce`):
@@ -42,6 +49,9 @@ from typing import Callable, Optional
 import torch
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions, Work
+
+from torchft.futures import future_timeout
+from torchft.utils import get_stream_context
 
 from hier_localsgd.core.compress import ErrorFeedback
 from hier_localsgd.core.compressed_allreduce import SUM, compressed_allreduce
@@ -96,9 +106,26 @@ class LevelComm:
         return self._guarded(op, kind, lambda remaining: self._complete(issue(remaining), op, remaining))
 
     def _complete(self, work: Work, op: str, remaining: timedelta) -> object:
-        """Waits for ``work`` (at most ``remaining``); ``_FAILED`` if it failed (reported to the Manager)."""
-        fut = self.mgr.manager.wrap_future(work.get_future(), default=_FAILED, timeout=remaining)
-        return self._wait(fut, op)
+        """Waits for ``work`` (at most ``remaining``); ``_FAILED`` if it failed (reported to the
+        Manager while its round lasts: contract point 6)."""
+        issued = self.mgr.rounds_started
+        stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
+
+        def settle(f: torch.futures.Future) -> object:
+            with get_stream_context(stream):
+                try:
+                    return f.value()
+                except Exception as e:
+                    if self.mgr.rounds_started == issued:
+                        self.mgr.report_error(e)  # _guarded logs it
+                    else:
+                        logger.info("%s %s of an earlier round failed after it was abandoned (%s): not this round's error",
+                                    self.level, op, str(e)[:200])
+                        if self._events is not None:
+                            self._events("stale_failure", level=self.level, op=op, detail=str(e)[:200])
+                    return _FAILED
+
+        return self._wait(future_timeout(work.get_future(), remaining).then(settle), op)
 
     def _check_lapsed(self, op: str) -> None:
         if self._lapsed_quorum is not None and self._lapsed_quorum == self.mgr.quorum_id:

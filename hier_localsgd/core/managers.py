@@ -187,6 +187,7 @@ class LevelManager:
         self.replica_id = replica_id
         self.pg = pg
         self._healed = False
+        self.rounds_started = 0  # quorum requests made: a collective's round (comm.py: stale errors)
         self._load = load_state_dict
         self._store, store_host, store_port = _group_rank0_store(level, hostname, group_rank, group_store, store_key, connect_timeout)
         self.manager = Manager(
@@ -367,6 +368,9 @@ class LevelManager:
         and transfer from the donor) gets at most ``heal_budget``, the time left in the
         caller's phase."""
         self._healed = False
+        # Before torchft clears the error of the last round: from here on, a late failure
+        # of a collective issued before belongs to a round that is over (comm.py).
+        self.rounds_started += 1
         deadline = time.time() + timeout.total_seconds()
         # torchft bounds a heal by the Manager's one op timeout (the full heal timeout),
         # whatever of the phase is already spent: a heal starting late in the phase could
