@@ -25,7 +25,8 @@ from hier_localsgd.launch.netns import tbf_transfer_s
 def wan_sync(run: Dict[str, Any]) -> str:
     """The run's WAN collective per round against its bound through tbf at the run's rate
     (bench.sync_ratio, recomputed from its replicas' result.json: sweeps run before the
-    compressed round was counted have none for it), as "measured / bound s (ratio)"."""
+    compressed round was counted have none for it), as "measured / bound s (ratio)", and the
+    same from the last member's arrival where the run recorded spans (bench.after_last_arrival)."""
     d = Path(run["run_dir"])
     files = sorted(d.glob("replicas/c*r*/result.json"))
     if not files or not run.get("wan_gbps"):
@@ -33,7 +34,10 @@ def wan_sync(run: Dict[str, Any]) -> str:
     clusters = {f.parent.name.split("r")[0] for f in files}
     level, world = ("outer", len(clusters)) if run["mode"] == "hier" else (run["mode"], len(files))
     r = sync_ratio([json.loads(f.read_text()) for f in files], level, world, lambda sent: tbf_transfer_s(sent, run["wan_gbps"] * 1e9))
-    return "-" if r is None else f"{r['measured_s']:.2f} / {r['bound_s']:.2f} s ({r['ratio']:.2f}x)"
+    if r is None:
+        return "-"
+    late = "" if r.get("after_arrival_s") is None else f"; after the last arrival {r['after_arrival_s']:.2f} s ({r['after_arrival_ratio']:.2f}x)"
+    return f"{r['measured_s']:.2f} / {r['bound_s']:.2f} s ({r['ratio']:.2f}x{late})"
 
 
 def main() -> int:

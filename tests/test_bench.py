@@ -77,6 +77,37 @@ def test_sync_ratio_counts_a_compressed_round_and_bounds_each_collective_through
     assert sync_ratio([ring], "outer", 4) is None
 
 
+def test_a_round_is_timed_from_its_last_members_arrival_where_the_calls_line_up():
+    """bench.after_last_arrival on spans written by hand: two leaders' compressed rounds (an
+    all-to-all and an all-gather each); the second leader arrives 0.6 s and 0.1 s late. A
+    member's own clock holds its wait for the late one; from the last arrival only the
+    exchange is left. Calls that do not line up (a member made fewer) give no figure."""
+    from hier_localsgd.experiments.bench import after_last_arrival, sync_ratio
+
+    def leader(cluster, a2a, ag):
+        secs = {"alltoall/payload": sum(e - s for s, e in a2a), "allgather/payload": sum(e - s for s, e in ag)}
+        return {"cluster": cluster, "link": {"outer": {
+            "calls": {"alltoall/payload": len(a2a), "allgather/payload": len(ag)},
+            "tensor_bytes": {"alltoall/payload": 2000 * len(a2a), "allgather/payload": 1000 * len(ag)},
+            "seconds": secs, "bound_seconds": {"alltoall/payload": 0.05 * len(a2a), "allgather/payload": 0.05 * len(ag)},
+            "spans": {"alltoall/payload": a2a, "allgather/payload": ag}}}}
+
+    a = leader(0, [[10.0, 10.7], [20.0, 20.2]], [[10.7, 10.8], [20.2, 20.3]])
+    b = leader(1, [[10.6, 10.7], [20.1, 20.2]], [[10.7, 10.8], [20.2, 20.3]])
+    late = after_last_arrival([a, b], "outer")
+    # round 1: 0.1 + 0.1 after the last arrival, skew 0.6; round 2: 0.1 + 0.1, skew 0.1
+    assert late["rounds"] == 2 and late["round_s"] == pytest.approx(0.2) and late["skew_s"] == pytest.approx(0.35)
+    r = sync_ratio([a, b], "outer", 2)
+    assert r["bound_s"] == pytest.approx(0.1) and r["measured_s"] == pytest.approx((1.1 + 0.4) / 4)  # a: 0.9 + 0.2 s, b: 0.2 + 0.2 s
+    assert r["after_arrival_s"] == pytest.approx(0.2) and r["after_arrival_ratio"] == pytest.approx(2.0)
+    b_short = leader(1, [[10.6, 10.7]], [[10.7, 10.8]])
+    assert after_last_arrival([a, b_short], "outer") is None and "after_arrival_s" not in sync_ratio([a, b_short], "outer", 2)
+    assert after_last_arrival([a], "outer") is None  # one member: nothing to line up
+    # inner: one group per cluster, never lined up across clusters
+    inner = [{"cluster": c, "link": {"inner": {"spans": {"allreduce/payload": [[1.0 + c, 1.5 + c]]}}}} for c in (0, 1)]
+    assert after_last_arrival(inner, "inner") is None
+
+
 def test_a_users_setting_wins_over_the_workloads_own(tmp_path):
     """The quick workload pads steps to 0.02 s; a user's train.min_step_time_s (or model) is
     what every arm, the bare loop and the chaos arm run with, and the workload's other

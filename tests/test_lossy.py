@@ -12,7 +12,7 @@ from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions
 
 from harness import ThreadedHier, local_steps, logs_tail, run_job
-from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
 from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec, LossModel, LossStream, parse_netem
 
 
@@ -235,3 +235,42 @@ def test_training_with_5_percent_outer_loss_still_converges(tmp_path):
     outer = s["links"]["outer"]
     assert outer["packets_lost"] > 0
     assert outer["observed_loss_rate"] == pytest.approx(0.05, abs=0.03)
+
+
+def test_payload_spans_line_up_across_members_and_a_late_arrival_is_skew_not_link_time():
+    """Each payload collective's [start, end] is kept in call order (link.LinkStats.spans)
+    on a real Gloo group with a 20 ms emulated latency; rank 1 enters the second all-reduce
+    0.5 s after rank 0 did. Rank 0's own clock holds that wait, bench.after_last_arrival
+    does not. Control traffic keeps no spans."""
+    from hier_localsgd.experiments.bench import after_last_arrival
+
+    spec = LinkSpec(latency_s=0.02)
+    entered = threading.Event()
+
+    def body(rank, link):
+        for i in range(3):
+            if i == 1:
+                if rank == 0:
+                    entered.set()
+                else:
+                    assert entered.wait(30)
+                    time.sleep(0.5)
+            allreduce(link, torch.ones(4))
+        with link.kind(CONTROL):
+            link.allreduce([torch.ones(1)], AllreduceOptions()).wait()
+        return link.stats.as_dict()
+
+    stats = run_ranks(2, spec, body)
+    for rank in (0, 1):
+        assert set(stats[rank]["spans"]) == {"allreduce/payload"}
+        assert len(stats[rank]["spans"]["allreduce/payload"]) == 3
+    (s0, e0), (s1, e1) = stats[0]["spans"]["allreduce/payload"][1], stats[1]["spans"]["allreduce/payload"][1]
+    assert s1 - s0 >= 0.5 and e0 - s0 >= 0.5  # rank 0 waited for rank 1
+
+    def member(rank, calls):
+        return {"cluster": rank, "link": {"outer": {"spans": {"allreduce/payload": calls}}}}
+
+    whole = after_last_arrival([member(r, stats[r]["spans"]["allreduce/payload"]) for r in (0, 1)], "outer")
+    assert whole["rounds"] == 3 and whole["skew_s"] >= 0.5 / 3 and whole["round_s"] >= 0.02
+    second = after_last_arrival([member(r, stats[r]["spans"]["allreduce/payload"][1:2]) for r in (0, 1)], "outer")
+    assert 0.02 <= second["round_s"] < 0.5 and second["skew_s"] >= 0.5  # the wait is skew, not the round's time

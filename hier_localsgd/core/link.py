@@ -66,6 +66,7 @@ from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
 logger = logging.getLogger(__name__)
 
 PAYLOAD = "payload"
+MAX_SPANS = 4096  # payload spans kept per collective kind (a long run's result.json stays small)
 CONTROL = "control"
 
 # The connect bound of the configure running in this thread (LinkProcessGroup.configure).
@@ -112,6 +113,9 @@ class LinkStats:
     # emulated links run collectives synchronously: measured time and analytical bound
     seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
     bound_seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # each payload collective's [start, end] wall-clock seconds, in call order: the bench
+    # lines up the members' k-th calls and measures from the last member's arrival
+    spans: Dict[str, List[List[float]]] = field(default_factory=lambda: defaultdict(list))
 
     def record(self, op: str, kind: str, tensor_bytes: int, sent: float) -> None:
         key = f"{op}/{kind}"
@@ -119,10 +123,13 @@ class LinkStats:
         self.tensor_bytes[key] += tensor_bytes
         self.sent_bytes[kind] += sent
 
-    def timed(self, op: str, kind: str, seconds: float, bound: float) -> None:
-        key = f"{op}/{kind}"
-        self.seconds[key] += seconds
+    def timed(self, op: str, kind: str, started: float, bound: float) -> None:
+        """A collective that began at ``started`` (``time.time()``) ended now."""
+        key, ended = f"{op}/{kind}", time.time()
+        self.seconds[key] += ended - started
         self.bound_seconds[key] += bound
+        if kind == PAYLOAD and len(self.spans[key]) < MAX_SPANS:
+            self.spans[key].append([started, ended])
 
     emulation: Optional[LinkEmulation] = None
 
@@ -137,6 +144,7 @@ class LinkStats:
         if self.seconds:
             out["seconds"] = dict(self.seconds)
             out["bound_seconds"] = dict(self.bound_seconds)
+            out["spans"] = dict(self.spans)
         if self.emulation is not None:
             out["loss"] = self.emulation.stats()
         return out
@@ -464,7 +472,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             self.parent.allreduce(tensors, opts).wait()
         bound = emu.spec.allreduce_time(n, self._world)
         emu.pad(started, bound)
-        self.stats.timed("allreduce", self._kind, time.time() - started, bound)
+        self.stats.timed("allreduce", self._kind, started, bound)
         return self._finish(_DoneWork(tensors))
 
     def _lossy_allreduce(self, t: torch.Tensor, opts: object) -> None:
@@ -511,7 +519,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             self.parent.broadcast(tensor_list, opts).wait()
         bound = emu.spec.broadcast_time(n, self._world)
         emu.pad(started, bound)
-        self.stats.timed("broadcast", self._kind, time.time() - started, bound)
+        self.stats.timed("broadcast", self._kind, started, bound)
         return self._finish(_DoneWork(tensor_list))
 
     def _lossy_broadcast(self, t: torch.Tensor, root: int, opts: object) -> None:
@@ -560,7 +568,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             emu.collectives += 1
         bound = emu.spec.allgather_time(n, self._world)
         emu.pad(started, bound)
-        self.stats.timed("allgather", self._kind, time.time() - started, bound)
+        self.stats.timed("allgather", self._kind, started, bound)
         return self._finish(_DoneWork(input_tensor))
 
     @property
@@ -598,7 +606,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             emu.collectives += 1
         bound = emu.spec.allgather_time(row, self._world)  # W−1 rows of `row` bytes each way
         emu.pad(started, bound)
-        self.stats.timed("alltoall", self._kind, time.time() - started, bound)
+        self.stats.timed("alltoall", self._kind, started, bound)
         return self._finish(_DoneWork([output_buffer]))
 
     # -- all-to-all and all-gather as concurrent point-to-point exchanges ---------------

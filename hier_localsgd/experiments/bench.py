@@ -187,7 +187,46 @@ def sync_ratio(results: List[dict], level: str, world: int,
         rounds += calls.get("allreduce/payload", 0) + calls.get("alltoall/payload", 0)
     if rounds == 0 or bound == 0:
         return None
-    return {"measured_s": secs / rounds, "bound_s": bound / rounds, "ratio": secs / bound, "calls": rounds}
+    out = {"measured_s": secs / rounds, "bound_s": bound / rounds, "ratio": secs / bound, "calls": rounds}
+    late = after_last_arrival(results, level)
+    if late is not None:
+        out.update(after_arrival_s=late["round_s"], arrival_skew_s=late["skew_s"], after_arrival_ratio=late["round_s"] / (bound / rounds))
+    return out
+
+
+def after_last_arrival(results: List[dict], level: str) -> Optional[Dict[str, float]]:
+    """The level's payload rounds timed from the last member's arrival: each member's k-th
+    call of an op is one collective (the call order is the same in every member of a
+    group); its time is the latest end minus the latest start, its skew the latest start
+    minus the earliest. What a member measures from its own start (``sync_ratio``'s
+    ``measured_s``) also holds its wait for a peer that came later (a slower step, a later
+    stage thread), which is no link time. ``inner``: a group per cluster; other levels: one
+    group. Means per round (an all-reduce, or an all-to-all with its all-gather). None when
+    a group's members made different numbers of calls (a member failed or changed: the
+    calls no longer line up), or a group has one member, or nobody recorded spans."""
+    groups: Dict[Any, List[dict]] = {}
+    for r in results:
+        spans = r["link"].get(level, {}).get("spans") or {}
+        if spans:
+            groups.setdefault(r.get("cluster") if level == "inner" else 0, []).append(spans)
+    late = skew = 0.0
+    rounds = 0
+    for spans_of in groups.values():
+        if len(spans_of) < 2:
+            return None
+        for op in PAYLOAD_OPS:
+            lists = [sp.get(f"{op}/payload", []) for sp in spans_of]
+            if len({len(x) for x in lists}) != 1:
+                return None
+            for calls in zip(*lists):
+                starts, ends = [c[0] for c in calls], [c[1] for c in calls]
+                late += max(0.0, max(ends) - max(starts))
+                skew += max(starts) - min(starts)
+            if op != "allgather":
+                rounds += len(lists[0])
+    if rounds == 0:
+        return None
+    return {"round_s": late / rounds, "skew_s": skew / rounds, "rounds": rounds}
 
 
 def sync_eval(cfg: Config) -> List[str]:
@@ -293,6 +332,14 @@ def to_target(curve: List[Dict[str, float]], target: float) -> Tuple[Optional[fl
     return None, None
 
 
+def late_cell(sy: Dict[str, Any]) -> str:
+    """`` (after the last arrival: X ms = R, skew S ms)`` where the spans lined up (after_last_arrival)."""
+    if sy.get("after_arrival_s") is None:
+        return ""
+    return (f" (after the last arrival {sy['after_arrival_s'] * 1e3:.0f} ms = {sy['after_arrival_ratio']:.2f}, "
+            f"skew {sy['arrival_skew_s'] * 1e3:.0f} ms)")
+
+
 def wire_cell(w: Optional[Dict[str, Any]]) -> str:
     """``MB (× accounted)`` of a kernel-link arm's uplink counters; ``-`` on emulated links."""
     if not w:
@@ -313,7 +360,7 @@ def table(rows: List[Dict[str, Any]], target: float) -> str:
             continue
         lv = "outer" if r["mode"] == "hier" else r["mode"]
         sy = r["sync"].get(lv)
-        syt = "-" if not sy else f"{sy['measured_s'] * 1e3:.0f} / {sy['bound_s'] * 1e3:.0f} ms = {sy['ratio']:.2f}"
+        syt = "-" if not sy else f"{sy['measured_s'] * 1e3:.0f} / {sy['bound_s'] * 1e3:.0f} ms = {sy['ratio']:.2f}" + late_cell(sy)
         out.append(
             f"| {r['arm']} | {r['sync_every']} | {r['wall_s']:.1f} | {f(r['slow_link_bytes'], '.1f', 1e6)} | {wire_cell(r.get('wire'))} | {f(r['fast_link_bytes'], '.1f', 1e6)} | "
             f"{r['final_eval_loss']:.4f} | {f(r['excess_loss'], '.4f')} | {f(r['time_to_target_s'], '.1f')} | {f(r['slow_bytes_to_target'], '.2f', 1e6)} | {syt} | {r['consistent']} |"
@@ -370,7 +417,8 @@ def goals(rows: Dict[str, Dict[str, Any]], overhead: Optional[float]) -> List[st
         lines.append(f"slow-link bytes to target, {other} / hier = {fb} (goal >= {need_b}x); wall time to target {ft} (goal >= {need_t}x)")
     for lv, sy in h["sync"].items():
         if sy:
-            lines.append(f"hier {lv} all-reduce: {sy['measured_s'] * 1e3:.1f} ms measured vs {sy['bound_s'] * 1e3:.1f} ms bound = {sy['ratio']:.2f}x (goal <= 1.2x)")
+            lines.append(f"hier {lv} all-reduce: {sy['measured_s'] * 1e3:.1f} ms measured vs {sy['bound_s'] * 1e3:.1f} ms bound = {sy['ratio']:.2f}x (goal <= 1.2x)"
+                         + late_cell(sy))
     if overhead is not None:
         lines.append(f"hier steps without a sync vs a bare loop: {overhead:+.1%} (goal <= +2%)")
     return lines
