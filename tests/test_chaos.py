@@ -653,3 +653,18 @@ def test_hier_and_flat_meet_the_same_planned_faults_end_to_end(tmp_path):
         assert rep["consistent"] is True
         assert rep["recovered"] == len(rep["kills"]) and all(f["recovered"] for f in rep["faults"]), (rep["kills"], rep["faults"])
     assert "the same in both, in order" in p.stdout
+
+
+def test_the_flat_counterpart_of_a_compressed_hier_run_is_a_valid_flat_config():
+    """chaos.compare_flat against the fragments arm (int8, three fragments, a delay): the flat
+    run's overrides load as flat, fp32, with everything else the same."""
+    from hier_localsgd.config import load_config
+    from hier_localsgd.experiments.chaos import flat_counterpart
+
+    hier = ["model=tiny", "sync.outer.every=6", "sync.outer.delay=1", "sync.outer.compression=int8", "sync.outer.fragments=3",
+            "sync.flat.every=60", "chaos.compare_flat=true", "chaos.seed=3"]
+    assert load_config(hier, validate_for="chaos").sync.outer.compression == "int8"
+    with pytest.raises(Exception, match="sync.outer.compression"):
+        load_config([*hier, "sync.mode=flat"], validate_for="chaos")  # what compare_flat ran before
+    flat = load_config(flat_counterpart(hier), validate_for="chaos")
+    assert (flat.sync.mode, flat.sync.outer.compression, flat.sync.flat.every, flat.chaos.seed) == ("flat", "none", 60, 3)

@@ -5,7 +5,9 @@ It drives ``hier-localsgd chaos`` with ``chaos.compare_flat`` (experiments/chaos
 its public :func:`~hier_localsgd.experiments.chaos.run_chaos`; the fault schedule, the
 evidence rules and the goodput figure are chaos.py's), on the sweep's workload and links,
 the flat arm syncing as often as hier's outer rounds (``sync.flat.every`` = the hier period)
-and both evaluated at those sync points. Then it reads the eval events of both chaos runs
+and each evaluated at its own sync points (bench.sync_eval; hier's are offset with a delayed
+outer merge). The flat run is hier's settings less its outer compression and fragments
+(chaos.flat_counterpart). Then it reads the eval events of both chaos runs
 for the time to the target (bench.py's curve: seconds since each group's first start, less
 evaluation time; a restarted group keeps its first start, so time lost to faults counts).
 
@@ -31,7 +33,7 @@ from typing import Any, Dict, List
 from hier_localsgd.config import load_config
 from hier_localsgd.core.status import read_events, replica_dir
 from hier_localsgd.experiments.bench import _curve, sync_eval
-from hier_localsgd.experiments.chaos import run_chaos
+from hier_localsgd.experiments.chaos import flat_counterpart, run_chaos
 from hier_localsgd.experiments.chaos_plan import describe_match
 
 
@@ -45,7 +47,9 @@ def run_chaos_arm(base: List[str], out: Path, target: float, steps: int) -> Dict
     over = [*base, f"train.steps={steps}", "sync.mode=hier", f"sync.flat.every={period}", *sync_eval(probe),
             "chaos.compare_flat=true", "chaos.baseline=false", f"chaos.report={report_path}", f"run.dir={run_dir}"]
     cfg = load_config(over, validate_for="chaos")
-    code = run_chaos(cfg, over)
+    # each mode evaluated at its own sync points (bench.sync_eval): hier's with a delayed
+    # outer merge are offset from flat's
+    code = run_chaos(cfg, over, flat_extra=sync_eval(load_config(flat_counterpart(over), validate_for="chaos")))
     report = json.loads(report_path.read_text())
     C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
     out_modes: Dict[str, Any] = {}

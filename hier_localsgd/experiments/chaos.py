@@ -39,6 +39,7 @@ from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.core.phases import Phase
 from hier_localsgd.core.status import read_events, replica_dir
+from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 
 
 def stall_limit_s(cfg: Config) -> float:
@@ -536,10 +537,19 @@ def _prepare(cfg: Config) -> Config:
     return cfg
 
 
-def run_chaos(cfg: Config, overrides: List[str]) -> int:
+def flat_counterpart(overrides: List[str], extra: Sequence[str] = ()) -> List[str]:
+    """The flat run's overrides for ``chaos.compare_flat``: the same with ``sync.mode=flat``,
+    less hier's outer compression and streaming fragments (``sync.outer.*`` is hier's; those
+    two are what a flat config refuses). Flat torchft DiLoCo sends fp32, whole, every
+    ``sync.flat.every`` steps (its own streaming: ``sync.flat.fragments``). ``extra``: the
+    caller's settings for the flat side only (the bench: flat's own evaluation points)."""
+    return [*overrides, "sync.mode=flat", f"sync.outer.compression={NO_COMPRESSION}", "sync.outer.fragments=1", *extra]
+
+
+def run_chaos(cfg: Config, overrides: List[str], flat_extra: Sequence[str] = ()) -> int:
     compare = cfg.chaos.compare_flat and cfg.sync.mode == "hier"
     # The flat side's configuration is checked before anything runs (one line, exit 2).
-    fcfg = load_config([*overrides, "sync.mode=flat"], validate_for="chaos") if compare else None
+    fcfg = load_config(flat_counterpart(overrides, flat_extra), validate_for="chaos") if compare else None
     cfg = _prepare(cfg)
     report = _chaos_report(cfg, overrides, cfg.sync.mode)
     path = Path(cfg.chaos.report or Path(cfg.run.dir) / "chaos_report.json")
@@ -550,7 +560,7 @@ def run_chaos(cfg: Config, overrides: List[str]) -> int:
 
         fcfg = _prepare(fcfg)
         fcfg.chaos = replace(fcfg.chaos, kinds=[k for k in cfg.chaos.kinds])
-        flat = _chaos_report(fcfg, [*overrides, "sync.mode=flat"], "flat")
+        flat = _chaos_report(fcfg, flat_counterpart(overrides, flat_extra), "flat")
         report["flat"] = flat
         report["vs_flat"] = {"goodput": (report["goodput"], flat["goodput"]),
                              "throughput_retained": (report["throughput_retained"], flat["throughput_retained"])}
