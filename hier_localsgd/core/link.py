@@ -190,7 +190,7 @@ class _PeerWork(Work):
     """The point-to-point sends and receives of one exchange, as one work with a future.
 
     Gloo's send/recv works have no future (``Work::getFuture not implemented``), which the
-    comm layer waits on (torchft's ``wrap_future``): a daemon thread waits on them, at most
+    comm layer waits on (comm.LevelComm._complete): a daemon thread waits on them, at most
     ``timeout`` in all, and completes the future with ``result`` or their error."""
 
     def __init__(self, works: List[Work], result: List[torch.Tensor], timeout: timedelta) -> None:
