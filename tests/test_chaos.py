@@ -131,6 +131,35 @@ def test_a_cluster_kill_heals_when_it_matches_the_other_cluster_after_an_outer_c
     assert kill["time_to_next_commit_s"] == pytest.approx(2.49)
 
 
+def test_an_overlapped_cluster_restart_heals_by_its_leaders_outer_commit():
+    """With the overlapped outer sync or streaming fragments no two clusters ever commit equal
+    *inner* models (each holds its own progress since the round's snapshot), so a cluster
+    restarted whole heals by its leader's outer commit, the global model cluster 0's leader
+    commits alike; its member heals once it matches that healed leader's inner commit.
+    (Before, such a restart never counted as healed: a chaos plan's next fault on it waited
+    to the run's end, holding every later one.)"""
+    f = Fake()
+    f.train((0, 0), T0, T0 + 20, leader=True, tag="c0")
+    f.train((0, 1), T0, T0 + 20, tag="c0")
+    f.train((1, 0), T0, T0 + 10, leader=True)
+    f.train((1, 1), T0, T0 + 10)
+    # inner commits after an outer round hold each cluster's own progress, not the global model
+    for k in ALL:
+        for e in f.events[k]:
+            if e["level"] == "inner" and e.get("outer"):
+                e["checksum"] = f"c{k[0]}o{e['step']}"
+    f.kill(T0 + 10.0, "cluster", {(1, 0): dict(steps_run=40), (1, 1): dict(steps_run=40)})
+    for k in [(1, 0), (1, 1)]:
+        f.start(k, T0 + 12.0, restart=True)
+        f.commit(k, T0 + 15.0, 60, "c1o60", outer=True, cluster_weight=0.0)  # its cluster's model: its own
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c1r0": None, "c1r1": None} and r["recovered"] == 0
+    f.commit((1, 0), T0 + 14.99, 60, "g60", level="outer")  # its leader commits the global model of step 60
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c1r0": pytest.approx(2.99), "c1r1": pytest.approx(3.0)}
+    assert r["recovered"] == 1
+
+
 def test_a_heal_counts_only_at_a_step_above_zero():
     f = Fake()
     f.train((0, 0), T0, T0 + 20, leader=True)

@@ -188,13 +188,18 @@ class Timeline:
         self.outages.sort(key=lambda o: o.t)
 
     def _heals(self) -> Dict[int, float]:
-        """When each restarted incarnation healed (by ``id``): its first inner commit at a step
-        > 0 whose (step, checksum) equals an inner commit made after its predecessor died by
-        another *continuous* incarnation (one of the job's first processes, or a restarted one
-        from its own heal on). Step 0 is everyone's initial model; a commit from before the
-        death could be matched by a cluster that retrained from step 0 on the same batches;
-        and a whole cluster restarted together only matches itself until it adopts a global
-        model, which continuous incarnations of other clusters also commit."""
+        """When each restarted incarnation healed (by ``id``): its first commit at a step > 0
+        whose (step, checksum) equals a commit made after its predecessor died by another
+        *continuous* incarnation (one of the job's first processes, or a restarted one from
+        its own heal on). Inner and outer commits both count (equal checksums: equal models):
+        with the overlapped outer sync or streaming fragments, clusters never commit equal
+        *inner* models, and a whole cluster restarted together shows it holds the job's
+        state only by its leader's outer commit, the global model every cluster's leader
+        commits alike; its members then match their healed leader's inner commits. Step 0
+        is everyone's initial model; a commit from before the death could be matched by a
+        cluster that retrained from step 0 on the same batches; and a whole cluster
+        restarted together only matches itself until it adopts a global model, which
+        continuous incarnations of other clusters also commit."""
         restarts = [i for incs in self.incs.values() for i in incs if i.restart]
         prev = {id(b): a for incs in self.incs.values() for a, b in zip(incs, incs[1:])}
         healed: Dict[int, float] = {}
@@ -207,7 +212,7 @@ class Timeline:
                     since = healed.get(id(i)) if i.restart else -float("inf")
                     if since is None:
                         continue
-                    for e in self.commits(i, "inner"):
+                    for e in self._model_commits(i):
                         if e.get("step", 0) > 0 and e["t"] >= since:
                             made.setdefault((e["step"], e.get("checksum")), []).append((e["t"], id(i)))
             for r in restarts:
@@ -215,12 +220,16 @@ class Timeline:
                     continue
                 p = prev.get(id(r))
                 died = (p.death if p is not None else None) or r.start
-                for e in self.commits(r, "inner"):
+                for e in self._model_commits(r):
                     if e.get("step", 0) > 0 and any(t > died and who != id(r) for t, who in made.get((e["step"], e.get("checksum")), [])):
                         healed[id(r)] = e["t"]
                         changed = True
                         break
         return healed
+
+    def _model_commits(self, inc: Incarnation) -> List[Dict[str, Any]]:
+        """``inc``'s inner and outer commits, in time order."""
+        return sorted(self.commits(inc, "inner") + self.commits(inc, "outer"), key=lambda e: e["t"])
 
     def _by_pid(self, key: Key, pid: Any) -> Optional[Incarnation]:
         incs = self.incs.get(key, [])
