@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-from hier_localsgd.experiments.bench import sync_ratio
+from hier_localsgd.experiments.bench import late_cell, sync_ratio
 from hier_localsgd.experiments.bench_sweep import plots, summarize, table
 from hier_localsgd.launch.netns import tbf_transfer_s
 
@@ -34,10 +34,7 @@ def wan_sync(run: Dict[str, Any]) -> str:
     clusters = {f.parent.name.split("r")[0] for f in files}
     level, world = ("outer", len(clusters)) if run["mode"] == "hier" else (run["mode"], len(files))
     r = sync_ratio([json.loads(f.read_text()) for f in files], level, world, lambda sent: tbf_transfer_s(sent, run["wan_gbps"] * 1e9))
-    if r is None:
-        return "-"
-    late = "" if r.get("after_arrival_s") is None else f"; after the last arrival {r['after_arrival_s']:.2f} s ({r['after_arrival_ratio']:.2f}x)"
-    return f"{r['measured_s']:.2f} / {r['bound_s']:.2f} s ({r['ratio']:.2f}x{late})"
+    return "-" if r is None else f"{r['measured_s']:.2f} / {r['bound_s']:.2f} s ({r['ratio']:.2f}x)" + late_cell(r)
 
 
 def main() -> int:

@@ -240,8 +240,9 @@ def test_training_with_5_percent_outer_loss_still_converges(tmp_path):
 def test_payload_spans_line_up_across_members_and_a_late_arrival_is_skew_not_link_time():
     """Each payload collective's [start, end] is kept in call order (link.LinkStats.spans)
     on a real Gloo group with a 20 ms emulated latency; rank 1 enters the second all-reduce
-    0.5 s after rank 0 did. Rank 0's own clock holds that wait, bench.after_last_arrival
-    does not. Control traffic keeps no spans."""
+    at least 0.5 s after rank 0 did (it sleeps 0.6 s after rank 0 is about to enter: the
+    0.1 s spare covers rank 0 being slow to take its start time). Rank 0's own clock holds
+    that wait, bench.after_last_arrival does not. Control traffic keeps no spans."""
     from hier_localsgd.experiments.bench import after_last_arrival
 
     spec = LinkSpec(latency_s=0.02)
@@ -254,7 +255,7 @@ def test_payload_spans_line_up_across_members_and_a_late_arrival_is_skew_not_lin
                     entered.set()
                 else:
                     assert entered.wait(30)
-                    time.sleep(0.5)
+                    time.sleep(0.6)
             allreduce(link, torch.ones(4))
         with link.kind(CONTROL):
             link.allreduce([torch.ones(1)], AllreduceOptions()).wait()

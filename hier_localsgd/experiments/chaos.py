@@ -548,8 +548,9 @@ def flat_counterpart(overrides: List[str], extra: Sequence[str] = ()) -> List[st
 
 def run_chaos(cfg: Config, overrides: List[str], flat_extra: Sequence[str] = ()) -> int:
     compare = cfg.chaos.compare_flat and cfg.sync.mode == "hier"
+    flat_over = flat_counterpart(overrides, flat_extra)
     # The flat side's configuration is checked before anything runs (one line, exit 2).
-    fcfg = load_config(flat_counterpart(overrides, flat_extra), validate_for="chaos") if compare else None
+    fcfg = load_config(flat_over, validate_for="chaos") if compare else None
     cfg = _prepare(cfg)
     report = _chaos_report(cfg, overrides, cfg.sync.mode)
     path = Path(cfg.chaos.report or Path(cfg.run.dir) / "chaos_report.json")
@@ -560,7 +561,7 @@ def run_chaos(cfg: Config, overrides: List[str], flat_extra: Sequence[str] = ())
 
         fcfg = _prepare(fcfg)
         fcfg.chaos = replace(fcfg.chaos, kinds=[k for k in cfg.chaos.kinds])
-        flat = _chaos_report(fcfg, flat_counterpart(overrides, flat_extra), "flat")
+        flat = _chaos_report(fcfg, flat_over, "flat")
         report["flat"] = flat
         report["vs_flat"] = {"goodput": (report["goodput"], flat["goodput"]),
                              "throughput_retained": (report["throughput_retained"], flat["throughput_retained"])}

@@ -228,8 +228,8 @@ class Timeline:
         return healed
 
     def _model_commits(self, inc: Incarnation) -> List[Dict[str, Any]]:
-        """``inc``'s inner and outer commits, in time order."""
-        return sorted(self.commits(inc, "inner") + self.commits(inc, "outer"), key=lambda e: e["t"])
+        """``inc``'s inner and outer commits, in time order (a flat baseline's once)."""
+        return [e for e in self.of(inc) if is_commit(e, "inner") or is_commit(e, "outer")]
 
     def _by_pid(self, key: Key, pid: Any) -> Optional[Incarnation]:
         incs = self.incs.get(key, [])
