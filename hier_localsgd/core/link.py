@@ -190,8 +190,17 @@ class _PeerWork(Work):
     """The point-to-point sends and receives of one exchange, as one work with a future.
 
     Gloo's send/recv works have no future (``Work::getFuture not implemented``), which the
-    comm layer waits on (comm.LevelComm._complete): a daemon thread waits on them, at most
-    ``timeout`` in all, and completes the future with ``result`` or their error."""
+    comm layer waits on (comm.LevelComm._complete): a helper thread waits on them, at most
+    ``timeout`` in all, and completes the future with ``result`` or their error.
+
+    The helper is not a daemon, so the interpreter joins it before it finalizes. Completing
+    a torch future releases the GIL (pybind11) and wakes the waiter, and the helper takes
+    the GIL back only afterwards. Woken first, a main thread that then leaves the
+    interpreter starts finalization; a daemon helper that asks for the GIL during it is
+    ended with ``pthread_exit``, whose unwinding through that C++ frame calls
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT: issue
+    #30, seen in gdb). Joining costs microseconds after a completed exchange and at most
+    the exchange's own ``timeout`` after an abandoned one (a peer stopped mid-exchange)."""
 
     def __init__(self, works: List[Work], result: List[torch.Tensor], timeout: timedelta) -> None:
         super().__init__()
@@ -210,7 +219,7 @@ class _PeerWork(Work):
                 return
             self._fut.set_result(result)
 
-        threading.Thread(target=wait_all, name="link-exchange", daemon=True).start()
+        threading.Thread(target=wait_all, name="link-exchange", daemon=False).start()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         self._fut.wait()  # raises the exchange's error
