@@ -28,6 +28,7 @@ from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.core.phases import PhaseTracker
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
+from hier_localsgd.sync.types import PoisonConfig
 from hier_localsgd.core.timeouts import Timeouts
 
 FAST_TIMEOUTS = Timeouts.from_seconds(
@@ -84,7 +85,9 @@ class ThreadedHier:
         inner_max_staleness: int = 0,
         join_timeout_ms: int = 20000,
         quorum_slice: Optional[timedelta] = None,
+        poison: Optional[PoisonConfig] = None,
     ) -> None:
+        self.poison = poison  # None: HierSettings' default
         self.quorum_slice = quorum_slice  # None: HierSettings' default
         self.outer_fragments, self.early_quorum, self.keep_local = outer_fragments, early_quorum, keep_local
         self.outer_max_staleness, self.inner_max_staleness = outer_max_staleness, inner_max_staleness
@@ -132,6 +135,7 @@ class ThreadedHier:
             outer_max_staleness=self.outer_max_staleness,
             inner_max_staleness=self.inner_max_staleness,
             **({"quorum_slice": self.quorum_slice} if self.quorum_slice is not None else {}),
+            **({"poison": self.poison} if self.poison is not None else {}),
         )
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(

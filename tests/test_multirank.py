@@ -9,7 +9,7 @@ import pytest
 
 from harness import logs_tail, run_job, when_step
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.core.status import read_json, replica_dir
+from hier_localsgd.core.status import read_events, read_json, replica_dir
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +92,34 @@ def test_workers_exit_when_their_torchrun_agent_is_killed(tmp_path):
     assert "received SIGTERM" in ranks_logs or "torchrun agent) is gone" in ranks_logs
     assert run.summary["consistent"] is True
 
+
+
+def test_a_failure_one_rank_of_a_group_sees_is_acted_on_by_both_ranks(tmp_path):
+    """Issue #30: the leader group's rank 1 alone sees its inner consistency exchange fail
+    at an outer-round step (step 10: inner every 5, outer every 2). Rank 0's ring went
+    through, so on its own rank 0 would go on to OUTER_QUORUM while rank 1, with no weight
+    in its plan, would go to INNER_COMMIT: the group's Manager calls split and rank 1's
+    commit vote timed out (then the whole group exited and restarted). The ranks now vote:
+    both see the failed inner round, both run the outer round without contributing, both
+    roll the round back, and nobody restarts."""
+    fault = "faults=[{cluster:0,replica:0,step:10,action:fail,phase:INNER_REDUCE,rank:1,collective:control}]"
+    run = run_job(tmp_path, [*G2, "train.steps=30", fault])
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    assert run.summary["consistent"] is True and len(run.summary["checksums"]) == 8
+    ev = {g: read_events(replica_dir(run.job.run_dir, 0, 0, g) / "events.jsonl") for g in (0, 1)}
+    fired = [e for e in ev[1] if e["kind"] == "fault"]
+    assert [(e["step"], e["phase"]) for e in fired] == [(10, "INNER_REDUCE")], fired
+    assert not [e for e in ev[0] if e["kind"] == "fault"]  # rank 0 saw no failure of its own ...
+    votes = [e for e in ev[0] if e["kind"] == "group_vote"]
+    assert [(e["what"], e["overruled"]) for e in votes] == [("inner round", ["inner_ok"])], votes  # ... its sibling's vote told it
+
+    def path(g):  # what each rank did with the round at step 10: its rollbacks and commits, in order
+        return [(e["kind"], e.get("level")) for e in ev[g] if e.get("step") == 10 and e["kind"] in ("rollback", "commit")]
+
+    assert path(0) == path(1), (path(0), path(1))
+    assert ("rollback", "inner") in path(0), path(0)
+    # the run went on: both ranks committed the rounds after it
+    assert all(any(e["kind"] == "commit" and e["level"] == "inner" and e["step"] == 30 for e in ev[g]) for g in (0, 1))
 
 
 def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]

@@ -138,6 +138,19 @@ def host_state(obj: Any, pin: bool = False) -> Any:
     return copy.deepcopy(obj)
 
 
+def host_state_finite(obj: Any) -> bool:
+    """Whether every floating-point tensor of a (nested) state dict is finite (an
+    optimizer snapshot before it is restored: the poison screen, sync/hier.py)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return not t.is_floating_point() or bool(torch.isfinite(t).all())
+    if isinstance(obj, dict):
+        return all(host_state_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(host_state_finite(v) for v in obj)
+    return True
+
+
 def memory_stats(device: torch.device) -> Dict[str, Optional[int]]:
     """Device memory figures for results (None on CPU: not tracked there)."""
     if device.type != "cuda":

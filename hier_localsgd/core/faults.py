@@ -6,7 +6,9 @@ and what happens:
 * ``fail`` in a phase (INNER_REDUCE, OUTER_REDUCE or BROADCAST): the phase's next
   payload collective (the model-sized transfer) completes on the wire but its
   result is reported as failed, as a broken link would be
-  (:meth:`hier_localsgd.core.link.LinkProcessGroup.arm_failure`);
+  (:meth:`hier_localsgd.core.link.LinkProcessGroup.arm_failure`); with
+  ``collective: control``, the phase's next control collective instead (in a REDUCE
+  phase, the consistency guard's exchange, guard.py);
 * ``raise``: the process raises an exception at that step, in the training loop (while
   another non-daemon thread of the process is still blocked: seed 004's failed process
   that kept heartbeating, since a normal interpreter exit would wait for that thread) or
@@ -16,7 +18,15 @@ and what happens:
 * ``exit``: the process exits with code 17 at once, without any cleanup
   (like a crash that leaves the heartbeat threads alive until the OS reaps it);
 * ``stop``: the process SIGSTOPs itself at the start of a sync phase (every thread,
-  heartbeats included, stops: a wedged host); whoever runs the test sends SIGCONT.
+  heartbeats included, stops: a wedged host); whoever runs the test sends SIGCONT;
+* ``poison`` (training loop, phase LOCAL): the replica group's live model goes bad at that
+  step, as a diverging optimizer, a bit flip or a bad shard would leave it: ``how: nan``
+  (the default) puts a NaN in every 64th value, ``how: huge`` multiplies the model by
+  :data:`POISON_SCALE`. It trains on from there; the poison screen (guard.py) keeps it out
+  of the shared model.
+
+A fault hits every rank of its replica group, or with ``rank: k`` only group rank k
+(a failure one rank of a several-rank group sees and its siblings do not, group_vote.py).
 
 Faults come from the ``faults`` list of the config. Each process builds one
 :class:`FaultPlan`; the training loop (phase LOCAL) and the sync strategy (its phases)
@@ -33,8 +43,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Mapping, Optional
 
-ACTIONS = ("fail", "raise", "hang", "exit", "stop")
+import torch
+
+ACTIONS = ("fail", "raise", "hang", "exit", "stop", "poison")
+POISONS = ("nan", "huge")  # what ``poison`` does to the model (poison_model)
+POISON_SCALE = 1e4
 FAIL_PHASES = ("INNER_REDUCE", "OUTER_REDUCE", "BROADCAST")
+COLLECTIVES = ("payload", "control")  # which collective a ``fail`` hits (link.PAYLOAD / link.CONTROL)
 # Whom a process kill hits (chaos, and the simulator's failure model): a replica group
 # that does not lead its cluster, one that does, or a whole cluster.
 ROLES = ("non_leader", "leader", "cluster")
@@ -51,6 +66,9 @@ class Fault:
     step: int
     action: str
     phase: str = "LOCAL"
+    rank: Optional[int] = None  # group rank it hits; None: every rank of the group
+    collective: str = "payload"  # ``fail`` only: which kind of collective (COLLECTIVES)
+    how: str = "nan"  # ``poison`` only: what it does to the model (POISONS)
 
     @classmethod
     def from_mapping(cls, i: int, m: Mapping[str, object]) -> "Fault":
@@ -62,6 +80,9 @@ class Fault:
                 step=int(m["step"]),  # type: ignore[arg-type]
                 action=str(m["action"]),
                 phase=str(m.get("phase", "LOCAL")),
+                rank=None if m.get("rank") is None else int(m["rank"]),  # type: ignore[arg-type]
+                collective=str(m.get("collective", "payload")),
+                how=str(m.get("how", "nan")),
             )
         except KeyError as e:
             raise ValueError(f"{where}: missing field {e.args[0]!r}") from e
@@ -69,14 +90,23 @@ class Fault:
             raise ValueError(f"{where}.action={f.action!r}: expected one of {ACTIONS}")
         if f.action == "fail" and f.phase not in FAIL_PHASES:
             raise ValueError(f"{where}.phase={f.phase!r}: a 'fail' fault needs one of {FAIL_PHASES}")
+        if f.collective not in COLLECTIVES:
+            raise ValueError(f"{where}.collective={f.collective!r}: expected one of {COLLECTIVES}")
+        if f.how not in POISONS:
+            raise ValueError(f"{where}.how={f.how!r}: expected one of {POISONS}")
+        if f.action == "poison" and f.phase != "LOCAL":
+            raise ValueError(f"{where}.phase={f.phase!r}: a 'poison' fault fires in the training loop (LOCAL)")
+        if f.rank is not None and f.rank < 0:
+            raise ValueError(f"{where}.rank={f.rank}: a group rank is 0 or more")
         return f
 
 
 class FaultPlan:
-    """The faults of one replica, looked up by (step, phase)."""
+    """The faults of one process (a replica group's group rank ``rank``), looked up by (step, phase)."""
 
-    def __init__(self, faults: Iterable[Fault], cluster: int, replica: int) -> None:
-        self.faults: List[Fault] = [f for f in faults if f.cluster == cluster and f.replica == replica]
+    def __init__(self, faults: Iterable[Fault], cluster: int, replica: int, rank: int = 0) -> None:
+        self.faults: List[Fault] = [f for f in faults if f.cluster == cluster and f.replica == replica
+                                    and (f.rank is None or f.rank == rank)]
         self._fired: set[Fault] = set()
 
     def take(self, step: int, phase: str, actions: Iterable[str]) -> Optional[Fault]:
@@ -89,17 +119,30 @@ class FaultPlan:
         return None
 
 
-def fire(fault: Fault, where: str, arm_failure: Optional[Callable[[Exception], None]] = None, block: bool = False) -> None:
+def poison_model(t: torch.Tensor, how: str) -> None:
+    """What a ``poison`` fault does to the model's flat parameter vector ``t`` (in place)."""
+    with torch.no_grad():
+        if how == "nan":
+            t[::64] = float("nan")
+        elif how == "huge":
+            t.mul_(POISON_SCALE)
+        else:
+            raise ValueError(f"unknown poison {how!r} (expected one of {POISONS})")
+
+
+def fire(fault: Fault, where: str, arm_failure: Optional[Callable[[Exception, str], None]] = None, block: bool = False,
+         model: Optional[torch.Tensor] = None) -> None:
     """Carries out ``fault`` (taken from a :class:`FaultPlan`) at ``where`` (a phase and
     step, for messages). ``fail`` arms ``arm_failure`` with an :class:`InjectedFault` and
-    returns; ``raise`` raises one (with ``block``, first starting a non-daemon thread that
+    the fault's ``collective`` kind and returns; ``raise`` raises one (with ``block``, first starting a non-daemon thread that
     stays blocked: the training loop's seed-004 case); ``hang`` never returns (only the
     watchdog or a signal ends the process); ``exit`` ends the process with code 17 without
-    cleanup; ``stop`` SIGSTOPs the whole process and returns once someone sends SIGCONT."""
+    cleanup; ``stop`` SIGSTOPs the whole process and returns once someone sends SIGCONT;
+    ``poison`` spoils ``model`` (the flat parameter vector: :func:`poison_model`)."""
     if fault.action == "fail":
         if arm_failure is None:
             raise ValueError(f"fault {fault}: 'fail' needs a link to arm at {where}")
-        arm_failure(InjectedFault(f"injected failure in {where}"))
+        arm_failure(InjectedFault(f"injected failure in {where}"), fault.collective)
     elif fault.action == "raise":
         if block:  # as in seed 004: an interpreter exit would wait for this thread, heartbeat and all
             threading.Thread(target=time.sleep, args=(3600,), name="blocked-worker").start()
@@ -111,3 +154,7 @@ def fire(fault: Fault, where: str, arm_failure: Optional[Callable[[Exception], N
         os._exit(17)
     elif fault.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.action == "poison":
+        if model is None:
+            raise ValueError(f"fault {fault}: 'poison' needs the model at {where}")
+        poison_model(model, fault.how)

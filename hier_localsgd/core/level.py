@@ -114,6 +114,9 @@ class Level:
         pin = wants_pinned(init) if pin is None else pin
         self.backup = host_copy(init, pin=pin)
         self.opt = OuterSGD(init.numel(), algorithm.lr, algorithm.momentum, algorithm.nesterov, init.dtype, pin=pin and self.backup.is_pinned())
+        # The median norm of the contributions the level's last committed round used: the
+        # poison screen's reference when a round has one contributor (guard.screen).
+        self.norm_ref = 0.0
 
     @torch.no_grad()
     def pseudo_grad(self, live: torch.Tensor, ranges: Optional[Ranges] = None, base: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -127,6 +130,13 @@ class Level:
         if live.device != backup.device:
             backup = backup.to(live.device, non_blocking=backup.is_pinned())
         return backup - live
+
+    @torch.no_grad()
+    def sum_of_squares(self, live: torch.Tensor, base: Optional[torch.Tensor] = None) -> float:
+        """Of the whole pseudo-gradient ``backup - live`` (or from ``base``), in float64 on the
+        host: NaN or inf when it holds one or overflows (the poison screen, guard.py)."""
+        g = self.pseudo_grad(live, base=base)
+        return float(torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2)
 
     def stage(self, avg_grad: torch.Tensor, ranges: Optional[Ranges] = None) -> Staged:
         """The staged update, computed on the host from ``avg_grad`` (any device).
@@ -165,7 +175,7 @@ class Level:
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Clones of the committed state: a donor serves only committed state."""
-        out = {"backup": self.backup.clone()}
+        out = {"backup": self.backup.clone(), "norm_ref": torch.tensor(self.norm_ref, dtype=torch.float64)}
         if self.opt.buf is not None:
             out["momentum"] = self.opt.buf.clone()
         return out
@@ -175,6 +185,8 @@ class Level:
         self.backup.copy_(sd["backup"])
         if self.opt.buf is not None:
             self.opt.buf.copy_(sd["momentum"])
+        if "norm_ref" in sd:  # checkpoints written before the poison screen have none
+            self.norm_ref = float(sd["norm_ref"])
 
     def fingerprint(self) -> int:
         return checksum_int(*self.state_tensors())

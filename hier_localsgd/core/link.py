@@ -283,7 +283,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         self.set_emulation(emulation)
         self._distinct_clusters = distinct_clusters
         self._kind = PAYLOAD
-        self._armed: Optional[Exception] = None
+        self._armed: Optional[tuple] = None  # (exception, kind): arm_failure
         self._world = 1
         self._rank = 0
         self._lock = threading.Lock()
@@ -391,18 +391,17 @@ class LinkProcessGroup(ProcessGroupWrapper):
         finally:
             self._kind = prev
 
-    def arm_failure(self, exc: Exception) -> None:
-        """The next payload collective on this group completes on the wire but reports ``exc``."""
+    def arm_failure(self, exc: Exception, kind: str = PAYLOAD) -> None:
+        """The next collective of ``kind`` (PAYLOAD or CONTROL) on this group completes on
+        the wire but reports ``exc``."""
         with self._lock:
-            self._armed = exc
+            self._armed = (exc, kind)
 
     def _finish(self, work: Work) -> Work:
-        if self._kind != PAYLOAD:
-            return work
         with self._lock:
-            exc, self._armed = self._armed, None
-        if exc is None:
-            return work
+            if self._armed is None or self._armed[1] != self._kind:
+                return work
+            exc, self._armed = self._armed[0], None
         self.stats.injected_failures += 1
         logger.warning("%s link: injecting failure %r", self.level, exc)
         return _FailedWork(work, exc)

@@ -146,7 +146,7 @@ class Runtime:
         try:
             main()
         except BaseException as e:  # includes KeyboardInterrupt/SystemExit from main
-            code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else EXIT_ERROR
+            code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else getattr(e, "exit_code", EXIT_ERROR)
             self.exit(code, f"{e.__class__.__name__}: {e}", error=e)
         self.exit(EXIT_OK, "finished")
 

@@ -1,10 +1,12 @@
 """The summary of a finished local job, shared by demo, chaos, sweep and the tests.
 
-Computed only from what each process wrote (its result.json and status): in particular
-``consistent`` is true only if every replica group reported the same checksum of its
-final parameters, taken after the last outer sync (with group.parallel=tp: every group's
-rank k the same, per k — the ranks of a group hold different shards). :func:`human`
-renders it.
+Computed only from what each process wrote (its result.json, status and events): in
+particular ``consistent`` is true only if every replica group reported the same checksum
+of its final parameters, taken after the last outer sync (with group.parallel=tp: every
+group's rank k the same, per k — the ranks of a group hold different shards), and every
+one of those models is finite (one checksum of all-NaN parameters is no success).
+``excluded`` lists the contributions the poison screen kept out (core/guard.py), each
+(level, step, member) once. :func:`human` renders it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from hier_localsgd.config import Config
 from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
-from hier_localsgd.core.status import RESULT_FILE, read_json, replica_dir
+from hier_localsgd.core.status import RESULT_FILE, read_events, read_json, replica_dir
 from hier_localsgd.launch.local import LocalJob
 from hier_localsgd.train.tp import consistent_checksums
 
@@ -46,6 +48,7 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         inner_rounds[str(c)] = max(inner_rounds.get(str(c), 0), r["inner_rounds"])
     outer_rounds = max((r["outer_rounds"] for r in got.values()), default=0)
     checksums, ranks_missing = _checksums(job, keys, got, cfg.topology.ranks_per_replica)
+    not_finite = _not_finite(job, keys, got, cfg.topology.ranks_per_replica)
     C = cfg.topology.clusters
     expected_outer = ring_allreduce_bytes(model_bytes, C) * C if model_bytes else None
     comp = cfg.sync.outer.compression
@@ -81,8 +84,11 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
         "links": links,
         "slow_link_payload_bytes_per_outer_round": (outer_payload / outer_rounds) if outer_payload and outer_rounds else None,
         "slow_link_payload_bytes_per_outer_round_expected": expected_outer,
-        "consistent": len(got) == len(keys) and not ranks_missing and consistent_checksums(checksums, cfg.group.rank_shards(cfg.topology.ranks_per_replica)),
+        "consistent": (len(got) == len(keys) and not ranks_missing and not not_finite
+                       and consistent_checksums(checksums, cfg.group.rank_shards(cfg.topology.ranks_per_replica))),
         "checksums": checksums,
+        "not_finite": not_finite,
+        "excluded": excluded_contributions(job.run_dir, keys),
         "exit_codes": {f"c{c}r{r}": code for (c, r), code in codes.items()},
         "missing_results": [f"c{c}r{r}" for (c, r) in keys if (c, r) not in got] + ranks_missing,
         "wall_s": wall_s,
@@ -132,6 +138,30 @@ def _checksums(job: LocalJob, keys: Sequence[Key], got: Dict[Key, Dict[str, Any]
     return checksums, ranks_missing
 
 
+def _not_finite(job: LocalJob, keys: Sequence[Key], got: Dict[Key, Dict[str, Any]], ranks: int) -> List[str]:
+    """The processes whose final model holds a NaN or an infinity (``c0r1``, ``c0r1g1``)."""
+    bad = [f"c{c}r{r_}" for (c, r_), res in got.items() if res.get("finite") is False]
+    for (c, r_) in keys:
+        for g in range(1, ranks):
+            res = read_json(replica_dir(job.run_dir, c, r_, g) / RESULT_FILE)
+            if res is not None and res.get("finite") is False:
+                bad.append(f"c{c}r{r_}g{g}")
+    return bad
+
+
+def excluded_contributions(run_dir: Any, keys: Sequence[Key]) -> List[Dict[str, Any]]:
+    """Every contribution the poison screen excluded (sync/poison.py), once per (level, step,
+    member) however many members recorded it, in time order."""
+    seen: Dict[Tuple[str, int, str], Dict[str, Any]] = {}
+    for k in keys:
+        for e in read_events(replica_dir(run_dir, *k) / "events.jsonl"):
+            if e["kind"] == "excluded":
+                key = (e["level"], e["step"], e["member"])
+                if key not in seen or e["t"] < seen[key]["t"]:
+                    seen[key] = {"t": e["t"], "level": e["level"], "step": e["step"], "member": e["member"], "reason": e["reason"]}
+    return sorted(seen.values(), key=lambda x: x["t"])
+
+
 def human(summary: Dict[str, Any]) -> str:
     t = summary["topology"]
     b = summary["bytes_sent"]
@@ -170,7 +200,10 @@ def human(summary: Dict[str, Any]) -> str:
             + (f"({what} per cluster x ring factor = {mb(expected)})" if expected is not None
                else "(streaming fragments: one fragment per round, the last round the whole model)")
         )
-    lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes)")
+    lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes"
+                 + (f"; NOT FINITE: {summary['not_finite']}" if summary.get("not_finite") else "") + ")")
+    for x in summary.get("excluded", []):
+        lines.append(f"  excluded: {x['level']} contribution of {x['member']} at step {x['step']} ({x['reason']})")
     bad = {k: v for k, v in summary["exit_codes"].items() if v != 0}
     if bad or summary["missing_results"]:
         lines.append(f"  PROBLEMS: exit codes {bad}, missing results {summary['missing_results']}")

@@ -12,11 +12,21 @@ from typing import Callable, Dict, Optional, Protocol
 
 import torch
 
+from hier_localsgd.core.runtime import EXIT_CONFIG
+
 EventSink = Callable[..., None]  # events(kind, **fields): the process's event log
 
 
 class FatalSyncError(RuntimeError):
     """The sync cannot continue (repeated quorum failures); the process must exit."""
+
+
+class PoisonLimit(FatalSyncError):
+    """This replica group's contributions were excluded too often (sync/poison.py): it gives
+    up with exit code 2, which no launcher restarts (a restart would not fix its hardware
+    or its data)."""
+
+    exit_code = EXIT_CONFIG  # never retried (launch/replica.sh, launch/local.py)
 
 
 class JobFinished(RuntimeError):

@@ -70,9 +70,10 @@ overlap.py, the committed state, heals and the inner stale update committed.py.)
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -81,7 +82,7 @@ from torch.optim import Optimizer
 
 from hier_localsgd.core import guard
 from hier_localsgd.core.comm import LevelComm, is_timeout
-from hier_localsgd.core.device import host_copy, host_state
+from hier_localsgd.core.device import host_copy, host_state, host_state_finite
 from hier_localsgd.core.faults import ACTIONS, FaultPlan, fire
 from hier_localsgd.core.flat import FlatParams, checksum
 from hier_localsgd.core.fragments import FragmentSchedule, Ranges, localize
@@ -100,6 +101,9 @@ from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status, training_progress
 from hier_localsgd.sync.final import FinalWait
+from hier_localsgd.sync.group_vote import GroupVote
+from hier_localsgd.sync.poison import PoisonRecord
+from hier_localsgd.sync.types import PoisonConfig
 from hier_localsgd.sync.outer_round import OuterRound
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -167,6 +171,8 @@ class HierSettings:
     # A failed inner round keeps the local steps when nothing committed moved
     # (sync.failed_round=keep_local; committed.py). Needs group_world_size == 1.
     keep_local: bool = False
+    # The screen of contributions at both levels (core/guard.py) and when a group gives up.
+    poison: PoisonConfig = field(default_factory=PoisonConfig)
 
     @property
     def num_fragments(self) -> int:
@@ -262,6 +268,15 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         tracker.set_extra(**self.work_counters())
 
         self._init_levels_comm(settings, timeouts, tracker, events)
+        # Several ranks per group: they agree before every branch (group_vote.py).
+        vote_dev = torch.device("cpu")
+        if group is not None and g > 1:
+            import torch.distributed as dist
+
+            if dist.get_backend(group) == "nccl":  # type: ignore[arg-type]
+                vote_dev = flat.data.device
+        self.vote = GroupVote(group, settings.group_world_size, vote_dev, events)
+        self.poison = PoisonRecord(str(identity), settings.poison, events)
 
     def _init_state(self, settings: HierSettings, flat: FlatParams, inner_optimizer: Optimizer) -> None:
         """The levels, the committed model, the compression residual, the optimizer snapshot."""
@@ -419,10 +434,11 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         # moved when the round fails (a heal, a resync or an outer commit moves it).
         self._round_start_hash = self._inner_hash() if self.s.keep_local and not join else None
         self._inner_stale = None  # a heal in this round's quorum keeps what it replaced here
+        self.poison.begin_round()
         tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         self._fault_point(Phase.INNER_QUORUM)
         try:
-            q = self._inner_quorum(join)
+            q = self._group_quorum(join)
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             self._outage("inner", e)
@@ -453,27 +469,40 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         errored = self.inner_mgr.errored() is not None
         self._weight0_why = "join" if join else "heal" if healed and stale is None else "errored" if errored else ""
         weight = 0.0 if self._weight0_why else 1.0
+        live, base, behind = stale if stale is not None else (self.flat.data[self.part], None, 0)
+        # The screen's norm, per round of this member's work (a stale update spans several).
+        rounds = max(1.0, self.work["steps_since_commit"] / self.s.h_inner)
         plan = self._consistency(
             self.inner_comm, q, "inner",
-            guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight),
+            guard.Fingerprint(self._inner_hash(), c.outer_round, c.inner_round, c.step, weight,
+                              norm=self._screen_norm(self.inner, live, base, weight, rounds), ref=self.inner.norm_ref,
+                              who=guard.member_code(self.id.cluster, self.id.replica)),
             tensors=self._inner_tensors(),
         )
-        live, base, behind = stale if stale is not None else (self.flat.data[self.part], None, 0)
+        if plan.excluded and plan.excluded[q.rank]:
+            self._weight0_why = "excluded"
+            self._round_start_hash = None  # keep_local never keeps an excluded member's steps
         staged = self._reduce(self.inner, self.inner_comm, live, plan, q.rank, base=base)
         sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
         stale_steps = self.work["steps_since_commit"] if stale is not None and sent else 0
+        # Each rank saw its own ring: the group takes one path (group_vote.py). A rank whose
+        # inner level failed fails the group's round; a rank whose consistency exchange
+        # failed (its plan has no weight) still follows its siblings into the outer round.
+        v = self.vote.agree("inner round", inner_ok=self.inner_mgr.errored() is None, no_weight=plan.total_weight == 0)
+        inner_ok = v["inner_ok"]
+        if not inner_ok and self.inner_mgr.errored() is None:
+            self.inner_mgr.report_error(RuntimeError("the inner round failed on another rank of this replica group"))
 
         result: Optional[OuterResult] = None
         # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
         # no-op at both levels; stepping the outer optimizer on a zero pseudo-gradient
         # would still move the model by its momentum. Every member knows the total.
-        outer_now = self.is_outer_round() and plan.total_weight > 0
+        outer_now = self.is_outer_round() and not v["no_weight"]
         outer_join = not outer_now and self._outer_join_wanted(join, q, plan)  # a cluster restarted whole
         final = self.s.final_step > 0 and c.step >= self.s.final_step
         if outer_join or (outer_now and (not self._overlap or final)):
             if self._leader:
                 self._drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
-                inner_ok = self.inner_mgr.errored() is None
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid (a join: nothing).
                 result = self._outer_round(staged.backup, contribute=inner_ok and not outer_join, inner_ok=inner_ok)
@@ -501,7 +530,42 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
             self.events("stale_update", level="inner", steps=stale_steps, behind=behind, step=c.step)
         if outer_now and self._overlap and not final:
             self._launch_outer(contribute=committed)
+        self.poison.end_round()  # a group that keeps poisoning gives up here, between rounds
         return committed
+
+    def _group_quorum(self, join: bool) -> QuorumView:
+        """INNER_QUORUM for the whole replica group: every rank joined, or every rank takes
+        the same failure (group_vote.py). A failed quorum on any rank fails the round on all
+        (a rollback); otherwise an outage on any rank is an outage on all (local progress
+        kept). When some ranks joined and some did not, every rank casts the round's commit
+        vote (false) so the group's Manager calls stay matched; the joined ranks run no
+        collective, and their peers' collectives in that quorum fail at their deadline.
+        One rank per group: :meth:`_inner_quorum`. Raises what that raises."""
+        if not self.vote.active:
+            return self._inner_quorum(join)
+        q: Optional[QuorumView] = None
+        err: Optional[Exception] = None
+        try:
+            q = self._inner_quorum(join)
+        except (LighthouseOutage, QuorumFailed) as e:
+            err = e
+        v = self.vote.agree("inner quorum", joined=q is not None, none_joined=q is None,
+                            no_failure=not isinstance(err, QuorumFailed))
+        if v["joined"]:
+            assert q is not None
+            return q
+        if not v["none_joined"]:  # a sibling is in the quorum: its commit vote waits for ours
+            if q is not None:
+                self.inner_mgr.report_error(RuntimeError("another rank of this replica group is not in the quorum"))
+            try:
+                self.inner_mgr.should_commit(self.tracker.remaining())
+            except RuntimeError as e:  # torchft raises after max_retries consecutive failures
+                raise FatalSyncError(f"inner commits keep failing: {e}") from e
+        if not v["no_failure"]:
+            raise err if isinstance(err, QuorumFailed) else QuorumFailed("inner quorum failed on another rank of this replica group")
+        if isinstance(err, LighthouseOutage):
+            raise err
+        raise LighthouseOutage(self.health["inner"].message("another rank of this replica group found the lighthouse not answering"))
 
     def _inner_quorum(self, join: bool) -> QuorumView:
         """INNER_QUORUM: the early quorum's result when one was asked for this round
@@ -546,9 +610,12 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         v = guard.encode(q.rank, q.size, mine)
         if not comm.allreduce_sum(v, CONTROL):
             # The round is lost (commit will fail); keep collectives matched: weight 0.
-            return guard.GuardPlan([mine] * q.size, None, [0.0] * q.size)
+            return guard.GuardPlan([mine] * q.size, None, [0.0] * q.size, failed=True)
         fps = guard.decode(v, q.size)
-        p = guard.plan(fps, max_behind=self.s.outer_max_staleness if level == "outer" else 0)
+        p = guard.plan(fps, max_behind=self.s.outer_max_staleness if level == "outer" else 0, ratio=self.s.poison.norm_ratio)
+        for i in p.excluded_ranks():
+            self.poison.excluded(level, guard.member_name(fps[i].who, level), p.excluded[i], fps[i].norm,
+                                 mine=i == q.rank, step=self.counters.step)
         if p.source is None:
             return p
         src = fps[p.source]
@@ -574,23 +641,51 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         (``comp``: compressed, staging the residual too; ``ranges``: one outer fragment's
         elements only, the rest of the level unchanged; ``base``: the pseudo-gradient is
         measured from it instead of the level's backup, a stale outer contribution)."""
-        if plan.total_weight == 0 or ranges == ():
+        if ranges == () or (plan.total_weight == 0 and not plan.failed):
             # Every member knows either from the guard or the fragment (a fragment with no
             # element in this rank's slice is empty on this rank of every cluster): no reduce.
             return level.unchanged()
         grad = level.pseudo_grad(live, ranges, base=base)
+        if plan.failed:  # zeros into the reduce the others may be running (guard.GuardPlan.failed)
+            grad.zero_()
+            if comp is not None:
+                comp.reduce(comm, grad, 0.0, 1.0, ranges)
+            else:
+                comm.allreduce_sum(grad, PAYLOAD)
+            return level.unchanged()
         w = plan.weights[rank]
         if comp is not None:
             if w not in (0.0, 1.0):
                 grad.mul_(w)
             comp.reduce(comm, grad, w, plan.total_weight, ranges)  # weight 0: sends zeros, encodes nothing
         else:
-            if w != 1.0:
+            if w == 0.0:
+                grad.zero_()  # not mul_(0): a NaN times 0 is NaN (an excluded contribution, guard.screen)
+            elif w != 1.0:
                 grad.mul_(w)
             comm.allreduce_sum(grad, PAYLOAD)
         grad.div_(plan.total_weight)
         return level.stage(grad, ranges)
 
+
+    def _screen_norm(self, level: Level, live: torch.Tensor, base: Optional[torch.Tensor], weight: float, rounds: float = 1.0) -> float:
+        """The norm this member's contribution shows the poison screen (guard.py): of the
+        whole group's pseudo-gradient (every rank's slice, one sum on the group's own
+        process group, so every ring judges the group alike), divided by ``rounds`` of
+        work; guard.NONFINITE; 0 at weight 0. Every rank of a group calls it."""
+        ss = level.sum_of_squares(live, base) if weight > 0 else 0.0
+        n = guard.contribution_norm(self.vote.total(ss))
+        return n / rounds if n > 0 else n
+
+    def _restore_optimizer(self) -> None:
+        """An excluded member's inner optimizer goes back to its state at the last commit
+        (before the poisoned steps), or starts afresh if that state is not finite either."""
+        if host_state_finite(self._opt_backup):
+            self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
+            self.events("optimizer_restored", step=self.counters.step, how="last commit")
+        else:
+            self.opt.state.clear()
+            self.events("optimizer_restored", step=self.counters.step, how="reset")
 
     # ------------------------------------------------------------------ overlapped outer sync
 
@@ -637,6 +732,7 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
             return False
 
         self.inner.commit(staged)
+        self.inner.norm_ref = guard.accepted_median(plan.fingerprints, plan.weights) or self.inner.norm_ref
         self._kept_sent = False
         if plan.weights and plan.weights[min(self._last_rank, len(plan.weights) - 1)] == 0:
             # committed, but our steps carried weight 0
@@ -666,6 +762,8 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         if plan.total_weight > 0 or adopted:
             c.inner_round += 1
         self._publish_committed()
+        if self._weight0_why == "excluded":  # its optimizer took the poisoned steps: back to the last commit's
+            self._restore_optimizer()
         self._opt_backup = host_state(self.opt.state_dict())
         self.tracker.set_counters(step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
         self.tracker.mark_commit("inner", c.inner_round)

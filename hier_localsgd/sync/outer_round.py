@@ -41,15 +41,17 @@ class OuterRound:
     def _outer_round(
         self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool,
         tr: Optional[PhaseTracker] = None, lvl: Optional[Level] = None, view: Optional[tuple[int, int]] = None,
-        comp: Optional[OuterCompression] = None,
+        comp: Optional[OuterCompression] = None, norm: Optional[float] = None,
     ) -> OuterResult:
         """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT.
 
         Blocking (defaults): on the round's tracker, the outer level and the current
         counters. Overlapped (overlap.py): on the stage's tracker, a copy of the outer
         level (``lvl``, committed here, adopted at the apply round), of the compression
-        state (``comp``) and the counters at the launch (``view``); it then touches no
-        state the training thread uses."""
+        state (``comp``), the counters at the launch (``view``) and the poison screen's
+        norm of the contribution (``norm``, taken at the launch: it needs the group's own
+        process group, which only the training thread uses); it then touches no state
+        the training thread uses."""
         c = self.counters
         tr = self.tracker if tr is None else tr
         lvl = self.outer if lvl is None else lvl
@@ -59,6 +61,11 @@ class OuterRound:
         if tr is not self.tracker and not self._leader:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
         joined = self._outer_quorum(tr, cur_round, cur_step)
+        if tr is self.tracker and self.vote.active:  # a blocking round: the group's ranks agree (group_vote.py)
+            v = self.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None)
+            if not v["joined"]:
+                self._outer_quorum_split(joined, v["none_joined"], tr)
+                return fallback
         if joined is None:
             return fallback
         mgr, comm, q = joined
@@ -71,9 +78,12 @@ class OuterRound:
         # measured from its old base (a stale update), else weight 0 this round.
         moved = self._outer_healed is not None and view_round != cur_round
         weight = 1.0 if contribute and (not moved or self._stale(cur_round)) and mgr.errored() is None else 0.0
+        if norm is None:  # blocking: every rank of the leader's group is here (it voted)
+            norm = self._screen_norm(lvl, cluster_model, None, 1.0 if contribute else 0.0)
         plan = self._consistency(
             comm, q, "outer",
-            guard.Fingerprint(lvl.fingerprint(), view_round, 0, view_step, weight),
+            guard.Fingerprint(lvl.fingerprint(), view_round, 0, view_step, weight, norm=norm if weight > 0 else 0.0,
+                              ref=lvl.norm_ref, who=guard.member_code(self.id.cluster, 0)),
             tensors=lvl.state_tensors(),
         )
         view_round, view_step = self._outer_healed or (view_round, view_step)
@@ -105,6 +115,7 @@ class OuterRound:
             self.events("rollback", level="outer", reason="outer commit vote failed", step=cur_step)
             return OuterResult(fallback.status, cluster_model, view_round, view_step)
         lvl.commit(staged)
+        lvl.norm_ref = guard.accepted_median(plan.fingerprints, plan.weights) or lvl.norm_ref
         self._outer_fresh, self._outer_sent_round = False, None
         if comp is not None:
             comp.commit()
@@ -152,6 +163,23 @@ class OuterRound:
             self.events("heal", level="outer", step=cur_step, outer_round=self._outer_healed[0] if self._outer_healed else None)
         return mgr, comm, q
 
+    def _outer_quorum_split(self, joined: Optional[tuple], none_joined: bool, tr: PhaseTracker) -> None:
+        """Not every rank of the leader's group joined the outer quorum: none goes on. If
+        some did, every rank casts the outer commit vote (false), so the group's cluster
+        Manager calls stay matched (as for the inner quorum, hier.py ``_group_quorum``).
+        A rank whose quorum failed has a cluster Manager all the same: its sibling's quorum
+        formed only after every rank of the group had asked."""
+        if none_joined or self.outer_mgr is None:
+            return
+        if joined is not None:
+            self.outer_mgr.report_error(RuntimeError("another rank of this replica group is not in the outer quorum"))
+        try:
+            self.outer_mgr.should_commit(tr.remaining())
+        except RuntimeError as e:
+            raise FatalSyncError(f"outer commits keep failing: {e}") from e
+        self.events("rollback", level="outer", reason="another rank of this replica group is not in the outer quorum",
+                    step=self.counters.step)
+
     def _stale(self, cur_round: int) -> bool:
         """Whether this cluster, healed or resynced to a newer global model this round,
         still contributes its work (sync.outer.max_staleness), measured from the global
@@ -183,7 +211,8 @@ class OuterRound:
         self._stage_outer, self._outer_target, self._outer_view = lvl, lvl, view
         comp = self._stage_comp = None if self.comp is None else self.comp.copy()
         model = self._snap.clone()
-        self.stage.launch(lambda tr: self._outer_round(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp))
+        norm = self._screen_norm(lvl, model, None, 1.0 if contribute else 0.0)  # here: the training thread
+        self.stage.launch(lambda tr: self._outer_round(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp, norm=norm))
         self.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=self.s.outer_delay)
 
     def _collect_outer(self) -> OuterResult:

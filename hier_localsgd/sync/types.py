@@ -118,6 +118,31 @@ class LevelConfig:
 
 
 @dataclass
+class PoisonConfig:
+    """The screen of contributions at both levels (core/guard.py ``screen``; issue #30)."""
+
+    # A contribution whose norm exceeds this multiple of the reference (the median of the
+    # other contributors' norms, per round of work at the inner level) is excluded from the
+    # round. A contribution that holds a NaN or an infinity is excluded whatever this is;
+    # 0 turns the norm check off.
+    norm_ratio: float = 25.0
+    # A replica group excluded this many times within `window` of its own rounds gives
+    # up: one line, exit code 2 (its launcher does not restart it). 0: never.
+    max_offences: int = 3
+    window: int = 20
+
+    def check(self) -> None:
+        if not self.norm_ratio >= 0 or self.norm_ratio in (float("inf"),) or 0 < self.norm_ratio <= 1:
+            fail("sync.poison.norm_ratio", f"{self.norm_ratio} — must be 0 (off) or a finite number above 1 (a multiple of the median norm)")
+        if isinstance(self.max_offences, bool) or self.max_offences < 0:
+            fail("sync.poison.max_offences", f"{self.max_offences} — must be at least 0 (0: never give up)")
+        if isinstance(self.window, bool) or self.window < 1:
+            fail("sync.poison.window", f"{self.window} — must be at least 1 (rounds)")
+        if self.max_offences > self.window:
+            fail("sync.poison.max_offences", f"{self.max_offences} — more than sync.poison.window={self.window} rounds can hold")
+
+
+@dataclass
 class SyncConfig:
     mode: str = "hier"
     inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd", early_quorum=True, max_staleness=32))  # as configs/config.yaml
@@ -138,9 +163,12 @@ class SyncConfig:
     # torchft's rule) | keep_local (keep the local steps; the next round's pseudo-gradient
     # carries them). sync/committed.py, docs/architecture.md "Failure semantics".
     failed_round: str = "rollback"
+    # Contributions screened for non-finite or outsized values (core/guard.py).
+    poison: PoisonConfig = field(default_factory=PoisonConfig)
 
     def check(self, topology: TopologyConfig) -> None:
         t = topology
+        self.poison.check()
         if self.mode not in MODES:
             fail("sync.mode", f"unknown mode {self.mode!r} (expected one of {MODES})")
         for name in ("inner", "outer", "flat"):

@@ -217,6 +217,7 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
             outer_max_staleness=s.outer.max_staleness,
             inner_max_staleness=s.inner.max_staleness,
             keep_local=s.failed_round == "keep_local",
+            poison=s.poison,
             inner_backend=resolve_backend("inner", cfg.train.backends.inner, flat.data.device),
             outer_backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
         )
@@ -379,12 +380,15 @@ def open_checkpoints(cfg: Config, rt: Runtime, identity: Identity, grp: GroupCon
     return ckpt
 
 
-def injected_loop_fault(plan: FaultPlan, step: int) -> None:
-    """faults=[...] actions of the training loop itself (phase LOCAL): raise, then hang, then exit."""
-    for action in ("raise", "hang", "exit"):
+def injected_loop_fault(plan: FaultPlan, step: int, model: torch.Tensor, pub: ReplicaPublisher) -> None:
+    """faults=[...] actions of the training loop itself (phase LOCAL): poison the model, then
+    raise, then hang, then exit."""
+    for action in ("poison", "raise", "hang", "exit"):
         f = plan.take(step, Phase.LOCAL.value, (action,))
         if f is not None:
-            fire(f, f"the training loop at step {step}", block=True)
+            if action == "poison":
+                pub.event("fault", action="poison", how=f.how, phase=Phase.LOCAL.value, step=step)
+            fire(f, f"the training loop at step {step}", block=True, model=model)
 
 
 def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
@@ -421,7 +425,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
     # -- sync strategy (hier / flat / ddp) --------------------------------------------
     wait_for_lighthouse(cfg, identity, ran_before)
-    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica)  # the loop's and the sync phases' faults
+    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica, grp.rank)  # the loop's and the sync phases' faults (this rank's)
     sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp, plan)
     rt.add_closer(sync.close)
     c = sync.counters
@@ -438,7 +442,7 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
     while c.step < tr.steps:
         sync.before_forward()  # ddp: quorum (and heal) for this step
-        injected_loop_fault(plan, c.step)
+        injected_loop_fault(plan, c.step, flat.data, pub)
         t_step = time.time()
         t_perf = time.perf_counter()
         x, y = data.batch(c.step)
@@ -516,7 +520,8 @@ def result_of(cfg: Config, identity: Identity, rank: int, c: Any, sync: SyncStra
     return {
         "cluster": identity.cluster, "replica": identity.replica, "group_rank": rank, "mode": cfg.sync.mode,
         "steps": c.step, "inner_rounds": c.inner_round, "outer_rounds": c.outer_round, "leader": sync.leader,
-        "checksum": checksum(flat.data), "model_params": flat.numel, "model_bytes": flat.nbytes,
+        "checksum": checksum(flat.data), "finite": bool(torch.isfinite(flat.data).all()),
+        "model_params": flat.numel, "model_bytes": flat.nbytes,
         "link": sync.link_stats(),
         **({"tp": tp.stats(), "tp_variant": cfg.group.tp_variant} if tp is not None else {}),
         "work": sync.work_counters(),
