@@ -145,6 +145,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.print_config:
         print(dump(cfg))
         return 0
+    if args.command in WRITES_RUN_DIR:
+        problem = _make_run_dir(cfg.run.dir)
+        if problem is not None:
+            print(f"hier-localsgd {args.command}: configuration error: run.dir: {problem}", file=sys.stderr)
+            return EXIT_CONFIG
 
     if args.command != "train":  # train logs under its replica tag (_train)
         setup_logging(cfg.run.log_level, args.command)
@@ -159,6 +164,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             traceback.print_exc()
         print(f"hier-localsgd {args.command}: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+# Commands that write under run.dir (logs, status, results, reports): it is made before
+# anything starts, and a path that cannot be a directory is one configuration error.
+WRITES_RUN_DIR = ("train", "demo", "chaos", "sweep", "tp-sweep", "bench", "plan", "simulate")
+
+
+def _make_run_dir(path: str) -> Optional[str]:
+    """Makes ``path`` (and its parents); what is wrong with it, in words, or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        return f"{path!r} is a file, not a directory"
+    except NotADirectoryError:
+        return f"{path!r}: a part of it is a file, not a directory"
+    except OSError as e:
+        return f"cannot create {path!r}: {e.strerror or e}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"cannot write in {path!r} (permission denied)"
+    return None
 
 
 # Commands that start processes (and network namespaces) of their own: SIGTERM or SIGHUP

@@ -233,3 +233,35 @@ def test_debug_env_shows_the_traceback_on_the_console(tmp_path):
     assert f"lighthouse.global_addr={addr}: lighthouse unreachable" in p.stderr
     assert "Traceback (most recent call last)" in p.stderr
     assert "Traceback (most recent call last)" in (tmp_path / "logs" / "c0r0.log").read_text()
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, command):
+    (tmp_path / "afile").write_text("not a directory")
+    for bad, words in ((tmp_path / "afile", " is a file, not a directory"), (tmp_path / "afile" / "run", ": a part of it is a file, not a directory")):
+        p = cli(command, "model=tiny", f"run.dir={bad}", "demo.dashboard=false")
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.splitlines() == [f"hier-localsgd {command}: configuration error: run.dir: {str(bad)!r}{words}"], p.stderr
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_line(tmp_path):
+    p = cli("demo", "model=tiny", "run.dir=/proc/no-such-dir/run", "demo.dashboard=false")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.splitlines() == ["hier-localsgd demo: configuration error: run.dir: cannot create '/proc/no-such-dir/run': No such file or directory"]
+
+
+def test_a_demo_whose_lighthouse_port_is_taken_starts_nothing(tmp_path):
+    """demo.free_ports=false with a foreign listener on the global lighthouse's port: before,
+    the launcher's probe took that listener for its lighthouse, started every group, then
+    failed with a traceback. Now one line naming the field, and nothing started."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p, run_dir = demo(tmp_path, "demo.free_ports=false", f"lighthouse.global_addr=http://127.0.0.1:{port}",
+                          "lighthouse.cluster_addrs=[http://127.0.0.1:1,http://127.0.0.1:2]")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.splitlines() == [
+        f"hier-localsgd demo: configuration error: lighthouse.global_addr: http://127.0.0.1:{port}: port {port} is already in use "
+        "(another process listens there); free it, or let the launcher pick free ports (demo.free_ports=true)"], p.stderr
+    assert not list((run_dir / "logs").glob("c*r*.log"))  # no replica group was started

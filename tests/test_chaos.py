@@ -2,6 +2,7 @@
 a short real run: real kills, restarts, heals, a report."""
 
 import json
+import math
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional
@@ -697,3 +698,28 @@ def test_the_flat_counterpart_of_a_compressed_hier_run_is_a_valid_flat_config():
         load_config([*hier, "sync.mode=flat"], validate_for="chaos")  # what compare_flat ran before
     flat = load_config(flat_counterpart(hier), validate_for="chaos")
     assert (flat.sync.mode, flat.sync.outer.compression, flat.sync.flat.every, flat.chaos.seed) == ("flat", "none", 60, 3)
+
+
+@pytest.mark.slow
+def test_poisoned_groups_are_kept_out_of_the_shared_model_and_recover(tmp_path):
+    """chaos.kinds=[poison] (issue #30): the monkey hands groups a NaN model through their
+    inbox; each is excluded at its next round, takes the shared model and trains on, no
+    other group ever evaluates non-finite, and the run ends consistent on a finite model."""
+    report_path = tmp_path / "report.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}",
+         *[o for o in CHAOS_RUN if not o.startswith(("chaos.kinds", "chaos.kill_every_s"))],
+         "chaos.kinds=[poison]", "chaos.draw=cycle", "chaos.kill_every_s=6", "chaos.baseline=false", "train.eval_every=10"],
+        capture_output=True, text=True, timeout=600,
+    )
+    print(p.stdout[-2500:])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(report_path.read_text())
+    poisons = r["faults"]
+    assert len(poisons) >= 2 and {f["kind"] for f in poisons} == {"poison"}, poisons
+    for f in poisons:
+        assert f["fired_step"] is not None and f["healthy_nonfinite"] == [] and f["recovered"] is True, f
+    assert r["kills"] == [] and r["consistent"] is True
+    assert math.isfinite(r["final_eval_loss"]) and r["not_finite"] == []
+    excluded = {(x["member"], x["level"]) for x in r["excluded"]}
+    assert {(f["target"], "inner") for f in poisons if f["excluded_after_s"] is not None} <= excluded, (excluded, poisons)

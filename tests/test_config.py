@@ -25,7 +25,7 @@ from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
         (["sync.mode=ring"], "sync.mode", "unknown mode"),
         (["lighthouse.global_addr=not-an-address"], "lighthouse.global_addr", "http://host:port"),
         (["lighthouse.cluster_addrs=[http://127.0.0.1:1]"], "lighthouse.cluster_addrs", "one lighthouse per cluster"),
-        (["train.steps=100"], "train.steps", "multiple of"),
+        (["sync.mode=flat", "train.steps=100"], "train.steps", "multiple of sync.flat.every=30"),
         (["train.steps=abc"], "train.steps", "could not be converted"),
         (["data.branching=999"], "data.branching", "must be in"),
         (["run.replica=5"], "run.replica", "must be in"),

@@ -215,3 +215,17 @@ def test_a_demo_stopped_by_sigterm_stops_everything_it_started(tmp_path):
     assert left == "", left
     if ns:  # the namespaces it made are named hln<its pid><letter>
         assert not re.search(rf"\bhln{p.pid}[a-z]", names), names
+
+
+def test_a_run_of_any_length_ends_on_a_final_partial_round(tmp_path):
+    """train.steps=23 with rounds every 5 steps and an outer round every 10 (issue #30: any
+    positive number of steps): rounds at 5, 10, 15, 20, and a final partial one at 23 that
+    carries the outer level, so the run ends where it was asked to, on one model."""
+    run = run_job(tmp_path, ["train.steps=23", f"sync.inner.every={H_IN}", f"sync.outer.every={H_OUT}"])
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    s = run.summary
+    assert s["steps"] == 23 and s["consistent"] is True
+    inner = commits_by_step(run, "inner")
+    assert sorted(st for st in inner if st > 0) == [5, 10, 15, 20, 23]
+    assert sorted(commits_by_step(run, "outer")) == [10, 20, 23]
+    assert len({e["checksum"] for e in inner[23].values()}) == 1  # every group committed the same last model

@@ -130,3 +130,21 @@ def test_lighthouse_script_restarts_a_dead_lighthouse_at_its_address(tmp_path, r
             p.wait(timeout=30)
     if restart:
         assert "lighthouses.sh: global lighthouse exited with 137; restart 1" in p.stderr.read()
+
+
+def test_lighthouse_script_stops_on_a_busy_port_with_one_line(tmp_path):
+    """A port already taken is a configuration conflict: the lighthouse says so in one line
+    naming the field and address and exits 2, and the script does not restart it (issue #30:
+    it restarted 7 times in 30 s, a traceback each)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        addr = f"http://127.0.0.1:{s.getsockname()[1]}"
+        env = dict(os.environ, RESTART_DELAY="0.5", RUST_LOG="warn")
+        p = subprocess.run(["bash", str(LIGHTHOUSES), "global", f"lighthouse.global_addr={addr}", f"run.dir={tmp_path}"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines == [f"hier-localsgd lighthouse: lighthouse.global_addr={addr}: cannot start the global lighthouse: "
+                     f"port {addr.rsplit(':', 1)[1]} is already in use (another process listens there)"], p.stderr
+    assert "restart" not in p.stderr

@@ -28,7 +28,9 @@ and what happens:
 A fault hits every rank of its replica group, or with ``rank: k`` only group rank k
 (a failure one rank of a several-rank group sees and its siblings do not, group_vote.py).
 
-Faults come from the ``faults`` list of the config. Each process builds one
+Faults come from the ``faults`` list of the config, and (with ``run.fault_inbox``) from a
+file the chaos command writes while the process runs (:meth:`FaultPlan.from_inbox`: a
+poison now, at whatever step the process is). Each process builds one
 :class:`FaultPlan`; the training loop (phase LOCAL) and the sync strategy (its phases)
 take their faults from it, and :func:`fire` carries every action out: one home for what
 a fault does.
@@ -36,11 +38,13 @@ a fault does.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, List, Mapping, Optional
 
 import torch
@@ -104,10 +108,28 @@ class Fault:
 class FaultPlan:
     """The faults of one process (a replica group's group rank ``rank``), looked up by (step, phase)."""
 
-    def __init__(self, faults: Iterable[Fault], cluster: int, replica: int, rank: int = 0) -> None:
+    def __init__(self, faults: Iterable[Fault], cluster: int, replica: int, rank: int = 0, inbox: Optional[Path] = None) -> None:
         self.faults: List[Fault] = [f for f in faults if f.cluster == cluster and f.replica == replica
                                     and (f.rank is None or f.rank == rank)]
         self._fired: set[Fault] = set()
+        self.cluster, self.replica = cluster, replica
+        self.inbox = inbox
+
+    def from_inbox(self, step: int) -> Optional[Fault]:
+        """A fault handed over through the inbox file (``{"action": "poison", "how": ...,
+        "id": ...}``, written whole by :func:`deliver`), planned for ``step``; the file is
+        taken (renamed to ``<inbox>.taken``) so it fires once. None: no inbox, or nothing in it."""
+        if self.inbox is None or not self.inbox.exists():
+            return None
+        taken = self.inbox.with_name(self.inbox.name + ".taken")
+        try:
+            os.replace(self.inbox, taken)
+            m = json.loads(taken.read_text())
+        except (OSError, ValueError):
+            return None  # gone meanwhile, or not whole: deliver() writes it atomically
+        f = Fault.from_mapping(0, {**m, "cluster": self.cluster, "replica": self.replica, "step": step})
+        self.faults.append(f)
+        return f
 
     def take(self, step: int, phase: str, actions: Iterable[str]) -> Optional[Fault]:
         """Returns (once) the fault planned for this step and phase, if any."""
@@ -117,6 +139,13 @@ class FaultPlan:
                 self._fired.add(f)
                 return f
         return None
+
+
+def deliver(inbox: Path, fault: Mapping[str, object]) -> None:
+    """Writes ``fault`` (its action and options) to a process's inbox, atomically."""
+    tmp = inbox.with_name(inbox.name + ".tmp")
+    tmp.write_text(json.dumps(dict(fault)))
+    os.replace(tmp, inbox)
 
 
 def poison_model(t: torch.Tensor, how: str) -> None:

@@ -69,6 +69,9 @@ class RunConfig:
     # Local jobs: each cluster (and its lighthouse) in its own Linux network namespace on a
     # bridge, the global lighthouse in the hub's (launch/netns.py); needs root. Enables partitions.
     netns: bool = False
+    # Take faults handed over while the process runs (core/faults.py FaultPlan.inbox): the
+    # chaos command's poison. Off by default: a process in production takes none.
+    fault_inbox: bool = False
 
 
 class LogTag(logging.Filter):

@@ -44,6 +44,12 @@ def replica_dir(run_dir: str | Path, cluster: int, replica: int, rank: int = 0) 
     return d / f"rank{rank}" if rank else d
 
 
+def inbox_path(run_dir: str | Path, cluster: int, replica: int) -> Path:
+    """Where the chaos command hands a replica group a fault while it runs (core/faults.py,
+    ``FaultPlan.from_inbox``; read by the group's rank 0 with ``run.fault_inbox``)."""
+    return replica_dir(run_dir, cluster, replica) / "inbox.json"
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:

@@ -33,12 +33,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.experiments.chaos_evidence import WORK_KEYS, Incarnation, Timeline, evidence, name
-from hier_localsgd.experiments.chaos_faults import FAULT_KINDS, PendingFaults, fault_evidence, signal_group
+from hier_localsgd.experiments.chaos_faults import FAULT_KINDS, POISON, PendingFaults, fault_evidence, signal_group
 from hier_localsgd.experiments.chaos_plan import BASELINE_PHASE, PlannedFault, describe_match, draw_plan, schedule_match
 from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.core.phases import Phase
-from hier_localsgd.core.status import read_events, replica_dir
+from hier_localsgd.core.faults import deliver
+from hier_localsgd.core.status import inbox_path, read_events, replica_dir
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 
 
@@ -121,6 +122,10 @@ class ChaosMonkey:
         # Kinds other than plain kills (chaos_faults.py); partitions only where the job
         # runs in network namespaces.
         self.kinds = [k for k in ch.kinds if k != "partition" or job.netns is not None]
+        # The baselines have no poison screen: a poisoned flat job turns NaN whole and compares
+        # nothing. Drawn at random, they skip the kind; planned, the fault is recorded skipped.
+        self.poisonable = cfg.sync.mode == "hier"
+        draw_kinds = self.kinds if self.poisonable else [k for k in self.kinds if k != "poison"]
         self.faults: List[Dict[str, Any]] = []
         self.pending = PendingFaults()
         self.armed: Optional[Dict[str, Any]] = None  # a phase_kill waiting for its phase
@@ -129,6 +134,8 @@ class ChaosMonkey:
         self.plan: Optional[List[PlannedFault]] = None
         self.plan_next, self.retry_at = 0, 0.0
         self.skipped: List[Dict[str, Any]] = []  # planned faults this mode cannot have
+        if ch.draw != "plan":
+            self.kinds = draw_kinds
         if ch.draw == "plan":
             t = cfg.topology
             self.plan = draw_plan(ch.seed, self.kinds, t.clusters, t.replicas_per_cluster, self.roles, ch.phase_targets,
@@ -180,6 +187,8 @@ class ChaosMonkey:
         if self.plan is not None:
             self._planned(now)
             return
+        if not self.kinds:  # every kind left out for this mode (poison alone, with a baseline)
+            self.next_kill = float("inf")
         if now < self.next_kill or (self.step_mean and self.progress() < self.next_step):
             return
         continuous = self._continuous_now()  # read once per fault: every events file
@@ -301,6 +310,11 @@ class ChaosMonkey:
             rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=ch.hang_s)
             signal_group(self.job.replicas[key].popen.pid, signal.SIGSTOP)
             self.pending.add(now + ch.hang_s, "cont", self.job.replicas[key].popen.pid)
+        elif kind == "poison":
+            key = self.rng.choice(sorted(running)) if target is None else target
+            st = running[key]
+            rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=0.0)
+            deliver(inbox_path(self.job.run_dir, *key), POISON)  # fires at the group's next step
         elif kind == "lighthouse":
             role = self.rng.choice(sorted(self.job.lighthouses)) if target is None else target
             rec.update(target=role, duration_s=self.cfg.lighthouse.restart_delay_s)
@@ -361,10 +375,14 @@ class ChaosMonkey:
         if f.kind in FAULT_KINDS:
             if self.pending.busy:
                 return False
-            if f.kind == "hang":
+            if f.kind == "poison" and not self.poisonable:
+                self.skipped.append({"t": now - self.t0, "kind": f.kind, "target": name(f.targets[0]), **extra,
+                                     "why": f"sync.mode={self.cfg.sync.mode} has no poison screen"})
+                return True
+            if f.kind in ("hang", "poison"):
                 if f.targets[0] not in running:
                     return False
-                return self._fault("hang", running, now, target=f.targets[0], **extra)
+                return self._fault(f.kind, running, now, target=f.targets[0], **extra)
             if f.kind == "partition":
                 return self._fault("partition", running, now, target=f.cluster, **extra)
             if f.lighthouse not in self.job.lighthouses:
@@ -436,6 +454,8 @@ def analyse(cfg: Config, job: LocalJob, monkey: ChaosMonkey, wall_s: float, base
         "hangs_detail": hd,
         "throughput_retained": retained,
         "consistent": summary["consistent"],
+        "not_finite": summary["not_finite"],
+        "excluded": summary["excluded"],  # contributions the poison screen kept out (summary.py)
         "final_eval_loss": summary["final_eval_loss"],
         "entropy_floor": summary["entropy_floor"],
         "exit_codes": summary["exit_codes"],
@@ -477,6 +497,9 @@ def human(report: Dict[str, Any]) -> str:
         f"  steps run {report['steps_run']}, kept {report['steps_kept']}; lost: "
         + ", ".join(f"{k} {v}" for k, v in lost.items()),
         "  discarded by the processes, by reason: " + (", ".join(f"{k} {v}" for k, v in report.get("discarded_by", {}).items()) or "none"),
+        f"  contributions excluded by the poison screen: {len(report.get('excluded', []))}"
+        + "".join(f"; {x['member']} ({x['level']}) at step {x['step']}: {x['reason']}" for x in report.get("excluded", [])[:6])
+        + (f"; NOT FINITE at the end: {report['not_finite']}" if report.get("not_finite") else ""),
         f"  goodput (tokens in the final model / tokens computed) {f(report['goodput'], 3)}; "
         f"processes' own count {f(report['process_efficiency'], 3)}",
         f"  throughput retained (failure-free wall / chaos wall, {report['steps_target']} steps) {f(report['throughput_retained'], 3)}",
@@ -489,7 +512,8 @@ def human(report: Dict[str, Any]) -> str:
             lines.append(f"  {k['kind']} {'+'.join(k['targets'])} in {k['phase']}" + (f" (armed for {k['armed_phase']}, hit: {k['phase_hit']})" if k.get("armed_phase") else "")
                          + f": recovered {k['recovered']}")
     for fl in report.get("faults", []):
-        ev = {x: fl.get(x) for x in ("abandoned_after_s", "rejoined_after_s", "exited", "back_after_s", "commits_resumed_s", "round_begun_s", "first_round_s", "replica_restarts") if x in fl}
+        ev = {x: fl.get(x) for x in ("abandoned_after_s", "rejoined_after_s", "exited", "back_after_s", "commits_resumed_s", "round_begun_s",
+                                     "first_round_s", "replica_restarts", "fired_step", "excluded_after_s", "healthy_nonfinite", "gone_before_round") if x in fl}
         lines.append(f"  {fl['kind']} {fl['target']} at {fl['t']:.0f}s for {fl['duration_s']:g}s: recovered {fl['recovered']} "
                      + ", ".join(f"{x} {f(v) if isinstance(v, float) else v}" for x, v in ev.items()))
     return "\n".join(lines)
@@ -547,6 +571,8 @@ def flat_counterpart(overrides: List[str], extra: Sequence[str] = ()) -> List[st
 
 
 def run_chaos(cfg: Config, overrides: List[str], flat_extra: Sequence[str] = ()) -> int:
+    if "poison" in cfg.chaos.kinds:
+        overrides = [*overrides, "run.fault_inbox=true"]  # the processes take the monkey's poisons (core/faults.py)
     compare = cfg.chaos.compare_flat and cfg.sync.mode == "hier"
     flat_over = flat_counterpart(overrides, flat_extra)
     # The flat side's configuration is checked before anything runs (one line, exit 2).

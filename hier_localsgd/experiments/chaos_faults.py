@@ -18,7 +18,11 @@ Kinds (``chaos.kinds``; the schedule draws one per fault, seeded by ``chaos.seed
   supervisor restarts it at its address after ``lighthouse.restart_delay_s`` (the chaos
   command sets it to ``chaos.lighthouse_down_s``); no replica process should restart;
 * ``partition`` — cut a whole cluster (its processes and lighthouse, in their own network
-  namespace) off the network for ``chaos.partition_s``; needs ``run.netns`` (netns.py).
+  namespace) off the network for ``chaos.partition_s``; needs ``run.netns`` (netns.py);
+* ``poison`` — a replica group's model goes bad (a NaN in every 64th value, as a diverging
+  optimizer or a bit flip would leave it): handed over through its inbox
+  (``run.fault_inbox``, core/faults.py), it fires at the group's next step; the poison
+  screen (core/guard.py) must keep it out of every other group's model.
 
 Kills of every kind are kill records (chaos.py's accounting applies to them). The other
 kinds are *fault* records with their own evidence of recovery, computed here from the
@@ -39,17 +43,25 @@ launcher's history and the processes' events only:
   lighthouse is back, other than the restarts of the monkey's own kills; 0 expected),
   ``recovered`` = commits resumed and no replica restarted;
 * ``partition``: ``rejoined_after_s`` — from the heal to the first outer commit whose
-  participants include every cluster; ``recovered`` = that happened.
+  participants include every cluster; ``recovered`` = that happened;
+* ``poison``: ``fired_step`` (the target's own ``fault`` event), ``excluded_after_s`` (from
+  then to the first ``excluded`` event naming it, from any group), ``healthy_nonfinite``
+  (evaluations of the other groups with a non-finite loss after it fired: must stay
+  empty), ``recovered`` = excluded, then committed an inner round (it took the shared
+  model and trained on), and no other group ever evaluated non-finite; or its incarnation
+  ended (a kill) before its round, with no other group non-finite (``gone_before_round``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 Key = Tuple[int, int]
 KILL_KINDS = ("kill", "phase_kill", "multi_kill")
-FAULT_KINDS = ("hang", "lighthouse", "partition")
+FAULT_KINDS = ("hang", "lighthouse", "partition", "poison")
+POISON = {"action": "poison", "how": "nan"}  # what the chaos command hands a group (core/faults.py)
 KINDS = KILL_KINDS + FAULT_KINDS
 
 
@@ -195,12 +207,36 @@ def partition_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]
     return {"rejoined_after_s": rejoined, "recovered": rejoined is not None}
 
 
+def poison_evidence(f: Dict[str, Any], events: Dict[Key, List[Dict[str, Any]]], history: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    key = tuple(int(x) for x in f["target"][1:].split("r"))
+    mine = events.get(key, [])  # type: ignore[arg-type]
+    fired = next((e for e in _after(mine, f["t_abs"] - 1.0, "fault", action="poison")), None)
+    if fired is None:
+        return {"fired_step": None, "excluded_after_s": None, "healthy_nonfinite": [], "recovered": False}
+    t = fired["t"]
+    excluded = min((e["t"] for evs in events.values() for e in _after(evs, t, "excluded", member=f["target"])), default=None)
+    bad = [{"group": name(k), "step": e["step"]} for k, evs in events.items() if k != key for e in _after(evs, t, "eval")
+           if not math.isfinite(float(e["loss"]))]
+    ended = min((h["t"] for h in history if h["event"] == "exit" and h["key"] == key and h["t"] > t), default=None)
+    commit = next((e["t"] for e in mine if is_commit(e, "inner") and excluded is not None and e["t"] > excluded), None)
+    gone = excluded is None and ended is not None
+    return {
+        "fired_step": fired.get("step"),
+        "excluded_after_s": None if excluded is None else excluded - t,
+        "healthy_nonfinite": bad,
+        "gone_before_round": gone,
+        "recovered": not bad and ((excluded is not None and commit is not None) or gone),
+    }
+
+
 def fault_evidence(faults: Sequence[Dict[str, Any]], events: Dict[Key, List[Dict[str, Any]]], history: Sequence[Dict[str, Any]], clusters: int) -> List[Dict[str, Any]]:
     """Each non-kill fault with its evidence of recovery (module docstring)."""
     out = []
     for f in faults:
         if f["kind"] == "hang":
             ev = hang_evidence(f, events, history)
+        elif f["kind"] == "poison":
+            ev = poison_evidence(f, events, history)
         elif f["kind"] == "lighthouse":
             ev = lighthouse_evidence(f, events, history)
         else:

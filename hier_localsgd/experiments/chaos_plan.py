@@ -18,7 +18,7 @@ mean, drawn from the seed), a kind drawn from ``chaos.kinds`` and concrete targe
   a baseline (flat) has one level, whose phases are named INNER_*: an outer phase waits for
   the same phase of that level, BROADCAST (hier's alone) for its commit (``BASELINE_PHASE``);
 * ``multi_kill``: ``(c1, 0)`` and ``(c2, r)``, r >= 1 where there is one, c1 != c2;
-* ``hang``: a group ``(c, r)``; ``partition``: cluster c;
+* ``hang``, ``poison``: a group ``(c, r)``; ``partition``: cluster c;
 * ``lighthouse``: ``global`` or ``cluster<i>`` (a mode without that lighthouse, flat,
   records the fault as skipped: it cannot have it).
 
@@ -118,7 +118,7 @@ def draw_plan(
             c2 = rng.choice([x for x in range(clusters) if x != c])
             f.role = "multi"
             f.targets = [(c, 0), (c2, rng.randrange(1, replicas) if replicas > 1 else 0)]
-        elif kind == "hang":
+        elif kind in ("hang", "poison"):
             f.targets = [(c, rng.randrange(replicas))]
         elif kind == "partition":
             f.cluster = c

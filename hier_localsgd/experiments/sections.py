@@ -43,7 +43,7 @@ class ChaosConfig:
     report: str = ""  # JSON report path; "" = <run.dir>/chaos_report.json
     timeout_s: float = 1200.0
     # Fault kinds drawn by the schedule (chaos_faults.py); partition needs network namespaces.
-    kinds: List[str] = field(default_factory=lambda: ["kill", "phase_kill", "multi_kill", "hang", "lighthouse", "partition"])
+    kinds: List[str] = field(default_factory=lambda: ["kill", "phase_kill", "multi_kill", "hang", "lighthouse", "partition", "poison"])
     phase_targets: List[str] = field(default_factory=lambda: ["leader:OUTER_REDUCE", "non_leader:BROADCAST", "leader:INNER_COMMIT"])
     phase_arm_s: float = 30.0  # a phase_kill fires in any phase after this long
     hang_s: float = 10.0  # SIGSTOP duration of a hang

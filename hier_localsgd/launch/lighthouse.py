@@ -143,17 +143,49 @@ def start(cfg: Config) -> list:
         except Exception as e:
             for s in servers:
                 s.shutdown()
-            raise RuntimeError(f"{sp.field}={sp.addr}: cannot start the {sp.role} lighthouse: {e}") from e
+            in_use = port_in_use(sp.field, sp.addr)
+            why = f"port {parse_address(sp.field, sp.addr)[1]} is already in use (another process listens there)" if in_use else str(e)
+            raise LighthouseStartFailed(f"{sp.field}={sp.addr}: cannot start the {sp.role} lighthouse: {why}", sp.field, in_use) from e
         servers.append(server)
         print(f"lighthouse {sp.role} serving {sp.addr} (min_replicas={sp.min_replicas})", flush=True)
     return servers
 
 
+class LighthouseStartFailed(RuntimeError):
+    """A lighthouse could not start at its configured address; ``field`` names the config
+    field, ``in_use``: the port is taken (a configuration conflict no restart fixes)."""
+
+    def __init__(self, msg: str, field: str, in_use: bool) -> None:
+        super().__init__(msg)
+        self.field, self.in_use = field, in_use
+
+
+def port_in_use(field: str, addr: str) -> bool:
+    """Whether something already listens at (or holds) the port ``addr`` binds (bind_address)."""
+    import socket
+
+    host, port = bind_address(field, addr).rsplit(":", 1)
+    fam = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the lighthouse's own listener
+        try:
+            s.bind((host.strip("[]"), int(port)))
+        except OSError:
+            return True
+    return False
+
+
 def serve(cfg: Config) -> int:
-    """The ``lighthouse`` command: serve until a signal arrives."""
+    """The ``lighthouse`` command: serve until a signal arrives. A lighthouse that cannot
+    start says so in one line naming the field and address: exit 2 when its port is in use
+    (launch/lighthouses.sh does not retry that), 1 otherwise."""
     stop = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # before the servers start their threads
-    servers = start(cfg)
+    try:
+        servers = start(cfg)
+    except LighthouseStartFailed as e:
+        print(f"hier-localsgd lighthouse: {e}", file=sys.stderr)
+        return EXIT_CONFIG if e.in_use else 1
     if not servers:
         print("lighthouse: nothing to serve for this configuration", file=sys.stderr)
         return EXIT_CONFIG

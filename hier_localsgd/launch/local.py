@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 
 from hier_localsgd.core.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
 from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir
+from hier_localsgd.launch.lighthouse import port_in_use
+from hier_localsgd.schema import fail
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -202,6 +204,10 @@ class LocalJob:
         fieldname, addr = next((f, a) for r, f, a in self.lighthouse_roles() if r == role)
         serve = ["lighthouse.serve=global"] if role == "global" else ["lighthouse.serve=cluster", f"lighthouse.cluster={self._where(role)}"]
         prev = self.lighthouses.get(role)
+        if prev is None and self.netns is None and port_in_use(fieldname, addr):
+            # A foreign listener would answer the probe below as if it were ours.
+            fail(fieldname, f"{addr}: port {parse_address(fieldname, addr)[1]} is already in use (another process listens there); "
+                 "free it, or let the launcher pick free ports (demo.free_ports=true)")
         proc = self._spawn(f"lighthouse_{role}", [self.python, "-m", "hier_localsgd", "lighthouse", *self._args(), *serve], self._where(role))
         if prev is not None:
             proc.restarts = prev.restarts + 1

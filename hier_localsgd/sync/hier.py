@@ -373,7 +373,7 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         """With ``early_quorum``: the last local step of a round asks for the round's
         quorum meanwhile (early.py). Otherwise nothing: syncs happen at round boundaries."""
         c = self.counters
-        if self.s.early_quorum and self._early is None and (c.step + 1) % self.s.h_inner == 0:
+        if self.s.early_quorum and self._early is None and self.is_sync_step(c.step + 1):
             progress = training_progress(c.outer_round, c.step + 1, c.inner_round)  # as the sync point would announce
             # The call may run a little past its budget (a last slice of >= 0.1 s, a lighthouse
             # probe, the group's configuration): it gets the phase's budget less a heartbeat
@@ -395,7 +395,7 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         self.work["steps_since_commit"] += 1
         self.tracker.set_extra(**self.work_counters())  # a status written mid-round must not be stale
         self.tracker.set_counters(step=self.counters.step)
-        if self.counters.step % self.s.h_inner == 0:
+        if self.is_sync_step(self.counters.step):
             self.round()
             return True
         self.tracker.enter(Phase.LOCAL)
@@ -405,8 +405,20 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         """``work`` plus ``steps_since_outer``: steps committed at the inner level since the last outer commit."""
         return {**self.work, "steps_since_outer": self._since_outer}
 
+    def is_sync_step(self, step: int) -> bool:
+        """A round ends at ``step``: every ``h_inner`` steps, and at the run's last step
+        (``final_step``), which need not be a multiple of anything: a final partial round."""
+        return step % self.s.h_inner == 0 or self._is_final(step)
+
+    def _is_final(self, step: int) -> bool:
+        return self.s.final_step > 0 and step == self.s.final_step
+
     def is_outer_round(self) -> bool:
-        return is_launch_round(self.counters.step, self.s.h_inner, self.s.h_outer, self.s.num_fragments)
+        """The round at the current step carries the outer level: on the schedule every
+        cluster computes alike (overlap.is_launch_round), and at the run's last step, so the
+        run ends on one synced model whatever ``train.steps`` is."""
+        step = self.counters.step
+        return is_launch_round(step, self.s.h_inner, self.s.h_outer, self.s.num_fragments) or self._is_final(step)
 
     def fragment_ranges(self, fragment: Optional[int]) -> Optional[Ranges]:
         """The ranges of this rank's slice an outer round of ``fragment`` syncs (None: all of it)."""

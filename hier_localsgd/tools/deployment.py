@@ -12,7 +12,7 @@ hardware and scaling law; failure rates and the run's horizon.
 
 These are checked by the sections' own checks (a :class:`~hier_localsgd.schema.ConfigError`,
 a ValueError, naming the field), with ``runs=False``: the restrictions of what this
-trainer can run (``train.steps`` a multiple of the outer period, several ranks per group
+trainer can run (``train.steps`` a multiple of ``sync.flat.every`` in flat, several ranks per group
 only in ``hier``) do not bind a model of a deployment.
 """
 

@@ -71,8 +71,8 @@ class TrainConfig:
             raise ConfigError(str(e)) from e
 
     def check(self, sync: SyncConfig, runs: bool = True) -> None:
-        """``runs=False`` (plan, simulate: a model of a deployment) skips the rule that a run
-        ends on a sync (``steps`` a multiple of the sync period), which only a real run needs."""
+        """``runs=False`` (plan, simulate: a model of a deployment) skips the rule that a flat
+        run ends on a sync (``steps`` a multiple of sync.flat.every), which only a real run needs."""
         for name in ("steps", "batch_size", "eval_batches", "log_every", "threads"):
             if getattr(self, name) < 1:
                 fail(f"train.{name}", f"{getattr(self, name)} — must be at least 1")
@@ -87,12 +87,12 @@ class TrainConfig:
         s = sync
         if not runs:
             return
-        if s.mode == "hier":
-            period = s.inner.every * s.outer.every
-            if self.steps % period:
-                fail("train.steps", f"{self.steps} must be a multiple of sync.inner.every*sync.outer.every={period} so the run ends on an outer sync")
-        elif s.mode == "flat" and self.steps % s.flat.every:
-            fail("train.steps", f"{self.steps} must be a multiple of sync.flat.every={s.flat.every} so the run ends on a sync")
+        # hier: any number; the last step ends a round that carries the outer level (a final
+        # partial round, sync/hier.py is_sync_step). flat: torchft's DiLoCo syncs on its own
+        # schedule, every sync.flat.every steps, so the run ends on a sync only at a multiple.
+        if s.mode == "flat" and self.steps % s.flat.every:
+            fail("train.steps", f"{self.steps} must be a multiple of sync.flat.every={s.flat.every} so the run ends on a sync "
+                 "(torchft's DiLoCo syncs every sync.flat.every steps; sync.mode=hier takes any number)")
 
 
 TP_OPS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")  # the TP collectives with a link each (train/tp.py)

@@ -29,7 +29,7 @@ from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.train.model import build_model, evaluate, lm_loss
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime import EXIT_WATCHDOG, LOG_TAG, Runtime
-from hier_localsgd.core.status import ReplicaPublisher, job_finished, read_json, replica_dir
+from hier_localsgd.core.status import ReplicaPublisher, inbox_path, job_finished, read_json, replica_dir
 from hier_localsgd.schema import fail
 from hier_localsgd.sync.common import SyncStrategy
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity, JobFinished
@@ -381,8 +381,9 @@ def open_checkpoints(cfg: Config, rt: Runtime, identity: Identity, grp: GroupCon
 
 
 def injected_loop_fault(plan: FaultPlan, step: int, model: torch.Tensor, pub: ReplicaPublisher) -> None:
-    """faults=[...] actions of the training loop itself (phase LOCAL): poison the model, then
-    raise, then hang, then exit."""
+    """faults=[...] actions of the training loop itself (phase LOCAL), and one handed over
+    through the inbox (run.fault_inbox): poison the model, then raise, then hang, then exit."""
+    plan.from_inbox(step)
     for action in ("poison", "raise", "hang", "exit"):
         f = plan.take(step, Phase.LOCAL.value, (action,))
         if f is not None:
@@ -425,7 +426,8 @@ def _train(cfg: Config, rt: Runtime) -> Dict[str, Any]:
 
     # -- sync strategy (hier / flat / ddp) --------------------------------------------
     wait_for_lighthouse(cfg, identity, ran_before)
-    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica, grp.rank)  # the loop's and the sync phases' faults (this rank's)
+    plan = FaultPlan(cfg.fault_list(), identity.cluster, identity.replica, grp.rank,  # the loop's and the sync phases' faults (this rank's)
+                     inbox=inbox_path(cfg.run.dir, identity.cluster, identity.replica) if cfg.run.fault_inbox and grp.rank == 0 else None)
     sync = build_strategy(cfg, identity, flat, model, opt, tracker, pub, grp, plan)
     rt.add_closer(sync.close)
     c = sync.counters
