@@ -197,6 +197,22 @@ def test_a_round_that_kept_its_local_steps_is_on_the_timeline(tmp_path):
     assert kept["text"] == "c0r0 kept its local steps after a failed round (inner) at step 10: inner commit vote failed"
 
 
+def test_an_excluded_contribution_is_on_the_timeline_once_and_counted_on_its_row(tmp_path):
+    """Every member of a level records an exclusion (sync/poison.py); the timeline shows the
+    excluded group's own record only, and its row counts its exclusions."""
+    ex = {"kind": "excluded", "level": "inner", "member": "c0r1", "reason": "non-finite values", "step": 15}
+    ev: Dict[tuple, List[Dict[str, Any]]] = {(0, 0): [{"t": NOW - 5, **ex, "mine": False}],
+                                             (0, 1): [{"t": NOW - 5, **ex, "mine": True},
+                                                      {"t": NOW - 4, "kind": "optimizer_restored", "how": "last commit", "step": 15}]}
+    s = read_state(write_run(tmp_path, {(0, 0): status(0, 0), (0, 1): status(0, 1, excluded=1)}, ev, [], []), now=NOW)
+    (entry,) = [e for e in s["timeline"] if e["kind"] == "excluded"]
+    assert entry["severity"] == "bad"
+    assert entry["text"] == "c0r1's inner contribution excluded by the poison screen at step 15: non-finite values"
+    (restored,) = [e for e in s["timeline"] if e["kind"] == "optimizer_restored"]
+    assert restored["text"] == "c0r1 restored its inner optimizer (last commit) at step 15"
+    assert row(s, "c0r1")["excluded"] == 1 and row(s, "c0r0")["excluded"] is None
+
+
 def test_an_event_splits_only_the_commit_runs_it_concerns(tmp_path):
     ev = {(1, 0): [commit(NOW - 10 + i, "inner", i) for i in range(1, 7)], (0, 0): [commit(NOW - 10 + i, "outer", i) for i in range(1, 7)]}
     dash_ev = [{"t": NOW - 6.5, "kind": "kill", "cluster": 0, "replica": 1, "ok": True, "lighthouse": lh(0)}]

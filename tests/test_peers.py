@@ -40,9 +40,20 @@ def lighthouse():
     lh.shutdown()
 
 
-def test_status_page_and_a_member_whose_heartbeat_stops(lighthouse):
+@pytest.fixture
+def pair_lighthouse():
+    """A lighthouse whose quorum needs both members: with min_replicas=1 and a 200 ms join
+    timeout, a member whose request came later than that under load was left out (seen in a
+    CI run: a quorum of 1)."""
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=200, quorum_tick_ms=20, heartbeat_timeout_ms=HB_MS)
+    yield lh
+    lh.shutdown()
+
+
+def test_status_page_and_a_member_whose_heartbeat_stops(pair_lighthouse):
     import threading
 
+    lighthouse = pair_lighthouse
     a, b = manager(lighthouse, "a0"), manager(lighthouse, "b1")
     try:
         ths = [threading.Thread(target=m.start_quorum, kwargs={"timeout": timedelta(seconds=10)}) for m in (a, b)]

@@ -628,6 +628,8 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         for i in p.excluded_ranks():
             self.poison.excluded(level, guard.member_name(fps[i].who, level), p.excluded[i], fps[i].norm,
                                  mine=i == q.rank, step=self.counters.step)
+            if i == q.rank:
+                self.tracker.set_extra(excluded=self.poison.count)  # the dashboard's count
         if p.source is None:
             return p
         src = fps[p.source]

@@ -37,6 +37,8 @@ SEVERITY = {
     "timeout": "bad",
     "quorum_failed": "bad",
     "fault": "bad",
+    "excluded": "bad",
+    "optimizer_restored": "warn",
     "kill": "bad",
     "exit": "bad",
 }

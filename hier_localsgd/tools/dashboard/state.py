@@ -134,6 +134,7 @@ def _replica_view(key: Key, st: Optional[Dict[str, Any]], job: List[Dict[str, An
         uptime_s=age(now, st.get("started_at")),
         steps_run=st.get("steps_run"),
         steps_discarded=st.get("steps_discarded"),
+        excluded=st.get("excluded"),  # its contributions the poison screen excluded (sync/poison.py)
         steps_since_commit=st.get("steps_since_commit"),
         replica_id=inner.get("replica_id") if inner else None,
         inner=inner,

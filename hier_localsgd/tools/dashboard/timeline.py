@@ -33,6 +33,12 @@ def _replica_entry(key: Key, e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         text = f"{who} {level} {e.get('op', '')} {'timed out' if kind == 'timeout' else 'failed'} in {e.get('phase')}: {e.get('detail', '')}"
     elif kind == "fault":
         text = f"{who} injected fault {e.get('action')} in {e.get('phase')}{at}"
+    elif kind == "excluded":
+        if not e.get("mine"):
+            return None  # every member of the level records it; the excluded group's own record stands for all
+        text = f"{who}'s {level} contribution excluded by the poison screen{at}: {e.get('reason', '')}"
+    elif kind == "optimizer_restored":
+        text = f"{who} restored its inner optimizer ({e.get('how')}){at}"
     else:
         fields = {k: v for k, v in e.items() if k not in ("t", "kind", "cluster", "replica")}
         text = f"{who} {kind} {json.dumps(fields, default=str)[:200]}"

@@ -202,7 +202,8 @@ function replicaRow(rg, allowKill) {
     '<td class="c-name" title="' + esc(rg.replica_id || "") + '">' + rg.name + "</td>" +
     '<td class="c-role"><span class="badge role-' + rg.role + '">' + (rg.leader ? "★ leader" : "member") + "</span></td>" +
     '<td class="c-health"><span class="badge ' + healthCls + '" title="' + title + '">' + esc(rg.health) + "</span>" +
-    (rg.restarts ? ' <span class="small" title="restarts">↻' + rg.restarts + "</span>" : "") + "</td>" +
+    (rg.restarts ? ' <span class="small" title="restarts">↻' + rg.restarts + "</span>" : "") +
+    (rg.excluded ? ' <span class="badge bad" title="contributions excluded by the poison screen (non-finite or outsized)">excluded ' + esc(rg.excluded) + "</span>" : "") + "</td>" +
     '<td class="c-phase"><span class="phase ph-' + esc(phase) + '" title="' + esc(phaseTitle) + '">' + esc(phase) + '</span> <span class="small">' + fmtAge(rg.phase_age_s) + "</span>" + outage + "</td>" +
     '<td class="c-step num">' + esc(rg.step) + (rg.steps_total ? '<span class="small"> / ' + rg.steps_total + '</span><div class="bar stepbar"><span style="width:' + stepPct.toFixed(1) + '%"></span></div>' : "") + "</td>" +
     '<td class="c-inner num">' + esc(rg.inner_round) + "</td>" +
@@ -242,7 +243,7 @@ function linkDetails(rg) {
     for (const [k, v] of st.details || []) html += '<div title="' + esc(k) + " = " + esc(v) + '"><span class="k">' + esc(k) + "</span> " + esc(fmtKey(k, v)) + "</div>";
     html += "</div>";
   }
-  const extra = [["steps run", rg.steps_run], ["steps discarded", rg.steps_discarded], ["steps since commit", rg.steps_since_commit], ["uptime", fmtAge(rg.uptime_s)], ["pid", rg.pid], ["torchft replica id", rg.replica_id]];
+  const extra = [["steps run", rg.steps_run], ["steps discarded", rg.steps_discarded], ["contributions excluded", rg.excluded || 0], ["steps since commit", rg.steps_since_commit], ["uptime", fmtAge(rg.uptime_s)], ["pid", rg.pid], ["torchft replica id", rg.replica_id]];
   html += '<div class="kv-level">process</div><div class="kv">' + extra.map(([k, v]) => '<div><span class="k">' + esc(k) + "</span> " + esc(fmtVal(v)) + "</div>").join("") + "</div>";
   return html;
 }
