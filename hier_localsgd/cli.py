@@ -31,9 +31,14 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from hier_localsgd.core.runtime import EXIT_CONFIG
+from hier_localsgd.core.status import stop_path
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hier_localsgd.config import Config
+
+logger = logging.getLogger("hier_localsgd.cli")
 
 COMMANDS = {
     "lighthouse": "serve the global and/or per-cluster lighthouses (lighthouse.serve=all|global|cluster)",
@@ -280,6 +285,12 @@ def _bench(cfg: "Config", overrides: List[str]) -> int:
     return run_bench(cfg, overrides)
 
 
+def _mark_stopped(stop: "Path", code: int, reason: str) -> None:
+    if code == EXIT_CONFIG:
+        stop.parent.mkdir(parents=True, exist_ok=True)
+        stop.write_text(reason.splitlines()[0] + "\n" if reason else "exit 2\n")
+
+
 def _train(cfg: "Config", overrides: List[str]) -> int:
     """One replica group (or one rank of it) under the runtime, which ends the process."""
     from hier_localsgd.core.runtime import Runtime
@@ -290,8 +301,15 @@ def _train(cfg: "Config", overrides: List[str]) -> int:
     rank = os.environ.get("RANK", "0") if cfg.topology.ranks_per_replica > 1 else None
     tag = f"c{cfg.run.cluster}r{cfg.run.replica}" + (f"g{rank}" if rank is not None else "")
     setup_logging(cfg.run.log_level, tag, log_file=os.path.join(cfg.run.dir, "logs", f"{tag}.log"))
+    stop = stop_path(cfg.run.dir, cfg.run.cluster, cfg.run.replica)
+    if under_torchrun and stop.exists():
+        # torchrun restarts a group after any exit; one that stopped for good stays stopped.
+        logger.error("%s stopped earlier in this launch, not rejoining: %s", tag, stop.read_text().strip())
+        return EXIT_CONFIG
     rt = Runtime(tag, shutdown_timeout=t.shutdown, watchdog_grace=t.watchdog_grace)
     rt.install(watch_parent=under_torchrun)
+    if under_torchrun:
+        rt.on_exit(lambda code, reason: _mark_stopped(stop, code, reason))
     rt.run(lambda: train(cfg, rt))
     return 0  # not reached: Runtime.run exits the process
 

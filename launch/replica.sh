@@ -24,7 +24,9 @@
 # this host (topology.ranks_per_replica must be G, or G*N with --nnodes N). torchrun
 # restarts the whole group when a rank dies (--max-restarts times, then this script's
 # own loop takes over); one log file per rank goes to <run.dir>/logs/c<C>r<R>.ranks and
-# the console shows rank 0. A group spanning hosts: the same command on each of its N
+# the console shows rank 0. A rank that exits 2 (a configuration error, a group that
+# keeps poisoning) leaves <run.dir>/replicas/c<C>r<R>/stopped: torchrun's restarts then
+# exit 2 at once and this script does not restart the group. A group spanning hosts: the same command on each of its N
 # hosts with --nnodes N --node-rank K --rdzv HOST:PORT (a free port on the group's first
 # host). RUN_DIR sets where rank logs go when run.dir is not among the overrides.
 set -uo pipefail
@@ -48,9 +50,9 @@ train=(-m hier_localsgd train
        "run.cluster=$cluster" "run.replica=$replica"
        "lighthouse.global_addr='$global_addr'"
        "lighthouse.cluster_addrs=[${cluster_addrs}]" "$@")
+run_dir="${RUN_DIR:-runs/latest}"
+for a in "$@"; do [[ "$a" == run.dir=* ]] && run_dir="${a#run.dir=}"; done
 if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
-  run_dir="${RUN_DIR:-runs/latest}"
-  for a in "$@"; do [[ "$a" == run.dir=* ]] && run_dir="${a#run.dir=}"; done
   if [[ $nnodes -gt 1 ]]; then
     [[ -n "$rdzv" ]] || { echo "replica.sh: --nnodes needs --rdzv HOST:PORT" >&2; exit 2; }
     where=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d --rdzv-endpoint "$rdzv" --rdzv-id "c${cluster}r${replica}")
@@ -63,6 +65,10 @@ if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
 else
   cmd=("${PYTHON:-python3}" "${train[@]}")
 fi
+# A multi-rank group that stopped for good (exit 2 on a rank, e.g. a poison limit) leaves
+# this file: torchrun's own exit code is then not 2 (core/status.py stop_path).
+stopped="$run_dir/replicas/c${cluster}r${replica}/stopped"
+rm -f "$stopped"
 restarts=0
 child=0
 trap 'if [[ $child -ne 0 ]]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 143' TERM INT
@@ -70,6 +76,7 @@ while true; do
   "${cmd[@]}" & child=$!
   wait "$child"; rc=$?; child=0
   if [[ $rc -eq 0 ]]; then exit 0; fi
+  if [[ $rc -ne 2 && -f "$stopped" ]]; then rc=2; fi
   if [[ $rc -eq 2 || $restart -eq 0 || $restarts -ge $max_restarts ]]; then
     echo "replica.sh: c${cluster}r${replica} exited with $rc; not restarting" >&2
     exit "$rc"

@@ -194,3 +194,22 @@ def test_two_ranks_per_group_with_overlapped_int8_fragments_stay_consistent(tmp_
     r0 = read_json(replica_dir(run.job.run_dir, 1, 1) / "result.json")
     r1 = read_json(replica_dir(run.job.run_dir, 1, 1, 1) / "result.json")
     assert r0["checksum"] == r1["checksum"] and r0["train_loss"] != r1["train_loss"]
+
+
+def test_a_multi_rank_group_that_keeps_poisoning_stays_stopped_under_torchrun(tmp_path):
+    """torchrun restarts a group's workers after any exit, exit 2 included, and hands the
+    launcher its own code. A group that gave up on the poison limit (exit 2 on its ranks)
+    leaves a stop file: torchrun's restarts exit 2 at once without training, and the
+    launcher counts the group as exit 2 and does not restart it (issue #30: a multi-rank
+    group came back with a fresh offence count)."""
+    run = run_job(tmp_path, [*G2, "train.steps=30", "sync.poison.max_offences=1",
+                             "faults=[{cluster:0,replica:1,step:7,action:poison}]"], restart=True)
+    assert run.codes[(0, 1)] == 2, (run.codes, logs_tail(run))
+    assert all(c == 0 for k, c in run.codes.items() if k != (0, 1)), logs_tail(run)
+    assert sum(1 for h in run.job.history if h.get("event") == "restart") == 0
+    stop = replica_dir(run.job.run_dir, 0, 1) / "stopped"
+    assert "PoisonLimit" in stop.read_text()
+    logs = "".join(p.read_text() for p in (run.job.run_dir / "logs").glob("c0r1*.log"))
+    assert "stopped earlier in this launch, not rejoining" in logs  # torchrun's restarts went no further
+    ev = read_events(replica_dir(run.job.run_dir, 0, 1) / "events.jsonl")
+    assert not [e for e in ev if e["kind"] == "commit" and e["step"] > 10]  # it never trained again

@@ -179,3 +179,21 @@ def test_flat_baseline_has_no_screen_and_an_all_nan_job_is_never_called_consiste
     assert len(set(s["checksums"].values())) == 1  # one checksum everywhere ...
     assert sorted(s["not_finite"]) == ["c0r0", "c0r1", "c1r0", "c1r1"]  # ... of NaN parameters
     assert s["consistent"] is False
+
+
+@pytest.mark.slow
+def test_a_cluster_whose_only_group_is_excluded_at_the_last_outer_round_still_meets_the_others(tmp_path):
+    """2 clusters x 1 group, every inner round an outer round: c1r0 poisoned at step 17 is
+    excluded at step 20, the last round. Its cluster has no weight at the inner level but
+    still carries its earlier work, so its leader meets the other cluster at the outer
+    level (with the committed cluster model) and every group ends on the global model.
+    (Skipping the outer round for want of inner weight left cluster 1 on its own model.)"""
+    run = run_job(tmp_path, ["topology.replicas_per_cluster=1", "sync.inner.every=5", "sync.outer.every=1",
+                             "train.steps=20", "faults=[{cluster:1,replica:0,step:17,action:poison}]"])
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    s = run.summary
+    assert [(x["level"], x["member"], x["step"]) for x in s["excluded"]] == [("inner", "c1r0", 20)]
+    assert s["consistent"] is True and s["not_finite"] == []
+    for key in run.job.keys():
+        last = [e for e in run.kinds(key, "commit", level="inner") if e["step"] == 20]
+        assert last and last[-1]["outer"] is True, (key, last)

@@ -50,6 +50,15 @@ def inbox_path(run_dir: str | Path, cluster: int, replica: int) -> Path:
     return replica_dir(run_dir, cluster, replica) / "inbox.json"
 
 
+def stop_path(run_dir: str | Path, cluster: int, replica: int) -> Path:
+    """Written when a multi-rank group under torchrun exits for good (exit 2, e.g.
+    sync/poison.PoisonLimit): torchrun restarts its workers after any exit, so a restarted
+    worker that finds it exits 2 at once, and the launchers (launch/local.py,
+    launch/replica.sh) read it as exit 2 and do not restart the group. A launcher removes it
+    when it first starts the group."""
+    return replica_dir(run_dir, cluster, replica) / "stopped"
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hier_localsgd.core.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
-from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir
+from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir, stop_path
 from hier_localsgd.launch.lighthouse import port_in_use
 from hier_localsgd.schema import fail
 
@@ -260,6 +260,8 @@ class LocalJob:
                 f"--log-dir={self.run_dir / 'logs' / f'c{cluster}r{replica}.ranks'}", *train,
             ]
         name = f"c{cluster}r{replica}"
+        if prev is None:
+            stop_path(self.run_dir, cluster, replica).unlink(missing_ok=True)  # one left by an earlier launch
         proc = self._from_spare(name, train[2:]) if prev is not None and self._spares_apply() else None
         if proc is None:
             proc = self._spawn(name, [self.python, *train], cluster)
@@ -401,7 +403,14 @@ class LocalJob:
         return st
 
     def exit_codes(self) -> Dict[Key, Optional[int]]:
-        return {k: p.popen.poll() for k, p in self.replicas.items()}
+        return {k: self._exit_code(k, p.popen.poll()) for k, p in self.replicas.items()}
+
+    def _exit_code(self, key: Key, code: Optional[int]) -> Optional[int]:
+        """A group that stopped for good under torchrun (core/status.stop_path) counts as
+        exit 2 whatever torchrun returned after its restarts."""
+        if code not in (None, 0, 2) and stop_path(self.run_dir, *key).exists():
+            return 2
+        return code
 
     def wait(
         self,
@@ -444,7 +453,7 @@ class LocalJob:
                 del lh_due[role]
                 self.start_lighthouse(role)
             for key, proc in self.replicas.items():
-                code = proc.popen.poll()
+                code = self._exit_code(key, proc.popen.poll())
                 if code is None or seen_exit.get(key) == proc.popen.pid:
                     continue
                 seen_exit[key] = proc.popen.pid

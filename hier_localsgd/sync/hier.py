@@ -500,7 +500,11 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         # Each rank saw its own ring: the group takes one path (group_vote.py). A rank whose
         # inner level failed fails the group's round; a rank whose consistency exchange
         # failed (its plan has no weight) still follows its siblings into the outer round.
-        v = self.vote.agree("inner round", inner_ok=self.inner_mgr.errored() is None, no_weight=plan.total_weight == 0)
+        # "idle": nobody contributed and nobody was excluded (everyone joining). A cluster
+        # whose only contributions were excluded still carries its earlier rounds' work and
+        # must meet the other clusters at the outer level.
+        idle = plan.total_weight == 0 and not plan.excluded_ranks()
+        v = self.vote.agree("inner round", inner_ok=self.inner_mgr.errored() is None, idle=idle)
         inner_ok = v["inner_ok"]
         if not inner_ok and self.inner_mgr.errored() is None:
             self.inner_mgr.report_error(RuntimeError("the inner round failed on another rank of this replica group"))
@@ -509,11 +513,13 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         # A round nobody contributed to (everyone joining: a fresh or resumed start) is a
         # no-op at both levels; stepping the outer optimizer on a zero pseudo-gradient
         # would still move the model by its momentum. Every member knows the total.
-        outer_now = self.is_outer_round() and not v["no_weight"]
+        outer_now = self.is_outer_round() and not v["idle"]
         outer_join = not outer_now and self._outer_join_wanted(join, q, plan)  # a cluster restarted whole
         final = self.s.final_step > 0 and c.step >= self.s.final_step
         if outer_join or (outer_now and (not self._overlap or final)):
             if self._leader:
+                if final:
+                    self._await_stage()  # the last overlapped round may still be in flight
                 self._drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid (a join: nothing).
@@ -552,6 +558,8 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         kept). When some ranks joined and some did not, every rank casts the round's commit
         vote (false) so the group's Manager calls stay matched; the joined ranks run no
         collective, and their peers' collectives in that quorum fail at their deadline.
+        A heal that reached only some ranks cannot be undone: FatalSyncError on every rank
+        (the launcher restarts the group, which heals as one).
         One rank per group: :meth:`_inner_quorum`. Raises what that raises."""
         if not self.vote.active:
             return self._inner_quorum(join)
@@ -562,10 +570,12 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         except (LighthouseOutage, QuorumFailed) as e:
             err = e
         v = self.vote.agree("inner quorum", joined=q is not None, none_joined=q is None,
-                            no_failure=not isinstance(err, QuorumFailed))
+                            no_failure=not isinstance(err, QuorumFailed), no_heal=q is None or not q.healed)
         if v["joined"]:
             assert q is not None
             return q
+        if not v["no_heal"]:  # a rank that healed holds the donor's model and counters, its sibling not
+            raise FatalSyncError("a heal reached only some ranks of this replica group: the group restarts to heal whole")
         if not v["none_joined"]:  # a sibling is in the quorum: its commit vote waits for ours
             if q is not None:
                 self.inner_mgr.report_error(RuntimeError("another rank of this replica group is not in the quorum"))

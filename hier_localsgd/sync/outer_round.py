@@ -62,7 +62,10 @@ class OuterRound:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
         joined = self._outer_quorum(tr, cur_round, cur_step)
         if tr is self.tracker and self.vote.active:  # a blocking round: the group's ranks agree (group_vote.py)
-            v = self.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None)
+            v = self.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None,
+                                no_heal=joined is None or not joined[2].healed)
+            if not v["joined"] and not v["no_heal"]:  # as for the inner quorum (hier.py _group_quorum)
+                raise FatalSyncError("an outer heal reached only some ranks of this replica group: the group restarts to heal whole")
             if not v["joined"]:
                 self._outer_quorum_split(joined, v["none_joined"], tr)
                 return fallback
@@ -245,6 +248,23 @@ class OuterRound:
         self._stage_outer = lvl
         step = c.step + (res.step - self._snap_step)  # a healed-to newer view moves the step as well
         return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True, fragment=res.fragment)
+
+    def _await_stage(self) -> None:
+        """The final partial round (a run whose length is off the outer schedule) is
+        blocking while an overlapped round may still be in flight on the same Manager:
+        wait for it (within its deadlines, as at an apply round) and forget its result.
+        Nothing is lost: the blocking round measures the cluster's pseudo-gradient from the
+        last applied global model, so it carries that round's work too. Every cluster
+        does the same at the same step, so the stage's collectives stay matched."""
+        if self.stage is None or not self.stage.busy:
+            return
+        running, t0 = self.stage.running, time.time()
+        res = self._collect_outer()
+        self._stage_outer, self._stage_comp = None, None
+        self._outer_target, self._outer_view = self.outer, None
+        # Not a rollback: its work rides the final round (the dashboard shows it neutral).
+        self.events("outer_folded", step=self.counters.step, committed=res.status == Status.OUTER_COMMITTED,
+                    was_running=running, waited_s=round(time.time() - t0, 3))
 
     def _drop_stage(self, why: str, abort: bool = False) -> None:
         """Forgets an outer stage in flight or never applied; ``abort``: shut the cluster

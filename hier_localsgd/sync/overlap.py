@@ -128,6 +128,11 @@ class OuterStage:
         """A round was launched and not yet collected or abandoned."""
         return self._thread is not None
 
+    @property
+    def running(self) -> bool:
+        """A launched round has not finished yet."""
+        return self._thread is not None and not self._done.is_set()
+
     def launch(self, fn: Callable[[PhaseTracker], Any]) -> None:
         """Runs ``fn(tracker)`` on a daemon thread; its return value is :meth:`collect`'s."""
         if self.busy:
