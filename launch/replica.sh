@@ -26,8 +26,8 @@
 # own loop takes over); one log file per rank goes to <run.dir>/logs/c<C>r<R>.ranks and
 # the console shows rank 0. A rank that exits 2 (a configuration error, a group that
 # keeps poisoning) leaves <run.dir>/replicas/c<C>r<R>/stopped: torchrun's restarts then
-# exit 2 at once and this script does not restart the group. A group spanning hosts: the same command on each of its N
-# hosts with --nnodes N --node-rank K --rdzv HOST:PORT (a free port on the group's first
+# exit 2 at once and this script does not restart the group. A group spanning hosts: the
+# same command on each of its N hosts with --nnodes N --node-rank K --rdzv HOST:PORT (a free port on the group's first
 # host). RUN_DIR sets where rank logs go when run.dir is not among the overrides.
 set -uo pipefail
 restart=1; max_restarts=100; ranks=1; nnodes=1; node_rank=0; rdzv=""

@@ -38,8 +38,8 @@ for the others) when
 
 Cost: one extra pass over the contribution to take its norm (one subtraction and one
 reduction per element, once per round, not per step) and three floats per member in the
-exchange (norm, reference, who). Limits: a majority of outsized contributions in one round outvotes the median
-(non-finite ones are excluded whatever the majority); with one contributor and no
+exchange (norm, reference, who). Limits: a majority of outsized contributions in one round
+outvotes the median (non-finite ones are excluded whatever the majority); with one contributor and no
 reference yet (a level's first commit) only the non-finite check applies; a legitimate
 contribution more than ``ratio`` times its peers' is excluded too (a stale update of many
 rounds is judged per round of its work at the inner level, not at the outer).
