@@ -25,17 +25,14 @@ import argparse
 import logging
 import os
 import signal
-import stat
 import sys
 import traceback
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
+from hier_localsgd.core.logs import debug, setup_logging
 from hier_localsgd.core.runtime import EXIT_CONFIG
-from hier_localsgd.core.status import stop_path
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from hier_localsgd.config import Config
 
 logger = logging.getLogger("hier_localsgd.cli")
@@ -52,72 +49,6 @@ COMMANDS = {
     "plan": "predict parameters, FLOPs, memory and sync time per level; compute-optimal N and D (topology, sync, links, train, plan.*)",
     "simulate": "discrete-event simulation of a deployment with failures: goodput (topology, sync, links, timeouts, plan.*, simulate.*)",
 }
-
-
-DEBUG_ENV = "HIER_LOCALSGD_DEBUG"  # set (not "0"): tracebacks on the console too
-LOG_FORMAT = "%(asctime)s %(levelname)s [%(tag)s] %(name)s: %(message)s"
-
-
-def debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
-
-
-class OneLineFormatter(logging.Formatter):
-    """Formats a record as one line for a console: a traceback, or a message's further lines,
-    is left out and the line names the log file that has it."""
-
-    def __init__(self, fmt: str, log_file: str) -> None:
-        super().__init__(fmt)
-        self.log_file = log_file
-
-    def format(self, record: logging.LogRecord) -> str:
-        # The record is shared with the file handler: hide its traceback only while formatting.
-        saved = record.exc_info, record.exc_text, record.stack_info
-        record.exc_info = record.exc_text = record.stack_info = None
-        try:
-            text = super().format(record)
-        finally:
-            record.exc_info, record.exc_text, record.stack_info = saved
-        line, more, _ = text.partition("\n")
-        if more or saved[0] or saved[2]:
-            line += f" (details in {self.log_file})"
-        return line
-
-
-def _stderr_is_a_file() -> bool:
-    try:
-        return stat.S_ISREG(os.fstat(sys.stderr.fileno()).st_mode)
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def setup_logging(level: str, tag: str, log_file: Optional[str] = None) -> None:
-    """Logs to stderr, tagged.
-
-    With ``log_file``, when stderr is a terminal or a pipe (a console, not a log), every
-    record also goes in full to ``log_file`` and the console gets one line per record
-    (tracebacks only with ``HIER_LOCALSGD_DEBUG=1``). When stderr already is a file (the
-    local launcher and torchrun redirect it to the process's log), it gets everything.
-    """
-    from hier_localsgd.core.runtime import LOG_TAG
-
-    LOG_TAG.tag = tag
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    handlers: List[logging.Handler] = [handler]
-    if log_file is not None and not _stderr_is_a_file():
-        os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
-        to_file = logging.FileHandler(log_file, mode="a")  # append across restarts, as the launcher's logs
-        to_file.setFormatter(logging.Formatter(LOG_FORMAT))
-        handlers.append(to_file)
-        if not debug():
-            handler.setFormatter(OneLineFormatter(LOG_FORMAT, log_file))
-    for h in handlers:
-        h.addFilter(LOG_TAG)
-    root = logging.getLogger()
-    root.handlers[:] = handlers
-    root.setLevel(logging.WARNING)
-    logging.getLogger("hier_localsgd").setLevel(level.upper())
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -285,33 +216,14 @@ def _bench(cfg: "Config", overrides: List[str]) -> int:
     return run_bench(cfg, overrides)
 
 
-def _mark_stopped(stop: "Path", code: int, reason: str) -> None:
-    if code == EXIT_CONFIG:
-        stop.parent.mkdir(parents=True, exist_ok=True)
-        stop.write_text(reason.splitlines()[0] + "\n" if reason else "exit 2\n")
-
-
 def _train(cfg: "Config", overrides: List[str]) -> int:
-    """One replica group (or one rank of it) under the runtime, which ends the process."""
-    from hier_localsgd.core.runtime import Runtime
+    """One replica group (or one rank of it): the built-in loop (train/trainer.py) under
+    :func:`hier_localsgd.run`, which ends the process."""
+    from hier_localsgd.job import run
     from hier_localsgd.train.trainer import train
 
-    t = cfg.timeouts_obj()
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    rank = os.environ.get("RANK", "0") if cfg.topology.ranks_per_replica > 1 else None
-    tag = f"c{cfg.run.cluster}r{cfg.run.replica}" + (f"g{rank}" if rank is not None else "")
-    setup_logging(cfg.run.log_level, tag, log_file=os.path.join(cfg.run.dir, "logs", f"{tag}.log"))
-    stop = stop_path(cfg.run.dir, cfg.run.cluster, cfg.run.replica)
-    if under_torchrun and stop.exists():
-        # torchrun restarts a group after any exit; one that stopped for good stays stopped.
-        logger.error("%s stopped earlier in this launch, not rejoining: %s", tag, stop.read_text().strip())
-        return EXIT_CONFIG
-    rt = Runtime(tag, shutdown_timeout=t.shutdown, watchdog_grace=t.watchdog_grace)
-    rt.install(watch_parent=under_torchrun)
-    if under_torchrun:
-        rt.on_exit(lambda code, reason: _mark_stopped(stop, code, reason))
-    rt.run(lambda: train(cfg, rt))
-    return 0  # not reached: Runtime.run exits the process
+    run(train, cfg)
+    return 0  # not reached: run() exits the process
 
 
 HANDLERS: Dict[str, Callable[["Config", List[str]], int]] = {

@@ -247,6 +247,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     if command == "chaos" and s.mode not in ("hier", "flat"):
         fail("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")
 
+    if cfg.run.program and command in LAUNCHING_COMMANDS and not Path(cfg.run.program).is_file():
+        fail("run.program", f"{cfg.run.program!r} is not a file (a Python script on hier_localsgd's API; docs/api.md)")
+
     if cfg.run.netns and command in LAUNCHING_COMMANDS:
         from hier_localsgd.launch.netns import available
 

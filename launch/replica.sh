@@ -2,13 +2,17 @@
 # Start one replica group of one cluster; restart it if it dies.
 #
 #   launch/replica.sh [--no-restart] [--max-restarts N] [--ranks G] [--nnodes N --node-rank K --rdzv HOST:PORT]
-#                     CLUSTER REPLICA GLOBAL_ADDR CLUSTER_ADDRS [overrides...]
+#                     CLUSTER REPLICA GLOBAL_ADDR CLUSTER_ADDRS [overrides...] [-- python my_train.py [args...]]
 #
 #   CLUSTER, REPLICA  this replica group's cluster id and index in its cluster (0-based)
 #   GLOBAL_ADDR       the global lighthouse, e.g. http://coord:29510
 #   CLUSTER_ADDRS     every cluster's lighthouse, comma-separated, in cluster order,
 #                     e.g. http://hostA:29511,http://hostB:29511
 #   overrides         hydra overrides shared by the whole job (topology, model, sync, ...)
+#   -- PROGRAM...     run a user's program on hier_localsgd's API (docs/api.md) instead of
+#                     the built-in trainer; it reads its identity, the addresses and the
+#                     overrides from HIER_LOCALSGD_OVERRIDES (a JSON list) and is supervised
+#                     the same way (restarts, torchrun, stop file)
 #
 # Run the same command on each host with its own CLUSTER/REPLICA. Nothing else needs
 # to be shared: every replica group creates its own stores and finds its peers
@@ -43,15 +47,27 @@ while [[ $# -gt 0 && "$1" == --* ]]; do
   esac
 done
 if [[ $# -lt 4 ]]; then
-  sed -n '2,33p' "$0" >&2; exit 2
+  sed -n '2,38p' "$0" >&2; exit 2
 fi
 cluster="$1"; replica="$2"; global_addr="$3"; cluster_addrs="$4"; shift 4
-train=(-m hier_localsgd train
-       "run.cluster=$cluster" "run.replica=$replica"
-       "lighthouse.global_addr='$global_addr'"
-       "lighthouse.cluster_addrs=[${cluster_addrs}]" "$@")
+overrides=(); program=()
+while [[ $# -gt 0 ]]; do
+  if [[ "$1" == "--" ]]; then shift; program=("$@"); break; fi
+  overrides+=("$1"); shift
+done
+overrides=("run.cluster=$cluster" "run.replica=$replica"
+           "lighthouse.global_addr='$global_addr'"
+           "lighthouse.cluster_addrs=[${cluster_addrs}]" ${overrides[@]+"${overrides[@]}"})
+if [[ ${#program[@]} -gt 0 ]]; then
+  # A user's program: its overrides travel in the environment (hier_localsgd/job.py).
+  HIER_LOCALSGD_OVERRIDES=$("${PYTHON:-python3}" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${overrides[@]}")
+  export HIER_LOCALSGD_OVERRIDES
+  train=("${program[@]}")
+else
+  train=(-m hier_localsgd train "${overrides[@]}")
+fi
 run_dir="${RUN_DIR:-runs/latest}"
-for a in "$@"; do [[ "$a" == run.dir=* ]] && run_dir="${a#run.dir=}"; done
+for a in "${overrides[@]}"; do [[ "$a" == run.dir=* ]] && run_dir="${a#run.dir=}"; done
 if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
   if [[ $nnodes -gt 1 ]]; then
     [[ -n "$rdzv" ]] || { echo "replica.sh: --nnodes needs --rdzv HOST:PORT" >&2; exit 2; }
@@ -59,9 +75,14 @@ if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
   else
     where=(--standalone)
   fi
+  if [[ ${#program[@]} -gt 0 ]]; then  # torchrun runs a script itself, or a command with --no-python
+    if [[ "$(basename "${program[0]}")" == python* ]]; then train=("${program[@]:1}"); else train=(--no-python "${program[@]}"); fi
+  fi
   cmd=("${PYTHON:-python3}" -m torch.distributed.run "${where[@]}" --nproc-per-node "$ranks"
        --max-restarts "$max_restarts" --tee 3 --local-ranks-filter 0
        --log-dir "$run_dir/logs/c${cluster}r${replica}.ranks" "${train[@]}")
+elif [[ ${#program[@]} -gt 0 ]]; then
+  cmd=("${program[@]}")
 else
   cmd=("${PYTHON:-python3}" "${train[@]}")
 fi

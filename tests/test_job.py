@@ -111,7 +111,7 @@ def test_every_log_line_names_the_process_and_its_role(clean_run):
     for key, role in (("c0r0", "leader"), ("c0r1", "member"), ("c1r0", "leader")):
         lines = [ln for ln in (logs / f"{key}.log").read_text().splitlines() if " INFO [" in ln]
         assert lines, f"no INFO lines in {key}.log"
-        assert any(f"[{key} {role}] hier_localsgd.train.trainer: {key} step" in ln for ln in lines), lines[-5:]
+        assert any(f"[{key} {role}] hier_localsgd.api: {key} step" in ln for ln in lines), lines[-5:]
 
 
 def test_injected_allreduce_failures_roll_back_and_next_round_succeeds(tmp_path):

@@ -54,6 +54,9 @@ class FlatParams:
                     p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
         self._ids = [id(p) for p in self.params]
+        self._offsets = [0]
+        for p in self.params:
+            self._offsets.append(self._offsets[-1] + p.numel())
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +71,23 @@ class FlatParams:
         if self.grad is None:
             raise RuntimeError("FlatParams was built without flat_grads")
         self.grad.zero_()
+
+    @torch.no_grad()
+    def gather_grads(self) -> None:
+        """Makes every ``.grad`` a view of the flat gradient again (``flat_grads``): a gradient
+        that ``optimizer.zero_grad()`` set to None and backward re-allocated is copied in (a
+        missing one counts as zero). A no-op for gradients that still are the views."""
+        if self.grad is None:
+            raise RuntimeError("FlatParams was built without flat_grads")
+        for p, a, b in zip(self.params, self._offsets, self._offsets[1:]):
+            view = self.grad[a:b].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            else:
+                continue
+            p.grad = view
 
     def check_in_place(self) -> None:
         """I4: parameters are still the same objects and still views of ``data``."""

@@ -72,6 +72,15 @@ class RunConfig:
     # Take faults handed over while the process runs (core/faults.py FaultPlan.inbox): the
     # chaos command's poison. Off by default: a process in production takes none.
     fault_inbox: bool = False
+    # Local jobs (demo, chaos, bench): each replica group runs this Python script (a user's
+    # program on the public API, job.py) instead of the built-in `hier-localsgd train`; its
+    # overrides reach it in OVERRIDES_ENV. "" = the built-in trainer.
+    program: str = ""
+
+
+# The hydra overrides a launcher hands a user's program (a JSON list): its run.cluster,
+# run.replica, lighthouse addresses and the job's shared overrides (job.config_from_env).
+OVERRIDES_ENV = "HIER_LOCALSGD_OVERRIDES"
 
 
 class LogTag(logging.Filter):

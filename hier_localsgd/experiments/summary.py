@@ -29,9 +29,10 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
     results = {k: job.result(k) for k in keys}
     got = {k: r for k, r in results.items() if r is not None}
     codes = job.exit_codes()
-    floor = next((r["entropy_floor"] for r in got.values()), None)
-    losses = [r["eval_loss"] for r in got.values()]
-    starts = [r["eval_loss_start"] for r in got.values()]
+    # A user's program (run.program) publishes what it evaluates, if anything.
+    floor = next((r.get("entropy_floor") for r in got.values()), None)
+    losses = [r["eval_loss"] for r in got.values() if r.get("eval_loss") is not None]
+    starts = [r["eval_loss_start"] for r in got.values() if r.get("eval_loss_start") is not None]
     final = sum(losses) / len(losses) if losses else None
     start = sum(starts) / len(starts) if starts else None
     model_bytes = next((r["model_bytes"] for r in got.values()), None)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hier_localsgd.core.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
+from hier_localsgd.core.runtime import OVERRIDES_ENV
 from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir, stop_path
 from hier_localsgd.launch.lighthouse import port_in_use
 from hier_localsgd.schema import fail
@@ -181,12 +182,12 @@ class LocalJob:
                                    self.cfg.topology.ranks_per_replica)
         return [f"train.backends.{lv}={name}" for lv, name in sorted(chosen.items())]
 
-    def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None) -> Proc:
+    def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None, env: Optional[Dict[str, str]] = None) -> Proc:
         if self.netns is not None and where is not None:
             argv = self.netns.wrap(argv, where)  # same pid: `ip netns exec` and the wrapper exec
         log = self.run_dir / "logs" / f"{name}.log"
         f = open(log, "ab")
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})}, start_new_session=True)
         f.close()
         return Proc(name=name, popen=p, started=time.time(), log=log)
 
@@ -249,6 +250,13 @@ class LocalJob:
             extra = prev.extra  # a restart keeps the original arguments
         host = [f"run.hostname={self.netns.address(cluster)}"] if self.netns is not None else []  # its namespace's address
         train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *host, *extra]
+        env: Dict[str, str] = {}
+        if self.cfg.run.program:  # a user's program (job.py): its overrides come in the environment
+            env[OVERRIDES_ENV] = json.dumps(train[3:])
+            # ... and it imports this launcher's hier_localsgd, installed or not
+            here = str(Path(__file__).resolve().parents[2])
+            env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+            train = [str(Path(self.cfg.run.program).resolve())]
         g = self.cfg.topology.ranks_per_replica
         if g > 1:
             # One replica group = one torchrun: a dying rank takes the group down and
@@ -264,7 +272,7 @@ class LocalJob:
             stop_path(self.run_dir, cluster, replica).unlink(missing_ok=True)  # one left by an earlier launch
         proc = self._from_spare(name, train[2:]) if prev is not None and self._spares_apply() else None
         if proc is None:
-            proc = self._spawn(name, [self.python, *train], cluster)
+            proc = self._spawn(name, [self.python, *train], cluster, env)
         proc.extra = tuple(extra)
         if prev is not None:
             proc.restarts = prev.restarts + 1
@@ -282,7 +290,7 @@ class LocalJob:
 
     # -- warm spares ------------------------------------------------------------------
     def _spares_apply(self) -> bool:
-        return self.warm_spares and self.netns is None and self.cfg.topology.ranks_per_replica == 1
+        return self.warm_spares and self.netns is None and self.cfg.topology.ranks_per_replica == 1 and not self.cfg.run.program
 
     def ensure_spare(self) -> None:
         """Starts a spare unless one is waiting or it is too early (it imports while the job trains)."""

@@ -47,6 +47,7 @@ from hier_localsgd.core.managers import LevelManager, QuorumFailed
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity
 from hier_localsgd.core.timeouts import Timeouts
+from hier_localsgd.sync.user_state import UserState
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class _Baseline:
         max_commit_failures: Optional[int],
         link_spec: Optional[LinkSpec] = None,
         backend: str = "gloo",
+        user_state: Optional[UserState] = None,
     ) -> None:
         """``backend``: the process group's (core/device.py); a baseline's ring spans the
         clusters, so it takes the outer level's (``train.backends.outer``)."""
@@ -91,6 +93,7 @@ class _Baseline:
         self.tracker, self.events = tracker, events
         tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
         self.counters = Counters()
+        self.user = user_state or UserState()  # taken at each step's end, served and loaded with heals
         self.leader = False
         self._max_quorum_failures = max_quorum_failures
         self._quorum_failures = 0
@@ -116,11 +119,13 @@ class _Baseline:
             "model": host_copy(self.flat.data),  # served from the host (core/device.py)
             "optimizer": host_state(self.opt.state_dict()),
             "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
+            "user": self.user.served(),
         }
 
     def _load_state(self, sd: Dict[str, object]) -> None:
         self.flat.load_(sd["model"])  # type: ignore[arg-type]
         self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
+        self.user.load(sd.get("user"), "the healing donor")  # type: ignore[arg-type]
         counters = sd["counters"]
         assert isinstance(counters, dict)
         self.counters.step = int(counters["step"])
@@ -148,6 +153,7 @@ class _Baseline:
         return True
 
     def after_optimizer_step(self) -> bool:
+        self.user.take()  # a heal in the next step's quorum serves the state at this step's end
         self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
         return True  # ddp: every step synced
 
@@ -268,6 +274,7 @@ class FlatSync(_Baseline):
         return {**self.work, "steps_since_outer": 0}
 
     def after_optimizer_step(self) -> bool:
+        self.user.take()  # torchft's next sync (in a later optimizer.step()) serves the state at this step's end
         synced = self.mgr.step != self.counters.inner_round  # torchft synced inside optimizer.step()
         attempted = self.algo._local_step == 0  # torchft resets its local step count at every sync
         self.counters.inner_round = self.mgr.step

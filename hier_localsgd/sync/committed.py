@@ -147,6 +147,7 @@ class CommittedState:
             "counters": {"step": step, "inner_round": c.inner_round, "outer_round": c.outer_round},
             "outer_snapshot": None if self._snap is None else {"model": self._snap.clone(), "step": self._snap_step},
             "outer_compression": None if self.comp is None else self.comp.state_dict(),
+            "user": self.user.served(),
         }
 
     def _load_inner_state(self, sd: Dict[str, object]) -> None:
@@ -179,6 +180,7 @@ class CommittedState:
             self._snap_step = int(snap["step"])
         if self.comp is not None:
             self.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
+        self.user.load(sd.get("user"), "the healing donor or checkpoint")  # type: ignore[arg-type]
         self._committed.copy_(sd["model"])  # type: ignore[arg-type]
         self.flat.load_(self._committed)
         self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})

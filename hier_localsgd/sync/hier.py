@@ -104,6 +104,7 @@ from hier_localsgd.sync.final import FinalWait
 from hier_localsgd.sync.group_vote import GroupVote
 from hier_localsgd.sync.poison import PoisonRecord
 from hier_localsgd.sync.types import PoisonConfig
+from hier_localsgd.sync.user_state import UserState
 from hier_localsgd.sync.outer_round import OuterRound
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -199,11 +200,13 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         group: Optional[object] = None,
         group_store: Optional[object] = None,
         job_done: Optional[Callable[[], Optional[str]]] = None,
+        user_state: Optional[UserState] = None,
     ) -> None:
         """``group``/``group_store``: the replica group's own torch.distributed process
         group and store (torchrun's), when it has several ranks. ``job_done``: returns a
         message once the job has finished without this group (status.py), asked before
-        a failing quorum ends the process."""
+        a failing quorum ends the process. ``user_state``: the user's objects that heal and
+        checkpoint with the model (user_state.py)."""
         self.s = settings
         self.id = identity
         self.t = timeouts
@@ -215,6 +218,7 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         self.faults = faults or FaultPlan([], identity.cluster, identity.replica)
         self.counters = Counters()
         self.job_done = job_done
+        self.user = user_state or UserState()
 
         # This rank's slice of the flat vector (all of it with one rank per group).
         g, k = settings.group_world_size, settings.group_rank
@@ -380,6 +384,7 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
             # timeout, so it has ended by the time the sync point's own budget runs out.
             full = self.t.phase(Phase.INNER_QUORUM)
             budget = max(full - self.s.quorum_slice, full / 2)
+            self.user.take()  # what a heal served during this step carries (user_state.py)
             self._defer_heal = True  # a heal it decides is applied at the sync point (committed.py)
             self._serve_step = c.step + 1  # set before its thread starts: a donor may serve at once
             self._early = EarlyQuorum(
@@ -396,6 +401,8 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         self.tracker.set_extra(**self.work_counters())  # a status written mid-round must not be stale
         self.tracker.set_counters(step=self.counters.step)
         if self.is_sync_step(self.counters.step):
+            if self._early is None:
+                self.user.take()
             self.round()
             return True
         self.tracker.enter(Phase.LOCAL)

@@ -16,7 +16,9 @@ import torch
 
 from hier_localsgd.core.device import DTYPES, memory_stats
 from hier_localsgd.train.model import build_model, evaluate, lm_loss
-from hier_localsgd.train.trainer import build_data, process_device, trimmed_mean
+from hier_localsgd.api import trimmed_mean
+from hier_localsgd.job import process_device
+from hier_localsgd.train.trainer import build_data
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config

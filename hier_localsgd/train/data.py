@@ -32,7 +32,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol, Tuple
+from typing import List, Optional, Protocol, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ import torch
 from hier_localsgd.schema import ConfigError, fail
 
 DATA_KINDS = ("markov", "text", "parquet")
+TOKENIZERS = ("bytes", "bpe")
 
 
 @dataclass
@@ -53,11 +54,22 @@ class DataConfig:
     path: str = ""
     text_column: str = "text"
     eval_fraction: float = 0.05
+    # text/parquet: bytes (UTF-8 bytes, vocabulary 256) | bpe (a byte-level BPE that the
+    # `tokenizers` library trains on the file at start-up, bpe_vocab tokens; deterministic,
+    # so every replica group gets the same vocabulary)
+    tokenizer: str = "bytes"
+    bpe_vocab: int = 512
 
     def check(self, seq_len: int, num_shards: int, read_input: bool) -> None:
         """``read_input``: also vet a text or parquet file itself (:func:`check_input`)."""
         if self.kind not in DATA_KINDS:
             fail("data.kind", f"unknown data kind {self.kind!r} (expected one of {DATA_KINDS})")
+        if self.tokenizer not in TOKENIZERS:
+            fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r} (expected one of {TOKENIZERS})")
+        if self.tokenizer == "bpe" and self.kind == "markov":
+            fail("data.tokenizer", "bpe tokenizes a text or parquet file (data.kind=text|parquet); the markov corpus is tokens already")
+        if isinstance(self.bpe_vocab, bool) or not 257 <= self.bpe_vocab <= 65536:
+            fail("data.bpe_vocab", f"{self.bpe_vocab} — must be in [257, 65536] (256 byte tokens plus merges)")
         if self.kind == "markov":
             if self.states < 2:
                 fail("data.states", f"{self.states} — need at least 2")
@@ -191,6 +203,18 @@ class MarkovData:
         ]
 
 
+def bpe_tokens(texts: List[str], vocab_size: int) -> Tuple[torch.Tensor, int]:
+    """``texts`` as the tokens of a byte-level BPE trained on them (``tokenizers``), and the
+    vocabulary's size. Training is deterministic: every process gets the same merges."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    ids = [i for enc in tok.encode_batch(texts) for i in enc.ids]
+    return torch.tensor(ids, dtype=torch.int64), tok.get_vocab_size()
+
+
 class ByteTextData:
     """A local text or parquet file as UTF-8 bytes; contiguous shards, held-out tail for eval."""
 
@@ -209,6 +233,8 @@ class ByteTextData:
         seq_len: int,
         n_eval_batches: int,
         eval_fraction: float,
+        tokenizer: str = "bytes",
+        bpe_vocab: int = 512,
     ) -> None:
         if not Path(path).is_file():
             raise FileNotFoundError(f"data.path={path!r}: no such file")
@@ -224,8 +250,11 @@ class ByteTextData:
             raise ValueError(f"data.path={path!r}: the datasets loader failed: {cause.__class__.__name__}: {cause}") from e
         if text_column not in ds.column_names:
             raise ValueError(f"data.text_column={text_column!r}: not a column of {path} ({ds.column_names})")
-        raw = "\n".join(str(x) for x in ds[text_column]).encode("utf-8")
-        tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
+        if tokenizer == "bpe":
+            tokens, self.vocab_size = bpe_tokens([str(x) for x in ds[text_column]], bpe_vocab)
+        else:
+            raw = "\n".join(str(x) for x in ds[text_column]).encode("utf-8")
+            tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
         n_eval, per_shard = split_sizes(len(tokens), seq_len, num_shards, eval_fraction)
         train = tokens[:-n_eval]
         if per_shard < seq_len + 1:

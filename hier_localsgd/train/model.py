@@ -86,6 +86,13 @@ def llama3_flavor_args(flavor: str, field: str = "model.name"):  # type: ignore[
     return copy.deepcopy(llama3_args[flavor])
 
 
+def param_dtype(name: str) -> torch.dtype:
+    """``train.param_dtype`` as a torch dtype (core/device.py's table)."""
+    from hier_localsgd.core.device import DTYPES
+
+    return DTYPES[name]
+
+
 def build_model(name: str, vocab_size: int, seq_len: int, dim: int, seed: int) -> nn.Module:
     """Builds the model with weights that depend only on ``seed``.
 

@@ -1,0 +1,73 @@
+"""The user's own state that heals and checkpoints with the model.
+
+A training loop has state of its own that must move with the model when a replica group
+heals from a peer or resumes from a durable checkpoint: an LR scheduler's position, a data
+loader's position, an RNG, anything with ``state_dict()``/``load_state_dict()``. It is
+registered once, by name (``HierarchicalDiLoCo(..., state={"scheduler": sched})``), and
+every strategy puts :meth:`UserState.served` in what a donor serves and loads what it
+receives with :meth:`UserState.load`.
+
+When the state is taken: on the training thread, at the sync point (right before a
+round), and, with the early inner quorum (``sync.inner.early_quorum``), also when a
+round's last local step asks for its quorum (a heal is served while that step runs). A
+healed member therefore resumes with the donor's state at the sync point, or, with the
+early quorum, as of one local step before it (one scheduler step, one batch: the member
+re-reads that batch). A donor never reads the user's objects from another thread.
+
+A rollback leaves the user state as it is: the step counter keeps advancing through a
+failed round (invariant I5), and so do the scheduler and data position.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Mapping, Optional, Protocol
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> Any: ...
+
+
+class UserState:
+    """Named objects with ``state_dict``/``load_state_dict``.
+
+    Raises:
+        TypeError: (at construction) naming an object that lacks either method.
+    """
+
+    def __init__(self, objects: Optional[Mapping[str, Stateful]] = None) -> None:
+        self.objects: Dict[str, Stateful] = dict(objects or {})
+        for name, obj in self.objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"state[{name!r}]: {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                                "register objects that have both (wrap a plain value in a small class)")
+        self._taken: Dict[str, Any] = {}
+        self.take()
+
+    def take(self) -> None:
+        """Copies every object's state now (training thread): what a donor serves next."""
+        self._taken = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.objects.items()}
+
+    def served(self) -> Dict[str, Any]:
+        """The last state taken (safe from any thread: a dict that is replaced, never mutated)."""
+        return self._taken
+
+    def load(self, received: Optional[Dict[str, Any]], source: str) -> None:
+        """Loads what a donor or checkpoint (``source``, for the error) holds.
+
+        Raises:
+            ValueError: naming the registered object the donor did not send (the two
+                processes registered different state: a program mismatch).
+        """
+        if not self.objects:
+            return
+        received = received or {}
+        missing = sorted(set(self.objects) - set(received))
+        if missing:
+            raise ValueError(f"{source} holds no user state {missing} (it registered {sorted(received)}): "
+                             "every replica group must register the same state")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(copy.deepcopy(received[name]))
+        self._taken = copy.deepcopy({name: received[name] for name in self.objects})
