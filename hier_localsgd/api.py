@@ -331,7 +331,7 @@ class HierarchicalDiLoCo:
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2 inside the group: each rank syncs its shard
-            from hier_localsgd.train.fsdp import ShardedParams
+            from hier_localsgd.core.fsdp import ShardedParams
 
             return ShardedParams(model)
         # ddp: gradients as one flat buffer, which it all-reduces across replica groups.

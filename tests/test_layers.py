@@ -29,6 +29,10 @@ LAYERS: List[Tuple[str, Sequence[str]]] = [
     ("tools", ("hier_localsgd.tools",)),
     ("experiment sections", ("hier_localsgd.experiments.sections", "hier_localsgd.experiments.chaos_faults")),
     ("config", ("hier_localsgd.config",)),
+    ("job", ("hier_localsgd.job",)),  # a process's place in the job and its exit path (the public API)
+    ("api", ("hier_localsgd.api",)),  # HierarchicalDiLoCo: the public API's sync object
+    # Programs on the public API, as a user's are: the built-in loop and the bench's bare loop.
+    ("programs", ("hier_localsgd.train.trainer", "hier_localsgd.train.bare")),
     ("experiments", ("hier_localsgd.experiments",)),
     ("cli", ("hier_localsgd.cli", "hier_localsgd.__main__", "hier_localsgd.spare")),  # entry points
 ]

@@ -119,7 +119,7 @@ class GroupConfig:
     parallel: str = "dp"  # dp: every rank a whole replica on its own data | tp: the model split over the ranks (train/tp.py)
     tp_variant: str = "megatron"  # megatron | naive
     tp_links: TPLinksConfig = field(default_factory=TPLinksConfig)
-    sharding: str = "ddp"  # parallel=dp with several ranks: ddp (whole replica per rank) | fsdp (FSDP2 shards, train/fsdp.py)
+    sharding: str = "ddp"  # parallel=dp with several ranks: ddp (whole replica per rank) | fsdp (FSDP2 shards, core/fsdp.py)
 
     def rank_shards(self, ranks_per_replica: int) -> bool:
         """Whether each rank of a group holds its own shard of the model (tp, or fsdp with
@@ -129,7 +129,7 @@ class GroupConfig:
 
     def check(self, ranks_per_replica: int, model_name: str, command: str, mode: str = "hier") -> None:
         """Checks ``group.*`` (and the TP links) against the topology and model; one line naming the field."""
-        from hier_localsgd.train.fsdp import SHARDINGS
+        from hier_localsgd.core.fsdp import SHARDINGS
         from hier_localsgd.train.tp import PARALLEL, VARIANTS
 
         if self.sharding not in SHARDINGS:

@@ -62,8 +62,8 @@ def build_trainee(cfg: Config, grp: Any, device: torch.device, vocab_size: int) 
         tp = group_tp(cfg, grp.pg, grp.rank, grp.size)
         shard_llama3(model, tp, cfg.group.tp_variant)
     fsdp = grp.pg is not None and tp is None and cfg.group.sharding == "fsdp"
-    if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (train/fsdp.py)
-        from hier_localsgd.train.fsdp import shard_model
+    if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (core/fsdp.py)
+        from hier_localsgd.core.fsdp import shard_model
 
         shard_model(model, grp.pg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)

@@ -1,0 +1,122 @@
+"""The public API's own checks: registered state, the launcher's environment, a user's
+program under launch/replica.sh (one rank and a torchrun group of two) and in every mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hier_localsgd import ConfigError, OVERRIDES_ENV, config_from_env, load_config
+from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.sync.user_state import UserState
+from tests.harness import logs_tail, run_job
+from tests.test_examples import corpus
+from tests.test_launch_scripts import closed_addr
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAIN = ROOT / "examples" / "plain_loop.py"
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def test_state_without_state_dict_is_refused_naming_it():
+    with pytest.raises(TypeError, match=r"state\['position'\]: int has no state_dict"):
+        UserState({"position": 3})
+
+
+def test_user_state_is_served_as_taken_and_a_donor_without_it_is_named():
+    c = Counter()
+    us = UserState({"data": c})
+    c.n = 5
+    assert us.served() == {"data": {"n": 0}}  # not read until taken (on the training thread)
+    us.take()
+    c.n = 7
+    assert us.served() == {"data": {"n": 5}}
+    us.load({"data": {"n": 9}}, "the donor")
+    assert c.n == 9
+    with pytest.raises(ValueError, match=r"the donor holds no user state \['data'\]"):
+        us.load({"other": {}}, "the donor")
+
+
+def test_the_launchers_overrides_come_first_and_a_bad_variable_is_one_line(monkeypatch):
+    monkeypatch.setenv(OVERRIDES_ENV, json.dumps(["train.steps=7", "run.replica=1"]))
+    cfg = config_from_env(["train.steps=9"])
+    assert cfg.train.steps == 9 and cfg.run.replica == 1
+    monkeypatch.setenv(OVERRIDES_ENV, "train.steps=7")
+    with pytest.raises(ConfigError, match=f"^{OVERRIDES_ENV}: not a JSON list"):
+        config_from_env([])
+
+
+def test_a_missing_program_is_one_line_naming_run_program(tmp_path):
+    with pytest.raises(ConfigError, match=r"^run.program: .*nope.py' is not a file"):
+        load_config([f"run.program={tmp_path / 'nope.py'}"], validate_for="demo")
+
+
+def test_gather_grads_puts_reallocated_gradients_back_in_the_flat_buffer():
+    m = torch.nn.Linear(3, 2)
+    flat = FlatParams(m, flat_grads=True)
+    m(torch.ones(1, 3)).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in m.parameters()]).clone()
+    m.zero_grad(set_to_none=True)  # what a user's loop does
+    m(torch.ones(1, 3)).sum().backward()  # backward allocates new gradients
+    assert m.weight.grad.data_ptr() != flat.grad.data_ptr()
+    flat.gather_grads()
+    assert torch.equal(flat.grad, expected)
+    assert m.weight.grad.data_ptr() == flat.grad.data_ptr()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_users_program_runs_under_replica_sh(tmp_path, ranks):
+    """launch/replica.sh ... -- python examples/plain_loop.py: one rank, or a torchrun group of two."""
+    g, c0 = closed_addr(), closed_addr()
+    job = ["topology.clusters=1", "topology.replicas_per_cluster=1", f"topology.ranks_per_replica={ranks}",
+           f"run.dir={tmp_path / 'run'}", "sync.min_clusters=1", "sync.min_replicas=1", "train.steps=20",
+           "sync.inner.every=5", "sync.outer.every=2", "model=tiny", "model.dim=32", "train.seq_len=32", "train.batch_size=4",
+           "data=text", f"data.path={corpus(tmp_path)}", f"lighthouse.global_addr='{g}'", f"lighthouse.cluster_addrs=[{c0}]"]
+    env = dict(os.environ, RUST_LOG="warn")
+    lh = subprocess.Popen([sys.executable, "-m", "hier_localsgd", "lighthouse", "lighthouse.until_done=true", *job],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        flags = ["--no-restart"] + (["--ranks", str(ranks)] if ranks > 1 else [])
+        p = subprocess.run(["bash", str(ROOT / "launch" / "replica.sh"), *flags, "0", "0", g, c0, *job[:-2], "--",
+                            sys.executable, str(PLAIN)], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        lh.communicate(timeout=30)
+    finally:
+        if lh.poll() is None:
+            lh.kill()
+    subs = [""] + [f"rank{k}" for k in range(1, ranks)]
+    results = [json.loads((tmp_path / "run" / "replicas" / "c0r0" / sub / "result.json").read_text()) for sub in subs]
+    assert [r["steps"] for r in results] == [20] * ranks and [r["group_rank"] for r in results] == list(range(ranks))
+    assert len({r["checksum"] for r in results}) == 1
+    assert all(r["scheduler_steps"] == 20 and r["eval_loss"] < r["eval_loss_start"] for r in results), results
+
+
+@pytest.mark.parametrize("mode", ["flat", "ddp"])
+def test_a_users_program_runs_the_baselines(tmp_path, mode):
+    """sync.mode=flat (torchft's DiLoCo in the optimizer's hooks) and ddp (the gradient
+    all-reduce before the step, with the loop's own zero_grad) through the same API."""
+    run = run_job(tmp_path / "run", [f"run.program={PLAIN}", "data=text", f"data.path={corpus(tmp_path)}", f"sync.mode={mode}",
+                                     "train.steps=30", "train.seq_len=32", "train.batch_size=8", "model.dim=32",
+                                     "sync.flat.every=10", "train.eval_every=0", "run.tensorboard=false"], timeout_s=300)
+    tail = logs_tail(run)
+    assert all(c == 0 for c in run.codes.values()), f"{run.codes}\n{tail}"
+    assert run.summary["consistent"], tail
+    for k in run.job.keys():
+        r = run.job.result(k)
+        assert r["mode"] == mode and r["steps"] == 30 and r["eval_loss"] < r["eval_loss_start"] - 0.1, r
