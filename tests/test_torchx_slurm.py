@@ -176,3 +176,24 @@ def test_sbatch_rejects_nodes_that_do_not_split_into_clusters(tmp_path):
     assert p.returncode == 2
     assert "3 nodes do not split into CLUSTERS=2 clusters" in p.stderr
     assert log == []  # nothing started
+
+
+def test_sbatch_hands_a_users_program_to_the_replica_groups_only(tmp_path):
+    p, log = run_sbatch(tmp_path, ["n0", "n1", "n2", "n3"], "model=tiny", "--", "python", "my_train.py", RANKS="2")
+    assert p.returncode == 0, p.stderr
+    lighthouse_cmds = [x["cmd"] for x in log if "srun" in x and x["cmd"][0] == "launch/lighthouses.sh"]
+    assert lighthouse_cmds and all("--" not in c and "my_train.py" not in c for c in lighthouse_cmds)
+    launched = [x["args"] for x in log if x.get("script") == "replica.sh"]
+    assert len(launched) == 4
+    for a in launched:
+        assert a[-4:] == ["model=tiny", "--", "python", "my_train.py"], a
+
+
+def test_job_roles_run_a_users_program_with_its_overrides_in_the_environment():
+    roles = job_roles(1, 2, program="my_train.py", overrides=["train.steps=5"])
+    trainers = [r for r in roles if r.name != "lighthouses"]
+    assert [r.name for r in trainers] == ["c0r0", "c0r1"]
+    for k, r in enumerate(trainers):
+        assert r.args[-1] == "my_train.py" and "hier_localsgd" not in r.args
+        env = json.loads(r.env["HIER_LOCALSGD_OVERRIDES"])
+        assert "train.steps=5" in env and f"run.replica={k}" in env and "run.cluster=0" in env

@@ -26,9 +26,12 @@ TorchX 0.7 pins ``urllib3<1.27``, so it is an optional extra); :func:`hier`
 turns that into a ``torchx.specs.AppDef``.
 """
 
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
+
+from hier_localsgd.core.runtime import OVERRIDES_ENV
 
 DEFAULT_GLOBAL = "http://localhost:29510"
 DEFAULT_CLUSTER_PORT = 29511
@@ -58,11 +61,14 @@ def job_roles(
     serve_lighthouses: bool = True,
     max_restarts: int = 10,
     python: str = "python",
+    program: str = "",
 ) -> List[RoleSpec]:
     """The roles of a ``clusters`` × ``replicas`` × ``ranks`` job.
 
     ``overrides`` are hydra overrides shared by every role (model, sync, steps...);
     the topology and lighthouse addresses are set here and must not be among them.
+    ``program``: a user's script on the public API (docs/api.md) that each replica group
+    runs instead of the built-in trainer; its overrides reach it in HIER_LOCALSGD_OVERRIDES.
     Raises ``ValueError`` naming the bad argument.
     """
     for name, value in (("clusters", clusters), ("replicas", replicas), ("ranks", ranks)):
@@ -94,8 +100,14 @@ def job_roles(
             torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={max_restarts}"]
             if ranks > 1:
                 torchrun += ["--tee=3", "--local-ranks-filter=0"]
-            train = ["-m", "hier_localsgd", "train", *common, f"run.cluster={c}", f"run.replica={r}"]
-            roles.append(RoleSpec(f"c{c}r{r}", python, [*torchrun, *train], {"PYTHONUNBUFFERED": "1"}))
+            mine = [*common, f"run.cluster={c}", f"run.replica={r}"]
+            env = {"PYTHONUNBUFFERED": "1"}
+            if program:
+                env[OVERRIDES_ENV] = json.dumps(mine)
+                train = [program]
+            else:
+                train = ["-m", "hier_localsgd", "train", *mine]
+            roles.append(RoleSpec(f"c{c}r{r}", python, [*torchrun, *train], env))
     return roles
 
 
@@ -113,6 +125,7 @@ def hier(
     gpu: int = 0,
     memMB: int = 4096,
     h: str = "",
+    program: str = "",
 ) -> "AppDef":  # noqa: F821  (torchx reads annotations as written; no __future__ import here)
     """Hierarchical LocalSGD/DiLoCo job: lighthouses plus one torchrun per replica group.
 
@@ -130,13 +143,14 @@ def hier(
         gpu: GPUs per replica-group role
         memMB: memory per replica-group role in MB
         h: named resource (overrides cpu/gpu/memMB)
+        program: a script on hier_localsgd's API to run instead of the built-in trainer
     """
     import torchx.specs as specs
 
     roles = job_roles(
         clusters, replicas, ranks, overrides, global_addr,
         [a for a in cluster_addrs.split(",") if a], serve_lighthouses, max_restarts,
-        python=sys.executable if not image else "python",
+        python=sys.executable if not image else "python", program=program,
     )
     out = []
     for role in roles:
