@@ -142,6 +142,7 @@ class HierarchicalDiLoCo:
         self.counters = self.strategy.counters
         self.ckpt = self._open_checkpoints()
         self._last_ckpt_round = self.counters.outer_round
+        self._ckpt_due = False
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step), inner_optimizer.register_step_post_hook(self._post_step)]
         self._loss = float("nan")
         self._step_start: Optional[float] = None
@@ -184,7 +185,11 @@ class HierarchicalDiLoCo:
             yield self.counters.step
 
     def before_forward(self) -> None:
-        """What precedes a step's forward pass (:meth:`steps` calls it)."""
+        """What precedes a step's forward pass (:meth:`steps` calls it): a loop boundary,
+        where the user's registered state is taken (user_state.py) and a due checkpoint
+        written."""
+        self.user.take()  # before the early inner quorum and ddp's quorum serve it
+        self._save_due_checkpoint()
         self.strategy.before_forward()  # ddp: quorum (and heal) for this step
         self._loop_faults(self.counters.step)
         self._forward_ready = True
@@ -207,6 +212,9 @@ class HierarchicalDiLoCo:
 
     # -- step hooks --------------------------------------------------------------
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._forward_ready:  # a loop of the user's own, without before_forward: the nearest point to a boundary
+            self.user.take()
+            self._save_due_checkpoint()
         if self.config.sync.mode == "ddp":
             if not self._forward_ready:
                 raise RuntimeError("sync.mode=ddp: iterate sync.steps() (or call sync.before_forward() before the forward pass): "
@@ -227,15 +235,21 @@ class HierarchicalDiLoCo:
             if self.topology.device.type == "cuda":
                 torch.cuda.synchronize(self.topology.device)  # the step's kernels, not just their launch
             self.local_step_times.append(time.perf_counter() - self._step_start)
-        self._step_start, self._forward_ready = None, False
         ck = self.config.checkpoint
         if self.ckpt is not None and ck.every and c.outer_round > self._last_ckpt_round and c.outer_round % ck.every == 0:
-            self._last_ckpt_round = c.outer_round  # right after the outer round committed
-            self.ckpt.save_async(c.step, {**self.strategy.snapshot(), "rng": rng_state()})  # type: ignore[attr-defined]
+            self._last_ckpt_round = c.outer_round  # right after the outer round committed ...
+            self._ckpt_due = True  # ... written at the loop boundary that follows (the user's state complete)
         # Every step: a killed process's last status says how much work it had done.
         self.pub.update(step=c.step, loss=self._loss, loss_step=c.step, **self.strategy.work_counters())
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             self._log_progress()
+        self._step_start, self._forward_ready = None, False
+
+    def _save_due_checkpoint(self) -> None:
+        if self._ckpt_due and self.ckpt is not None:
+            self._ckpt_due = False
+            # The model and optimizer have not moved since the round committed (no step since).
+            self.ckpt.save_async(self.counters.step, {**self.strategy.snapshot(), "rng": rng_state()})  # type: ignore[attr-defined]
 
     def _loop_faults(self, step: int) -> None:
         """faults=[...] actions of the training loop itself (phase LOCAL), and one handed over
@@ -266,6 +280,8 @@ class HierarchicalDiLoCo:
         outage reconciles the cluster, at most ``sync.final_wait_s``). Idempotent."""
         if not self._finished:
             self._finished = True
+            self.user.take()  # the loop is over: its state is complete
+            self._save_due_checkpoint()
             self.strategy.finish()
             if self._loop_start is not None:
                 t, s = self._loop_start

@@ -120,3 +120,20 @@ def test_a_users_program_runs_the_baselines(tmp_path, mode):
     for k in run.job.keys():
         r = run.job.result(k)
         assert r["mode"] == mode and r["steps"] == 30 and r["eval_loss"] < r["eval_loss_start"] - 0.1, r
+
+
+def test_a_users_state_resumes_from_a_durable_checkpoint(tmp_path):
+    """checkpoint.every: the registered state is in the checkpoint; a job resumed from step
+    40 ends with the schedule and data position of 60 steps, not of the 20 it ran."""
+    common = [f"run.program={PLAIN}", "data=text", f"data.path={corpus(tmp_path)}", "train.seq_len=32", "train.batch_size=8",
+              "model.dim=32", "sync.inner.every=5", "sync.outer.every=2", "checkpoint.every=1", "train.eval_every=0",
+              "run.tensorboard=false"]
+    first = run_job(tmp_path / "run", [*common, "train.steps=40"], timeout_s=300)
+    assert all(c == 0 for c in first.codes.values()), logs_tail(first)
+    resumed = run_job(tmp_path / "run", [*common, "train.steps=60", "checkpoint.resume=true"], timeout_s=300)
+    assert all(c == 0 for c in resumed.codes.values()), logs_tail(resumed)
+    assert {e["step"] for k in resumed.job.keys() for e in resumed.kinds(k, "resume")} == {40}
+    for k in resumed.job.keys():
+        r = resumed.job.result(k)
+        assert r["steps"] == 60 and r["scheduler_steps"] == 60 and r["data_position"] == 60, r
+    assert resumed.summary["consistent"]

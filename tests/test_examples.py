@@ -82,7 +82,11 @@ def test_an_example_trains_ends_consistent_and_a_killed_group_heals_with_its_sta
     run = run_job(tmp_path / "run", [f"run.program={ROOT / 'examples' / name}", "data=text", f"data.path={corpus(tmp_path)}",
                                      f"train.steps={STEPS}", "train.seq_len=32", "train.batch_size=8", "sync.inner.every=5",
                                      "sync.outer.every=2", "train.eval_every=0", "run.tensorboard=false",
-                                     "train.min_step_time_s=0.1",  # emulated compute: the restarted group rejoins mid-run
+                                     "train.min_step_time_s=0.1",  # emulated compute
+                                     # The victim's cluster waits for it: its peer cannot form an inner quorum alone, so
+                                     # the restarted group rejoins mid-run however long its start-up takes (up to
+                                     # sync.max_quorum_failures x timeouts.inner_quorum = 90 s).
+                                     "sync.min_replicas=2",
                                      *extra],
                   timeout_s=400, during=kill, restart=True)
     tail = logs_tail(run)
@@ -96,9 +100,9 @@ def test_an_example_trains_ends_consistent_and_a_killed_group_heals_with_its_sta
         assert r["steps"] == STEPS and r["finite"], r
         assert r["eval_loss"] < r["eval_loss_start"] - 0.1 or key == victim, (key, r["eval_loss_start"], r["eval_loss"])
         # Every group's schedule and data position went through every step: a heal carried the
-        # donor's, as of the sync point or, under the donor's early quorum, one step before it
-        # (user_state.py), so each heal may leave it one step behind. Without the user state
-        # the restarted group's would miss every step before its restart (20 or more).
+        # donor's as of one step before the sync point (user_state.py), so each heal may leave
+        # it one step behind. Without the user state the restarted group's would miss every
+        # step before its restart (20 or more).
         heals = len(run.kinds(key, "heal", level="inner"))
         for what in ("scheduler_steps", "data_position"):
             assert STEPS - heals <= r[what] <= STEPS, (key, what, r[what], heals)

@@ -8,6 +8,10 @@ replica groups with the same rank k of the other groups (``HierSettings.group_sh
 tensor parallelism does: no slicing, no group all-gather), so the slow links still carry
 one model per cluster per outer round.
 
+The built-in trainer shards with :func:`hier_localsgd.train.model.shard_model`; a user's
+program applies ``fully_shard`` itself, and the API syncs the shards through
+:class:`ShardedParams`.
+
 Checked on torch 2.13.0 (CPU build): ``fully_shard`` trains on CPU tensors over Gloo
 (all-gather and reduce-scatter run through Gloo), which is what tests/test_device.py uses.
 
@@ -21,7 +25,7 @@ place under ``no_grad``: the Parameter objects the optimizer holds are never rep
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -34,21 +38,6 @@ SHARDINGS = ("ddp", "fsdp")
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The rank's shard of ``p`` (the DTensor's local tensor: FSDP2's own storage)."""
     return p._local_tensor if hasattr(p, "_local_tensor") else p.data  # type: ignore[attr-defined]
-
-
-def shard_model(model: nn.Module, pg: Any, device: torch.device) -> nn.Module:
-    """Applies FSDP2 to ``model`` over the group ``pg``: each transformer block (a llama3
-    model's ``layers``) is its own unit, then the root. Returns the model (sharded in place)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = DeviceMesh.from_group(pg, device.type)
-    layers = getattr(model, "layers", None)
-    if layers is not None:
-        for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 class ShardedParams:

@@ -93,7 +93,7 @@ class _Baseline:
         self.tracker, self.events = tracker, events
         tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
         self.counters = Counters()
-        self.user = user_state or UserState()  # taken at each step's end, served and loaded with heals
+        self.user = user_state or UserState()  # served and loaded with heals (taken by api.py at loop boundaries)
         self.leader = False
         self._max_quorum_failures = max_quorum_failures
         self._quorum_failures = 0
@@ -153,7 +153,6 @@ class _Baseline:
         return True
 
     def after_optimizer_step(self) -> bool:
-        self.user.take()  # a heal in the next step's quorum serves the state at this step's end
         self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
         return True  # ddp: every step synced
 
@@ -274,7 +273,6 @@ class FlatSync(_Baseline):
         return {**self.work, "steps_since_outer": 0}
 
     def after_optimizer_step(self) -> bool:
-        self.user.take()  # torchft's next sync (in a later optimizer.step()) serves the state at this step's end
         synced = self.mgr.step != self.counters.inner_round  # torchft synced inside optimizer.step()
         attempted = self.algo._local_step == 0  # torchft resets its local step count at every sync
         self.counters.inner_round = self.mgr.step

@@ -384,7 +384,6 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
             # timeout, so it has ended by the time the sync point's own budget runs out.
             full = self.t.phase(Phase.INNER_QUORUM)
             budget = max(full - self.s.quorum_slice, full / 2)
-            self.user.take()  # what a heal served during this step carries (user_state.py)
             self._defer_heal = True  # a heal it decides is applied at the sync point (committed.py)
             self._serve_step = c.step + 1  # set before its thread starts: a donor may serve at once
             self._early = EarlyQuorum(
@@ -401,8 +400,6 @@ class HierarchicalSync(OuterRound, CommittedState, FinalWait):
         self.tracker.set_extra(**self.work_counters())  # a status written mid-round must not be stale
         self.tracker.set_counters(step=self.counters.step)
         if self.is_sync_step(self.counters.step):
-            if self._early is None:
-                self.user.take()
             self.round()
             return True
         self.tracker.enter(Phase.LOCAL)

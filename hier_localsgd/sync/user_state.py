@@ -7,12 +7,16 @@ registered once, by name (``HierarchicalDiLoCo(..., state={"scheduler": sched})`
 every strategy puts :meth:`UserState.served` in what a donor serves and loads what it
 receives with :meth:`UserState.load`.
 
-When the state is taken: on the training thread, at the sync point (right before a
-round), and, with the early inner quorum (``sync.inner.early_quorum``), also when a
-round's last local step asks for its quorum (a heal is served while that step runs). A
-healed member therefore resumes with the donor's state at the sync point, or, with the
-early quorum, as of one local step before it (one scheduler step, one batch: the member
-re-reads that batch). A donor never reads the user's objects from another thread.
+When the state is taken: at loop boundaries, on the training thread — before each step's
+forward pass (``HierarchicalDiLoCo.steps()``/``before_forward``), so it is the state after
+the steps completed so far and consistent with itself (a schedule stepped after
+``optimizer.step()`` and a data position advanced before it agree). A round runs inside the
+next ``optimizer.step()``, so a heal serves the donor's state as of one step before the
+sync point, and the healed group resumes one step behind in it (one scheduler step, one
+batch re-read); with ``sync.mode=ddp`` the quorum comes after the take, and a heal is exact.
+A durable checkpoint is written at the next loop boundary after its round, with a fresh
+take: exact. Keep registered state small (positions, counters, schedules, RNG state): it is
+copied before every step. A donor never reads the user's objects from another thread.
 
 A rollback leaves the user state as it is: the step counter keeps advancing through a
 failed round (invariant I5), and so do the scheduler and data position.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -146,3 +146,18 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
         total += float(lm_loss(model, x, y, precision))
     model.train(was_training)
     return total / len(batches)
+
+
+def shard_model(model: nn.Module, pg: Any, device: torch.device) -> nn.Module:
+    """Applies FSDP2 to ``model`` over the group ``pg``: each transformer block (a llama3
+    model's ``layers``) is its own unit, then the root. Returns the model (sharded in place)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(pg, device.type)
+    layers = getattr(model, "layers", None)
+    if layers is not None:
+        for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

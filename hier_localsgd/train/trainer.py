@@ -17,7 +17,7 @@ import torch
 
 from hier_localsgd import HierarchicalDiLoCo, Topology
 from hier_localsgd.train.data import ByteTextData, DeviceData, MarkovChain, MarkovData
-from hier_localsgd.train.model import build_model, evaluate, lm_loss, param_dtype
+from hier_localsgd.train.model import build_model, evaluate, lm_loss, param_dtype, shard_model
 
 if TYPE_CHECKING:
     from hier_localsgd import Config
@@ -63,8 +63,6 @@ def build_trainee(cfg: Config, grp: Any, device: torch.device, vocab_size: int) 
         shard_llama3(model, tp, cfg.group.tp_variant)
     fsdp = grp.pg is not None and tp is None and cfg.group.sharding == "fsdp"
     if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (core/fsdp.py)
-        from hier_localsgd.core.fsdp import shard_model
-
         shard_model(model, grp.pg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
