@@ -214,7 +214,7 @@ class CommittedState:
         A member that healed in this round's quorum (it skipped rounds through a
         cluster-lighthouse outage, or was stopped while its peers committed) holds local
         steps that started from its own last commit. They are still work: as the outer
-        level does for a cluster behind (outer_round.py, ``OuterLevel._stale``), it contributes
+        level does for a cluster behind (outer_round.py, OuterLevel's ``_stale``), it contributes
         ``base - live`` measured from that commit, and every member applies the round's
         average to the healed, newest model — asynchronous Local SGD with one stale
         contribution. Only when its base is at most ``inner_max_staleness`` rounds behind
