@@ -357,7 +357,7 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
     def body(rep):
         reps[rep.key] = rep
         if rep.key == (0, 0):
-            orig = rep.sync._outer_quorum
+            orig = rep.sync.outer_level.quorum
 
             def drop_out_at_step_2(tr, cur_round, cur_step):
                 if cur_step == 4:
@@ -374,9 +374,9 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
                 rep.sync.events("rollback", level="outer", reason="test: left the outer level", step=cur_step)
                 return None
 
-            rep.sync._outer_quorum = drop_out_at_step_2
+            rep.sync.outer_level.quorum = drop_out_at_step_2
         if rep.key == (1, 0):
-            orig1 = rep.sync._outer_quorum
+            orig1 = rep.sync.outer_level.quorum
 
             def after_cluster_0_left(tr, cur_round, cur_step):
                 # Cluster 1 asks for step 2's quorum only once cluster 0 has left. Else a
@@ -387,7 +387,7 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
                     assert dropped.wait(60), "cluster 0 never reached step 2"
                 return orig1(tr, cur_round, cur_step)
 
-            rep.sync._outer_quorum = after_cluster_0_left
+            rep.sync.outer_level.quorum = after_cluster_0_left
 
         def record(r):
             if r.key == (1, 0) and r.sync.counters.step == 2:

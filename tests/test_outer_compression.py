@@ -212,7 +212,7 @@ def test_a_heal_and_a_checkpoint_carry_the_residual():
     _, reps = run("int8")
     donor, healer = reps[(1, 0)].sync, reps[(0, 1)].sync
     assert not torch.equal(donor.comp.residual, healer.comp.residual)  # different clusters
-    healer._load_inner_state(copy.deepcopy(donor._inner_state_dict()))
+    healer.committed.load_state_dict(copy.deepcopy(donor.committed.state_dict()))
     assert torch.equal(healer.comp.residual, donor.comp.residual)
     snap = copy.deepcopy(donor.snapshot())
     healer.comp.load(torch.zeros(N))

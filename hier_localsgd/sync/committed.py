@@ -1,87 +1,198 @@
-"""The committed state of a replica group (a mixin of :class:`HierarchicalSync`).
+"""The committed state of a replica group (:class:`CommittedState`, owned by
+:class:`~hier_localsgd.sync.hier.HierarchicalSync`).
 
 What a round commits and what a failure restores: the model at the last commit, the
 inner optimizer's state, each level's backup and momentum, the counters; the state dicts
 a heal transfers (torchft's checkpoint transport) and a durable checkpoint holds.
 Rollback restores the last commit exactly (staged updates are dropped, never applied).
 A heal keeps what it replaced, so a healed member's local steps can still count as an
-inner stale update (:meth:`CommittedState._stale_inner`).
+inner stale update (:meth:`CommittedState.stale_inner`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hier_localsgd.core.device import host_copy
-from hier_localsgd.core.flat import checksum_int
+from hier_localsgd.core import guard
+from hier_localsgd.core.device import host_copy, host_state, host_state_finite
+from hier_localsgd.core.flat import checksum, checksum_int
+from hier_localsgd.core.level import Staged
 from hier_localsgd.core.phases import Phase
+from hier_localsgd.sync.common import OuterResult, Status
+from hier_localsgd.sync.state import SyncState
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
 
 
 class CommittedState:
-    """The committed-state methods; state lives on :class:`HierarchicalSync`."""
+    """The committed model and inner optimizer, heals, rollback and keep_local.
 
-    def _discard_local_work(self, why: str) -> None:
+    Attributes the round sets (public: hier.py drives them):
+        inner_stale: (its last committed inner backup, its live model, the steps between
+            that commit and the donor's state) just before this round's heal replaced them:
+            an inner stale update's base, work and age (:meth:`stale_inner`).
+        defer_heal / pending_heal: the early inner quorum (early.py) and the heal it
+            received, applied at the sync point.
+        serve_step: the step an early quorum announced while it is in flight: what a heal serves.
+        kept_sent: keep_local kept steps whose pseudo-gradient a failed round had already
+            sent: never a stale update (the leader's final outer commit may hold them already).
+        round_start_hash: keep_local: the committed state's checksum when the round began.
+    """
+
+    def __init__(self, st: SyncState) -> None:
+        self.st = st
+        # Host state (core/device.py): pinned host memory when the model is on CUDA.
+        self.model = host_copy(st.flat.data)  # the full model at the last commit
+        self.opt_backup = host_state(st.opt.state_dict())
+        self.inner_stale: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
+        self.defer_heal = False
+        self.pending_heal: Optional[Dict[str, object]] = None
+        self.serve_step: Optional[int] = None
+        self.kept_sent = False
+        self.round_start_hash: Optional[int] = None
+
+    def discard_local_work(self, why: str) -> None:
         """Counts the local steps since the last commit as discarded; a ``discard`` event
         says why (the chaos report's breakdown of lost work: ``rollback``, or a weight-0
         commit after a ``join``, a ``heal``, an ``errored`` Manager or a guard ``resync``)."""
-        n = self.work["steps_since_commit"]
-        self.work["steps_since_commit"] = 0
-        self._kept_sent = False
-        self._count_discarded(n, "inner", why)
+        work = self.st.work
+        n = work["steps_since_commit"]
+        work["steps_since_commit"] = 0
+        self.kept_sent = False
+        self.count_discarded(n, "inner", why)
 
-    def _count_discarded(self, n: int, level: str, why: str) -> None:
+    def count_discarded(self, n: int, level: str, why: str) -> None:
         """``n`` steps lost at ``level``: the work counter and the ``discard`` event saying why."""
-        self.work["steps_discarded"] += n
+        self.st.work["steps_discarded"] += n
         if n:
-            self.events("discard", level=level, reason=why, steps=n, step=self.counters.step)
+            self.st.events("discard", level=level, reason=why, steps=n, step=self.st.counters.step)
 
-    def _publish_committed(self) -> None:
+    def apply(
+        self, ok: bool, staged: Staged, result: Optional[OuterResult], plan: guard.GuardPlan, rank: int, weight0_why: str,
+        adopt: Callable[[OuterResult, torch.Tensor], None], carried_at_launch: int,
+    ) -> bool:
+        """INNER_COMMIT's outcome: adopt the staged state, or roll back. ``rank``: this
+        member's in the quorum; ``weight0_why``: why its steps carried weight 0 ("" if they
+        counted); ``adopt``: the outer level's adoption of a committed outer result;
+        ``carried_at_launch``: the inner-committed steps an overlapped outer round carried."""
+        st = self.st
+        c = st.counters
+        outer_final = st.leader and result is not None and result.status == Status.OUTER_COMMITTED
+        if not ok:
+            if outer_final:
+                # The outer commit is final even though our cluster's round failed.
+                assert result is not None and result.params is not None
+                adopt(result, st.inner.backup)
+            self.rollback("inner commit vote failed")
+            return False
+
+        st.inner.commit(staged)
+        st.inner.norm_ref = guard.accepted_median(plan.fingerprints, plan.weights) or st.inner.norm_ref
+        self.kept_sent = False
+        if plan.weights and plan.weights[min(rank, len(plan.weights) - 1)] == 0:
+            # committed, but our steps carried weight 0
+            self.discard_local_work(weight0_why or ("resync" if plan.source is not None else "guard_failed"))
+        st.since_outer += st.work["steps_since_commit"]
+        st.work["steps_since_commit"] = 0
+        adopted = result is not None and result.status != Status.ABORT and result.params is not None
+        if adopted and result is not None and result.status == Status.OUTER_COMMITTED:
+            # What the outer round carried: all inner-committed work since the last outer
+            # commit, or (overlapped) what there was at its launch; the rest rides on the next.
+            carried = min(carried_at_launch, st.since_outer) if result.merge else st.since_outer
+            if result.cluster_weight == 0:
+                # The global model moved without this cluster's work (it had just
+                # healed to a newer one): the work it carried is lost.
+                self.count_discarded(carried, "outer", "cluster_weight0")
+            st.since_outer -= carried
+        st.tracker.set_extra(**st.work_counters())
+        if adopted:
+            assert result is not None and result.params is not None
+            if result.status == Status.OUTER_COMMITTED:
+                adopt(result, st.inner.backup)
+            else:
+                st.inner.set_backup(result.params)
+                c.outer_round, c.step = result.outer_round, result.step
+            if st.comp is not None and result.residual is not None and not st.leader:
+                st.comp.load(result.residual)  # the leader's committed residual (compression.py)
+        if plan.total_weight > 0 or adopted:
+            c.inner_round += 1
+        self.publish()
+        if weight0_why == "excluded":  # its optimizer took the poisoned steps: back to the last commit's
+            self.restore_optimizer()
+        self.keep_optimizer()
+        st.tracker.set_counters(step=c.step, inner_round=c.inner_round, outer_round=c.outer_round)
+        st.tracker.mark_commit("inner", c.inner_round)
+        st.events(
+            "commit", level="inner", inner_round=c.inner_round, outer_round=c.outer_round, step=c.step,
+            outer=bool(result is not None and result.status == Status.OUTER_COMMITTED),
+            cluster_weight=result.cluster_weight if result is not None and result.status == Status.OUTER_COMMITTED else None,
+            total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self.model),
+        )
+        st.tracker.enter(Phase.LOCAL)
+        return True
+
+    def publish(self) -> None:
         """The full committed model from every rank's committed slice; the model becomes it.
 
         One rank per group: a copy. Several: an all-gather over the group's own process
         group (never an FT group: ranks of one group share no FT group, I1)."""
-        g = self.s.group_world_size
-        if g == 1 or self.s.group_shards:
-            self._committed.copy_(self.inner.backup)
+        st = self.st
+        g = st.s.group_world_size
+        if g == 1 or st.s.group_shards:
+            self.model.copy_(st.inner.backup)
         else:
             import torch.distributed as dist
 
-            dev = self.flat.data.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")  # type: ignore[arg-type]
-            mine = torch.zeros(self._slice_len, dtype=self._committed.dtype, device=dev)
-            mine[: self.part.stop - self.part.start] = self.inner.backup
+            dev = st.flat.data.device if dist.get_backend(st.group) == "nccl" else torch.device("cpu")  # type: ignore[arg-type]
+            mine = torch.zeros(st.slice_len, dtype=self.model.dtype, device=dev)
+            mine[: st.part.stop - st.part.start] = st.inner.backup
             parts = [torch.empty_like(mine) for _ in range(g)]
-            dist.all_gather(parts, mine, group=self.group)
-            self._committed.copy_(torch.cat(parts)[: self._committed.numel()])
-        self.flat.load_(self._committed)
+            dist.all_gather(parts, mine, group=st.group)
+            self.model.copy_(torch.cat(parts)[: self.model.numel()])
+        st.flat.load_(self.model)
 
-    def _rollback(self, reason: str) -> None:
+    def keep_optimizer(self) -> None:
+        """The inner optimizer's state becomes the committed one (after a commit)."""
+        self.opt_backup = host_state(self.st.opt.state_dict())
+
+    def restore_optimizer(self) -> None:
+        """An excluded member's inner optimizer goes back to its state at the last commit
+        (before the poisoned steps), or starts afresh if that state is not finite either."""
+        st = self.st
+        if host_state_finite(self.opt_backup):
+            st.opt.load_state_dict(copy.deepcopy(self.opt_backup))
+            st.events("optimizer_restored", step=st.counters.step, how="last commit")
+        else:
+            st.opt.state.clear()
+            st.events("optimizer_restored", step=st.counters.step, how="reset")
+
+    def rollback(self, reason: str) -> None:
+        st = self.st
         if self._may_keep_local():
             self._keep_local(reason)
             return
-        self._discard_local_work("rollback")
-        self.tracker.set_extra(**self.work_counters())
-        self.tracker.enter(Phase.ROLLBACK, None, reason=reason)
+        self.discard_local_work("rollback")
+        st.tracker.set_extra(**st.work_counters())
+        st.tracker.enter(Phase.ROLLBACK, None, reason=reason)
         # the committed slice may have moved this round (resync, or a final outer commit)
-        self._publish_committed()
-        self.opt.load_state_dict(copy.deepcopy(self._opt_backup))
-        self.tracker.set_counters(step=self.counters.step, outer_round=self.counters.outer_round)
-        self.events("rollback", level="inner", reason=reason, step=self.counters.step)
-        self.tracker.enter(Phase.LOCAL)
+        self.publish()
+        st.opt.load_state_dict(copy.deepcopy(self.opt_backup))
+        st.tracker.set_counters(step=st.counters.step, outer_round=st.counters.outer_round)
+        st.events("rollback", level="inner", reason=reason, step=st.counters.step)
+        st.tracker.enter(Phase.LOCAL)
 
     def _may_keep_local(self) -> bool:
         """sync.failed_round=keep_local, one rank per group, and the committed state
         (model, levels' backups and momenta, outer snapshot and residual) exactly as it was
         when the round began: then the live model is this group's own local progress from
         that state, which no failure touched (updates are staged and applied only on commit)."""
-        start = self._round_start_hash
-        self._round_start_hash = None
-        return start is not None and self.s.group_world_size == 1 and self._inner_hash() == start
+        start = self.round_start_hash
+        self.round_start_hash = None
+        return start is not None and self.st.s.group_world_size == 1 and self.inner_hash() == start
 
     def _keep_local(self, reason: str) -> None:
         """A failed round that keeps the local steps (sync.failed_round=keep_local): the
@@ -89,20 +200,21 @@ class CommittedState:
         counting, so the next round's pseudo-gradient (backup − live model) carries this
         round's steps too, as one longer round would. Nothing committed changes; the failure
         still counts towards max_commit_failures / max_quorum_failures as a rollback does."""
-        self.tracker.set_extra(**self.work_counters())
-        self.events("keep_local", level="inner", reason=reason, step=self.counters.step)
-        logger.info("%s: round failed (%s); keeping %d local steps for the next round", self.id, reason,
-                    self.work["steps_since_commit"])
-        self.tracker.enter(Phase.LOCAL, reason=f"round failed, local steps kept: {reason}")
+        st = self.st
+        st.tracker.set_extra(**st.work_counters())
+        st.events("keep_local", level="inner", reason=reason, step=st.counters.step)
+        logger.info("%s: round failed (%s); keeping %d local steps for the next round", st.id, reason,
+                    st.work["steps_since_commit"])
+        st.tracker.enter(Phase.LOCAL, reason=f"round failed, local steps kept: {reason}")
 
-    def _stale_inner(self, join: bool) -> Optional[Tuple[torch.Tensor, torch.Tensor, int]]:
+    def stale_inner(self, join: bool) -> Optional[Tuple[torch.Tensor, torch.Tensor, int]]:
         """(live, base, rounds behind) of an inner stale update, or None (weight 0 if this
         member healed).
 
         A member that healed in this round's quorum (it skipped rounds through a
         cluster-lighthouse outage, or was stopped while its peers committed) holds local
         steps that started from its own last commit. They are still work: as the outer
-        level does for a cluster behind (outer_round.py, ``_stale``), it contributes
+        level does for a cluster behind (outer_round.py, OuterLevel's ``_stale``), it contributes
         ``base - live`` measured from that commit, and every member applies the round's
         average to the healed, newest model — asynchronous Local SGD with one stale
         contribution. Only when its base is at most ``inner_max_staleness`` rounds behind
@@ -115,104 +227,90 @@ class CommittedState:
         failed round in which they were already sent: a commit that holds them may exist (the
         leader's outer commit is final even when its cluster's round fails, and peers may have
         committed a round this member failed), so they could count twice."""
-        if join or self._inner_stale is None or self._kept_sent:
+        st = self.st
+        if join or self.inner_stale is None or self.kept_sent:
             return None
-        steps = self.work["steps_since_commit"]
-        base, live, behind_steps = self._inner_stale
-        behind = -(-max(behind_steps, steps) // self.s.h_inner)
-        if steps <= 0 or behind > self.s.inner_max_staleness:
+        steps = st.work["steps_since_commit"]
+        base, live, behind_steps = self.inner_stale
+        behind = -(-max(behind_steps, steps) // st.s.h_inner)
+        if steps <= 0 or behind > st.s.inner_max_staleness:
             return None
-        return live.to(self.flat.data.device), base, behind
+        return live.to(st.flat.data.device), base, behind
 
-    def _inner_hash(self) -> int:
-        return checksum_int(*self._inner_tensors())
+    def inner_hash(self) -> int:
+        return checksum_int(*self.inner_tensors())
 
-    def _inner_tensors(self) -> List[torch.Tensor]:
+    def inner_tensors(self) -> List[torch.Tensor]:
         """The cluster's replicated committed tensors (the inner guard compares and resyncs them)."""
-        return (self.inner.state_tensors() + [self.outer.backup] + ([self._snap] if self._snap is not None else [])
-                + ([self.comp.residual] if self.comp is not None else []))
+        st = self.st
+        return (st.inner.state_tensors() + [st.outer.backup] + ([st.snap] if st.snap is not None else [])
+                + ([st.comp.residual] if st.comp is not None else []))
 
-    def _inner_state_dict(self) -> Dict[str, object]:
+    def state_dict(self) -> Dict[str, object]:
         """What a donor serves a healing peer of its cluster: committed state only."""
-        c = self.counters
+        st, c = self.st, self.st.counters
         # An early quorum (early.py) serves a heal while the donor's last local step still
         # runs: it announced the sync point's step, and so must the heal, or the healed
         # member would sit one step behind and the guard would resync it at weight 0.
-        step = self._serve_step if self._serve_step is not None else c.step
+        step = self.serve_step if self.serve_step is not None else c.step
         return {
-            "model": self._committed.clone(),
-            "inner": self.inner.state_dict(),
-            "outer_backup": self.outer.backup.clone(),
-            "optimizer": self._opt_backup,  # replaced, never mutated, at each commit
+            "model": self.model.clone(),
+            "inner": st.inner.state_dict(),
+            "outer_backup": st.outer.backup.clone(),
+            "optimizer": self.opt_backup,  # replaced, never mutated, at each commit
             "counters": {"step": step, "inner_round": c.inner_round, "outer_round": c.outer_round},
-            "outer_snapshot": None if self._snap is None else {"model": self._snap.clone(), "step": self._snap_step},
-            "outer_compression": None if self.comp is None else self.comp.state_dict(),
-            "user": self.user.served(),
+            "outer_snapshot": None if st.snap is None else {"model": st.snap.clone(), "step": st.snap_step},
+            "outer_compression": None if st.comp is None else st.comp.state_dict(),
+            "user": st.user.served(),
         }
 
-    def _load_inner_state(self, sd: Dict[str, object]) -> None:
-        if self._defer_heal:
+    def load_state_dict(self, sd: Dict[str, object]) -> None:
+        """A heal from a peer of its cluster (or a checkpoint): the committed state becomes ``sd``."""
+        st = self.st
+        if self.defer_heal:
             # Received by an early quorum while the last local step runs (early.py):
             # applied at the sync point, on the training thread.
-            self._pending_heal = sd
+            self.pending_heal = sd
             return
-        if (self._inner_stale is None and self.s.inner_max_staleness > 0 and self.s.group_world_size == 1
-                and self.work["steps_since_commit"] > 0):
-            # What the heal replaces: the work an inner stale update contributes (_stale_inner),
+        if (self.inner_stale is None and st.s.inner_max_staleness > 0 and st.s.group_world_size == 1
+                and st.work["steps_since_commit"] > 0):
+            # What the heal replaces: the work an inner stale update contributes (stale_inner),
             # on the host (committed state costs no device memory), and how many steps of
             # training lie between its base (its last commit) and the donor's state.
             donor = sd["counters"]
             assert isinstance(donor, dict)
-            behind = int(donor["step"]) - (self.counters.step - self.work["steps_since_commit"])
-            self._inner_stale = (self.inner.backup.clone(), host_copy(self.flat.data[self.part]), behind)
-        self.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
-        self.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
-        self._opt_backup = copy.deepcopy(sd["optimizer"])
-        self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
+            behind = int(donor["step"]) - (st.counters.step - st.work["steps_since_commit"])
+            self.inner_stale = (st.inner.backup.clone(), host_copy(st.flat.data[st.part]), behind)
+        st.inner.load_state_dict(sd["inner"])  # type: ignore[arg-type]
+        st.outer.set_backup(sd["outer_backup"])  # type: ignore[arg-type]
+        self.opt_backup = copy.deepcopy(sd["optimizer"])
+        st.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
         counters = sd["counters"]
         assert isinstance(counters, dict)
-        self.counters.step = int(counters["step"])
-        self.counters.inner_round = int(counters["inner_round"])
-        self.counters.outer_round = int(counters["outer_round"])
+        st.counters.step = int(counters["step"])
+        st.counters.inner_round = int(counters["inner_round"])
+        st.counters.outer_round = int(counters["outer_round"])
         snap = sd.get("outer_snapshot")
-        if self._snap is not None and isinstance(snap, dict):
-            self._snap.copy_(snap["model"])  # the merge at the next apply round needs it
-            self._snap_step = int(snap["step"])
-        if self.comp is not None:
-            self.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
-        self.user.load(sd.get("user"), "the healing donor or checkpoint")  # type: ignore[arg-type]
-        self._committed.copy_(sd["model"])  # type: ignore[arg-type]
-        self.flat.load_(self._committed)
-        self.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
-        logger.info("%s healed from a peer of its cluster: %s", self.id, counters)
+        if st.snap is not None and isinstance(snap, dict):
+            st.snap.copy_(snap["model"])  # the merge at the next apply round needs it
+            st.snap_step = int(snap["step"])
+        if st.comp is not None:
+            st.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
+        st.user.load(sd.get("user"), "the healing donor or checkpoint")  # type: ignore[arg-type]
+        self.model.copy_(sd["model"])  # type: ignore[arg-type]
+        st.flat.load_(self.model)
+        st.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
+        logger.info("%s healed from a peer of its cluster: %s", st.id, counters)
 
     def snapshot(self) -> Dict[str, object]:
         """The committed state for a durable checkpoint (clones; call right after a commit)."""
-        sd = self._inner_state_dict()
-        sd["optimizer"] = copy.deepcopy(self._opt_backup)
-        sd["outer"] = self.outer.state_dict()
+        sd = self.state_dict()
+        sd["optimizer"] = copy.deepcopy(self.opt_backup)
+        sd["outer"] = self.st.outer.state_dict()
         return sd
 
     def restore(self, sd: Dict[str, object]) -> None:
         """Loads a checkpoint's state (before the join round of a resumed job)."""
-        self._load_inner_state(sd)
-        self.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
-        self._since_outer = 0
-
-    def _outer_state_dict(self) -> Dict[str, object]:
-        """What a leader serves another cluster's healing leader (overlapped: the stage's
-        outer level and launch counters, the state its outer round runs on)."""
-        outer_round, step = self._outer_view or (self.counters.outer_round, self.counters.step)
-        return {
-            "outer": self._outer_target.state_dict(),
-            "counters": {"outer_round": outer_round, "step": step},
-        }
-
-    def _load_outer_state(self, sd: Dict[str, object]) -> None:
-        base = self._outer_target.backup.clone()  # the global model this cluster's work started from
-        self._outer_target.load_state_dict(sd["outer"])  # type: ignore[arg-type]
-        counters = sd["counters"]
-        assert isinstance(counters, dict)
-        self._outer_healed = (int(counters["outer_round"]), int(counters["step"]))
-        self._outer_base = base
-        logger.info("%s healed its outer level from another cluster: %s", self.id, counters)
+        self.load_state_dict(sd)
+        self.st.outer.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        self.st.since_outer = 0

@@ -1,8 +1,8 @@
-"""The end of a run whose last round met a cluster lighthouse outage (a mixin of
-:class:`~hier_localsgd.sync.hier.HierarchicalSync`).
+"""The end of a run whose last round met a cluster lighthouse outage (:class:`FinalWait`,
+owned by :class:`~hier_localsgd.sync.hier.HierarchicalSync`).
 
 Why: a round whose cluster lighthouse does not answer is skipped (outage.py): the members
-keep their own progress, the leader syncs across clusters alone (``_outer_without_cluster``),
+keep their own progress, the leader syncs across clusters alone (``OuterLevel.without_cluster``),
 and the consistency guard brings the members to the leader's model at the first round after
 the lighthouse is back. At the run's last step there is no such round: the cluster ended on
 different models (seen in a chaos run, docs/benchmarks.md: a 10 s outage of cluster 1's
@@ -27,7 +27,7 @@ round fails fatally, it logs, records ``final_wait`` ``gave_up`` and ends with t
 has (a partial join round may already have rolled it back to its last commit); the job's
 consistency check reports it. While it waits, a failed quorum does not end the group as
 "job finished without it" (it trained every step: its result must be written). Replica
-groups of one rank only (as ``_outer_without_cluster``): the ranks of a larger group could
+groups of one rank only (as ``OuterLevel.without_cluster``): the ranks of a larger group could
 see the outage at different rounds.
 """
 
@@ -36,58 +36,70 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+from typing import Callable, Tuple
 
 from hier_localsgd.sync.common import FatalSyncError, JobFinished
+from hier_localsgd.sync.state import SyncState
 
 logger = logging.getLogger(__name__)
 
 
 class FinalWait:
-    """``finish()``: the reconciliation after a final round skipped for an outage."""
+    """``finish()``: the reconciliation after a final round skipped for an outage.
 
-    _final_outage: bool = False  # set by round() when the final round met an inner outage
+    Args:
+        st: the round's shared state.
+        join_round: runs one join round; returns (committed, the size of its quorum, 0
+            when it failed before its quorum formed).
+    """
+
+    def __init__(self, st: SyncState, join_round: Callable[[], Tuple[bool, int]]) -> None:
+        self.st = st
+        self.join_round = join_round
+        self.outage = False  # set by the round when the final round met an inner outage
 
     def finish(self) -> None:
         """After the last step (module doc). Returns once the cluster is in one quorum,
         at once when there is nothing to do, or past ``sync.final_wait_s`` (module doc:
         Timeouts). Never raises."""
-        s = self.s  # type: ignore[attr-defined]
+        st = self.st
+        s = st.s
         bound: timedelta = s.final_wait
-        if not self._final_outage or bound.total_seconds() <= 0 or s.group_world_size != 1:
+        if not self.outage or bound.total_seconds() <= 0 or s.group_world_size != 1:
             return
-        health = self.health["inner"]  # type: ignore[attr-defined]
+        health = st.health["inner"]
         t0 = time.time()
         deadline = t0 + bound.total_seconds()
-        self.events("final_wait", state="start", step=self.counters.step, bound_s=bound.total_seconds())  # type: ignore[attr-defined]
+        st.events("final_wait", state="start", step=st.counters.step, bound_s=bound.total_seconds())
         while not health.probe():
             if time.time() >= deadline:
                 return self._final_gave_up(t0, "the cluster lighthouse did not answer")
             time.sleep(min(1.0, max(0.0, deadline - time.time())))
-        job_done, self.job_done = self.job_done, None  # type: ignore[attr-defined,has-type]
+        job_done, st.job_done = st.job_done, None
         try:
             return self._reconcile(t0, deadline)
         except (FatalSyncError, JobFinished) as e:
             return self._final_gave_up(t0, f"a join round failed ({type(e).__name__}: {str(e)[:200]})")
         finally:
-            self.job_done = job_done  # type: ignore[attr-defined]
+            st.job_done = job_done
 
     def _reconcile(self, t0: float, deadline: float) -> None:
         """Join rounds until one commits with the whole cluster in its quorum."""
-        s = self.s  # type: ignore[attr-defined]
+        st = self.st
+        s = st.s
         while True:
-            self._last_quorum_size = 0  # a round that fails before its quorum leaves no stale size
-            committed = self.round(join=True)  # type: ignore[attr-defined]
-            size = self._last_quorum_size
+            committed, size = self.join_round()
             if committed and size >= s.replicas_per_cluster:
-                self._final_outage = False
-                self.events("final_wait", state="done", step=self.counters.step, quorum=size, waited_s=round(time.time() - t0, 2))  # type: ignore[attr-defined]
-                logger.info("%s reconciled with its cluster after the final round's outage (%.1fs)", self.id, time.time() - t0)  # type: ignore[attr-defined]
+                self.outage = False
+                st.events("final_wait", state="done", step=st.counters.step, quorum=size, waited_s=round(time.time() - t0, 2))
+                logger.info("%s reconciled with its cluster after the final round's outage (%.1fs)", st.id, time.time() - t0)
                 return
             if time.time() >= deadline:
                 return self._final_gave_up(t0, f"{size} of {s.replicas_per_cluster} replica groups in the quorum")
             time.sleep(0.2)
 
     def _final_gave_up(self, t0: float, why: str) -> None:
-        self.events("final_wait", state="gave_up", step=self.counters.step, why=why, waited_s=round(time.time() - t0, 2))  # type: ignore[attr-defined]
+        st = self.st
+        st.events("final_wait", state="gave_up", step=st.counters.step, why=why, waited_s=round(time.time() - t0, 2))
         logger.warning("%s ends with its own model: %s within sync.final_wait_s=%gs after the final round's outage",
-                       self.id, why, self.s.final_wait.total_seconds())  # type: ignore[attr-defined]
+                       st.id, why, st.s.final_wait.total_seconds())
