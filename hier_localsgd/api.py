@@ -145,6 +145,7 @@ class HierarchicalDiLoCo:
         self._ckpt_due = False
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step), inner_optimizer.register_step_post_hook(self._post_step)]
         self._loss = float("nan")
+        self.steps_without_state = 0  # steps adopted from another cluster without user state
         self._step_start: Optional[float] = None
         self._forward_ready = False
         self.local_step_times: List[float] = []  # steps without a sync (overhead measurements)
@@ -230,7 +231,10 @@ class HierarchicalDiLoCo:
             time.sleep(max(0.0, tr.min_step_time_s - (time.perf_counter() - self._step_start)))
         c = self.counters
         c.step += 1  # every replica advances its own step counter (I5)
+        before, loads = c.step, self.user.loads
         synced = self.strategy.after_optimizer_step()  # hier/flat: a sync round at round boundaries
+        if c.step > before and self.user.loads == loads:  # the step moved on without the user's state (user_state.py)
+            self.steps_without_state += c.step - before
         if not synced and self._step_start is not None:
             if self.topology.device.type == "cuda":
                 torch.cuda.synchronize(self.topology.device)  # the step's kernels, not just their launch
@@ -296,6 +300,7 @@ class HierarchicalDiLoCo:
             "leader": self.strategy.leader, "checksum": checksum(flat.data), "finite": bool(torch.isfinite(flat.data).all()),
             "model_params": flat.numel, "model_bytes": flat.nbytes, "link": self.strategy.link_stats(),
             "work": self.strategy.work_counters(), "param_dtype": str(flat.data.dtype), "train_loss": self._loss,
+            "user_state": {"names": sorted(self.user.objects), "loads": self.user.loads, "steps_without_state": self.steps_without_state},
             "local_step_s": trimmed_mean(self.local_step_times), "local_steps_timed": len(self.local_step_times),
             "step_s": getattr(self, "_loop_s", 0.0) / getattr(self, "_loop_steps", 1),  # mean over the loop, syncs included
             "device": str(self.topology.device), **memory_stats(self.topology.device), "wall_s": time.time() - self._t0,

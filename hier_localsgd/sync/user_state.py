@@ -18,6 +18,12 @@ A durable checkpoint is written at the next loop boundary after its round, with 
 take: exact. Keep registered state small (positions, counters, schedules, RNG state): it is
 copied before every step. A donor never reads the user's objects from another thread.
 
+What does not carry it: a cluster that adopts a later global model from another cluster
+(its leader healed at the outer level, or the broadcast of an outer round it was behind
+in) takes that cluster's step but keeps its own user state, so its schedule and data
+position fall behind by the steps it skipped. :class:`~hier_localsgd.HierarchicalDiLoCo`
+counts them (``user_state.steps_without_state`` in its result).
+
 A rollback leaves the user state as it is: the step counter keeps advancing through a
 failed round (invariant I5), and so do the scheduler and data position.
 """
@@ -48,6 +54,7 @@ class UserState:
                 raise TypeError(f"state[{name!r}]: {type(obj).__name__} has no state_dict()/load_state_dict(); "
                                 "register objects that have both (wrap a plain value in a small class)")
         self._taken: Dict[str, Any] = {}
+        self.loads = 0  # states received (heals, a checkpoint)
         self.take()
 
     def take(self) -> None:
@@ -74,4 +81,5 @@ class UserState:
                              "every replica group must register the same state")
         for name, obj in self.objects.items():
             obj.load_state_dict(copy.deepcopy(received[name]))
+        self.loads += 1
         self._taken = copy.deepcopy({name: received[name] for name in self.objects})
