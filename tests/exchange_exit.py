@@ -2,7 +2,7 @@
 
 Issue #30: a linkcheck worker exited -6 with "terminate called without an active
 exception". gdb on a reproduction showed the cause: the helper thread that completes an
-all-to-all/all-gather exchange (core/link.py, ``_PeerWork``) was still inside the torch
+all-to-all/all-gather exchange (core/link.py, ``PeerWork``) was still inside the torch
 future's completion, which releases the GIL and wakes the waiter, when the main thread
 went on to finalize the interpreter; the helper, a daemon, asked for the GIL back during
 finalization and was ended by ``pthread_exit``, whose unwinding through that C++ frame
@@ -71,7 +71,7 @@ def pairs(n: int) -> list:
 
 
 def finalizing() -> None:
-    from hier_localsgd.core.link import _PeerWork
+    from hier_localsgd.core.works import PeerWork
 
     ballast = [[i] for i in range(2_000_000)]  # noqa: F841  (walked by the collector at exit)
     go, woken = threading.Event(), threading.Event()
@@ -85,7 +85,7 @@ def finalizing() -> None:
         woken.set()  # the main thread runs on and leaves the interpreter ...
         time.sleep(0.1)  # ... while this thread is still inside the future's completion
 
-    work = _PeerWork([Sent()], [torch.zeros(1)], timedelta(seconds=10))
+    work = PeerWork([Sent()], [torch.zeros(1)], timedelta(seconds=10))
     work.get_future().add_done_callback(slow_callback)
     go.set()
     if not woken.wait(10):

@@ -61,6 +61,7 @@ from hier_localsgd.core.addresses import STORE_ATTEMPT_S, connect_store
 from hier_localsgd.core.device import NCCL_BACKENDS, comm_device
 from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.core.presence import quorum_tag
+from hier_localsgd.core.works import ChainedWork, DoneWork, FailedWork, PeerWork
 from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
 
 logger = logging.getLogger(__name__)
@@ -148,101 +149,6 @@ class LinkStats:
         if self.emulation is not None:
             out["loss"] = self.emulation.stats()
         return out
-
-
-class _DoneWork(Work):
-    """A collective that already completed (emulated links run synchronously)."""
-
-    def __init__(self, result: List[torch.Tensor]) -> None:
-        super().__init__()
-        self._fut: torch.futures.Future = torch.futures.Future()
-        self._fut.set_result(result)
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
-
-
-class _FailedWork(Work):
-    """The real collective's work, reported as failed (an injected link failure)."""
-
-    def __init__(self, work: Work, exc: Exception) -> None:
-        super().__init__()
-        self._work = work
-        self._exc = exc
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        self._work.wait()
-        raise self._exc
-
-    def get_future(self) -> torch.futures.Future:
-        exc = self._exc
-
-        def fail(_: torch.futures.Future) -> None:
-            raise exc
-
-        return self._work.get_future().then(fail)
-
-
-class _PeerWork(Work):
-    """The point-to-point sends and receives of one exchange, as one work with a future.
-
-    Gloo's send/recv works have no future (``Work::getFuture not implemented``), which the
-    comm layer waits on (comm.LevelComm._complete): a helper thread waits on them, at most
-    ``timeout`` in all, and completes the future with ``result`` or their error.
-
-    The helper is not a daemon, so the interpreter joins it before it finalizes. Completing
-    a torch future releases the GIL (pybind11) and wakes the waiter, and the helper takes
-    the GIL back only afterwards. Woken first, a main thread that then leaves the
-    interpreter starts finalization; a daemon helper that asks for the GIL during it is
-    ended with ``pthread_exit``, whose unwinding through that C++ frame calls
-    ``std::terminate`` ("terminate called without an active exception", SIGABRT: issue
-    #30, seen in gdb). Joining costs microseconds after a completed exchange and at most
-    the exchange's own ``timeout`` after an abandoned one (a peer stopped mid-exchange)."""
-
-    def __init__(self, works: List[Work], result: List[torch.Tensor], timeout: timedelta) -> None:
-        super().__init__()
-        self._fut: torch.futures.Future = torch.futures.Future()
-        if not works:
-            self._fut.set_result(result)
-            return
-
-        def wait_all() -> None:
-            end = time.monotonic() + timeout.total_seconds()
-            try:
-                for w in works:  # c10d reads a zero timeout as "none": never pass one
-                    w.wait(timedelta(seconds=max(0.001, end - time.monotonic())))
-            except Exception as e:
-                self._fut.set_exception(e)
-                return
-            self._fut.set_result(result)
-
-        threading.Thread(target=wait_all, name="link-exchange", daemon=False).start()
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        self._fut.wait()  # raises the exchange's error
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
-
-
-class _ChainedWork(Work):
-    """A collective's work followed by the copy of its staged result back (``fut``)."""
-
-    def __init__(self, work: Work, fut: torch.futures.Future) -> None:
-        super().__init__()
-        self._work, self._fut = work, fut
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        self._work.wait()
-        self._fut.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
 
 
 def backend_pg(backend: str, timeout: timedelta) -> ProcessGroup:
@@ -404,7 +310,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             exc, self._armed = self._armed[0], None
         self.stats.injected_failures += 1
         logger.warning("%s link: injecting failure %r", self.level, exc)
-        return _FailedWork(work, exc)
+        return FailedWork(work, exc)
 
     @staticmethod
     def _nbytes(tensors: List[torch.Tensor]) -> int:
@@ -444,7 +350,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
                 o.copy_(b)
             return outputs
 
-        return _ChainedWork(work, work.get_future().then(back))
+        return ChainedWork(work, work.get_future().then(back))
 
     # -- collectives -----------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: object) -> Work:
@@ -481,7 +387,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         bound = emu.spec.allreduce_time(n, self._world)
         emu.pad(started, bound)
         self.stats.timed("allreduce", self._kind, started, bound)
-        return self._finish(_DoneWork(tensors))
+        return self._finish(DoneWork(tensors))
 
     def _lossy_allreduce(self, t: torch.Tensor, opts: object) -> None:
         emu = self.emu
@@ -528,7 +434,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         bound = emu.spec.broadcast_time(n, self._world)
         emu.pad(started, bound)
         self.stats.timed("broadcast", self._kind, started, bound)
-        return self._finish(_DoneWork(tensor_list))
+        return self._finish(DoneWork(tensor_list))
 
     def _lossy_broadcast(self, t: torch.Tensor, root: int, opts: object) -> None:
         """Receivers replace lost packets: ``zero`` by 0, ``stale``/``rescale`` by their own
@@ -577,7 +483,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         bound = emu.spec.allgather_time(n, self._world)
         emu.pad(started, bound)
         self.stats.timed("allgather", self._kind, started, bound)
-        return self._finish(_DoneWork(input_tensor))
+        return self._finish(DoneWork(input_tensor))
 
     @property
     def quorum_rank(self) -> int:
@@ -615,7 +521,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         bound = emu.spec.allgather_time(row, self._world)  # W−1 rows of `row` bytes each way
         emu.pad(started, bound)
         self.stats.timed("alltoall", self._kind, started, bound)
-        return self._finish(_DoneWork([output_buffer]))
+        return self._finish(DoneWork([output_buffer]))
 
     # -- all-to-all and all-gather as concurrent point-to-point exchanges ---------------
     # Gloo's own alltoall and allgather moved their bytes at 2.07x and 1.57x the
@@ -635,7 +541,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
                 works.append(self.parent.recv([recvs[j]], j, tag))
             if j in sends:
                 works.append(self.parent.send([sends[j]], j, tag))
-        return _PeerWork(works, result, timeout)
+        return PeerWork(works, result, timeout)
 
     def _exchange_alltoall(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, opts: object) -> Work:
         ins, outs = input_buffer.view(self._world, -1), output_buffer.view(self._world, -1)
