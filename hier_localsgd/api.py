@@ -29,6 +29,8 @@ the process through the runtime (heartbeats stop first), so its launcher restart
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -114,13 +116,15 @@ class HierarchicalDiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, topology: Topology,
                  sync: Optional[SyncConfig] = None, state: Optional[Mapping[str, Stateful]] = None) -> None:
         cfg = topology.config
-        if sync is not None:
-            sync.check(cfg.topology)
-            cfg.sync = sync
+        if sync is not None:  # the whole configuration checked again with it (cross-section checks too)
+            from hier_localsgd.config import validate
+
+            cfg = dataclasses.replace(cfg, sync=sync)
+            validate(cfg, "train")
         self.topology, self.config, self.model, self.optimizer = topology, cfg, model, inner_optimizer
         ident, grp, rt = topology.identity, topology.group, topology.runtime
         self._t0 = time.time()
-        self.user = UserState(state)
+        self.user = UserState(state, optimizer=inner_optimizer)
         self.pub = self._publisher()
         LOG_TAG.set_role("member")
         self.tracker = PhaseTracker(
@@ -150,7 +154,8 @@ class HierarchicalDiLoCo:
         self._forward_ready = False
         self.local_step_times: List[float] = []  # steps without a sync (overhead measurements)
         self._loop_start: Optional[tuple] = None
-        self._finished = self._published = False
+        self._finished = False
+        self._published: Optional[Dict[str, Any]] = None
         self.extra_status: Dict[str, Any] = {}  # fields added to every progress status (the built-in trainer: TP stats)
 
     # -- the loop --------------------------------------------------------------
@@ -158,7 +163,8 @@ class HierarchicalDiLoCo:
         self.pub.update(state="ready")
         wait_for_gate(self.config.run.start_gate, self.config.timeouts_obj().startup.total_seconds())
         self.pub.update(state="running")
-        self.strategy.start()  # join round: a restarted group heals here, before any local step
+        with self._count_steps_without_state():
+            self.strategy.start()  # join round: a restarted group heals here, before any local step
         self._loop_start = (time.perf_counter(), self.counters.step)
         return self
 
@@ -200,10 +206,11 @@ class HierarchicalDiLoCo:
         """The step's training loss, for the status, log lines and TensorBoard (optional)."""
         self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
-    def record_eval(self, loss: float, floor: Optional[float] = None, eval_s: Optional[float] = None) -> None:
-        """An evaluation at the current step: an ``eval`` event (the bench and the dashboard
-        read them), the status and TensorBoard. ``floor``: the data's entropy floor, if known."""
-        step = self.counters.step
+    def record_eval(self, loss: float, floor: Optional[float] = None, eval_s: Optional[float] = None, step: Optional[int] = None) -> None:
+        """An evaluation at ``step`` (default: the current step): an ``eval`` event (the bench
+        and the dashboard read them), the status and TensorBoard. ``floor``: the data's
+        entropy floor, if known. Step 0 is the run's starting loss."""
+        step = self.counters.step if step is None else step
         self.pub.event("eval", step=step, loss=loss, floor=floor, bytes={lv: st["sent_bytes_total"] for lv, st in self.strategy.link_stats().items()},
                        **({"eval_s": eval_s} if eval_s is not None else {}))
         if step == 0:
@@ -231,10 +238,8 @@ class HierarchicalDiLoCo:
             time.sleep(max(0.0, tr.min_step_time_s - (time.perf_counter() - self._step_start)))
         c = self.counters
         c.step += 1  # every replica advances its own step counter (I5)
-        before, loads = c.step, self.user.loads
-        synced = self.strategy.after_optimizer_step()  # hier/flat: a sync round at round boundaries
-        if c.step > before and self.user.loads == loads:  # the step moved on without the user's state (user_state.py)
-            self.steps_without_state += c.step - before
+        with self._count_steps_without_state():
+            synced = self.strategy.after_optimizer_step()  # hier/flat: a sync round at round boundaries
         if not synced and self._step_start is not None:
             if self.topology.device.type == "cuda":
                 torch.cuda.synchronize(self.topology.device)  # the step's kernels, not just their launch
@@ -248,6 +253,14 @@ class HierarchicalDiLoCo:
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             self._log_progress()
         self._step_start, self._forward_ready = None, False
+
+    @contextlib.contextmanager
+    def _count_steps_without_state(self) -> Iterator[None]:
+        """Steps the counter moved on by without the user's state arriving (user_state.py)."""
+        before, loads = self.counters.step, self.user.loads
+        yield
+        if self.counters.step > before and self.user.loads == loads:
+            self.steps_without_state += self.counters.step - before
 
     def _save_due_checkpoint(self) -> None:
         if self._ckpt_due and self.ckpt is not None:
@@ -286,7 +299,8 @@ class HierarchicalDiLoCo:
             self._finished = True
             self.user.take()  # the loop is over: its state is complete
             self._save_due_checkpoint()
-            self.strategy.finish()
+            with self._count_steps_without_state():
+                self.strategy.finish()
             if self._loop_start is not None:
                 t, s = self._loop_start
                 self._loop_s, self._loop_steps = time.perf_counter() - t, max(1, self.counters.step - s)
@@ -310,10 +324,10 @@ class HierarchicalDiLoCo:
         """Publishes the result record (with ``extra`` fields) where the demo's summary, the
         chaos report and the dashboard read it; waits for pending checkpoint writes. Once."""
         self.finish()
+        if self._published is not None:
+            return self._published
         result = {**self.result(), **extra}
-        if self._published:
-            return result
-        self._published = True
+        self._published = result
         self.flat.check_in_place()
         if self.ckpt is not None:
             self.ckpt.wait()
@@ -351,10 +365,20 @@ class HierarchicalDiLoCo:
     def _flat_params(self, model: torch.nn.Module) -> Any:
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2 inside the group: each rank syncs its shard
+        from hier_localsgd.schema import fail
+
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        shards = self.config.group.rank_shards(self.topology.group.size)  # the sync syncs each rank's own shard
+        if sharded and not shards:
+            fail("group.sharding", f"{self.config.group.sharding!r} — the model's parameters are FSDP2 shards (DTensor): "
+                 "set group.sharding=fsdp so each rank syncs its own shard (with several ranks per group)")
+        if sharded:  # FSDP2 inside the group: each rank syncs its shard
             from hier_localsgd.core.fsdp import ShardedParams
 
             return ShardedParams(model)
+        if shards and self.config.group.parallel != "tp":
+            fail("group.sharding", "fsdp — but the model's parameters are not FSDP2 shards: apply fully_shard over "
+                 "topology.group.pg before building HierarchicalDiLoCo, or set group.sharding=ddp")
         # ddp: gradients as one flat buffer, which it all-reduces across replica groups.
         return FlatParams(model, flat_grads=self.config.sync.mode == "ddp")
 

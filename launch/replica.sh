@@ -75,10 +75,11 @@ if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
   else
     where=(--standalone)
   fi
-  if [[ ${#program[@]} -gt 0 ]]; then  # torchrun runs a script itself, or a command with --no-python
-    if [[ "$(basename "${program[0]}")" == python* ]]; then train=("${program[@]:1}"); else train=(--no-python "${program[@]}"); fi
+  py="${PYTHON:-python3}"
+  if [[ ${#program[@]} -gt 0 ]]; then  # torchrun runs a script with the program's python, or a command with --no-python
+    if [[ "$(basename "${program[0]}")" == python* ]]; then py="${program[0]}"; train=("${program[@]:1}"); else train=(--no-python "${program[@]}"); fi
   fi
-  cmd=("${PYTHON:-python3}" -m torch.distributed.run "${where[@]}" --nproc-per-node "$ranks"
+  cmd=("$py" -m torch.distributed.run "${where[@]}" --nproc-per-node "$ranks"
        --max-restarts "$max_restarts" --tee 3 --local-ranks-filter 0
        --log-dir "$run_dir/logs/c${cluster}r${replica}.ranks" "${train[@]}")
 elif [[ ${#program[@]} -gt 0 ]]; then

@@ -137,3 +137,35 @@ def test_a_users_state_resumes_from_a_durable_checkpoint(tmp_path):
         r = resumed.job.result(k)
         assert r["steps"] == 60 and r["scheduler_steps"] == 60 and r["data_position"] == 60, r
     assert resumed.summary["consistent"]
+
+
+def test_a_rollback_keeps_the_schedulers_lr_and_a_heal_brings_the_donors():
+    """optimizer.load_state_dict restores the lr of the commit; the live one is re-applied
+    (rollback) or the donor's taken with its state (heal): ExponentialLR stays on schedule."""
+    from hier_localsgd.sync.user_state import hyperparameters, set_hyperparameters
+
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    backup = opt.state_dict()  # the commit, at lr 1.0
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    live = hyperparameters(opt)
+    opt.load_state_dict(backup)  # what a rollback does ...
+    assert opt.param_groups[0]["lr"] == 1.0
+    set_hyperparameters(opt, live)  # ... and what committed.py re-applies
+    assert opt.param_groups[0]["lr"] == 0.125 and sched.get_last_lr() == [0.125]
+
+    donor_opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    donor_sched = torch.optim.lr_scheduler.ExponentialLR(donor_opt, gamma=0.5)
+    for _ in range(5):
+        donor_opt.step()
+        donor_sched.step()
+    donor = UserState({"scheduler": donor_sched}, optimizer=donor_opt)
+    healed = UserState({"scheduler": sched}, optimizer=opt)
+    opt.load_state_dict(backup)  # a heal loads the donor's committed optimizer first ...
+    healed.load(donor.served(), "the donor")  # ... then its state, lr included
+    assert opt.param_groups[0]["lr"] == 0.5 ** 5 and sched.last_epoch == 5
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.5 ** 6

@@ -37,17 +37,22 @@ from hier_localsgd.core.fragments import Ranges, gather, scatter_
 ALGORITHMS = ("localsgd", "diloco")
 
 
+# DiLoCo's outer optimizer (Douillard et al.): the one home of these defaults.
+DILOCO_LR = 0.7
+DILOCO_MOMENTUM = 0.9
+
+
 @dataclass(frozen=True)
 class LevelAlgorithm:
     """Configuration of one level's outer update."""
 
     name: str = "diloco"
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = DILOCO_LR
+    momentum: float = DILOCO_MOMENTUM
     nesterov: bool = True
 
     @classmethod
-    def build(cls, name: str, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> "LevelAlgorithm":
+    def build(cls, name: str, lr: float = DILOCO_LR, momentum: float = DILOCO_MOMENTUM, nesterov: bool = True) -> "LevelAlgorithm":
         if name not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {name!r} (expected one of {ALGORITHMS})")
         if name == "localsgd":

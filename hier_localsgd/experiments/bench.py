@@ -238,7 +238,7 @@ def sync_eval(cfg: Config) -> List[str]:
     the outer round's snapshot, and with streaming fragments by the fragments not synced
     in that round."""
     s = cfg.sync
-    period = s.inner.every * s.outer.every
+    period = s.outer_period
     if s.mode == "hier":
         return [f"train.eval_every={period}", f"train.eval_offset={(s.outer.delay * s.inner.every) % period}"]
     if s.mode == "flat":

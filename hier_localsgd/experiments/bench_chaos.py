@@ -43,7 +43,7 @@ def run_chaos_arm(base: List[str], out: Path, target: float, steps: int) -> Dict
     returns per mode goodput, time and steps to ``target``, final loss, consistency."""
     run_dir, report_path = out / "chaos", out / "chaos" / "chaos_report.json"
     probe = load_config([*base, "sync.mode=hier"], validate_for="demo")
-    period = probe.sync.inner.every * probe.sync.outer.every
+    period = probe.sync.outer_period
     over = [*base, f"train.steps={steps}", "sync.mode=hier", f"sync.flat.every={period}", *sync_eval(probe),
             "chaos.compare_flat=true", "chaos.baseline=false", f"chaos.report={report_path}", f"run.dir={run_dir}"]
     cfg = load_config(over, validate_for="chaos")

@@ -26,12 +26,9 @@ TorchX 0.7 pins ``urllib3<1.27``, so it is an optional extra); :func:`hier`
 turns that into a ``torchx.specs.AppDef``.
 """
 
-import json
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
-
-from hier_localsgd.core.runtime import OVERRIDES_ENV
 
 DEFAULT_GLOBAL = "http://localhost:29510"
 DEFAULT_CLUSTER_PORT = 29511
@@ -68,7 +65,7 @@ def job_roles(
     ``overrides`` are hydra overrides shared by every role (model, sync, steps...);
     the topology and lighthouse addresses are set here and must not be among them.
     ``program``: a user's script on the public API (docs/api.md) that each replica group
-    runs instead of the built-in trainer; its overrides reach it in HIER_LOCALSGD_OVERRIDES.
+    runs instead of the built-in trainer, with the overrides as its arguments.
     Raises ``ValueError`` naming the bad argument.
     """
     for name, value in (("clusters", clusters), ("replicas", replicas), ("ranks", ranks)):
@@ -101,13 +98,11 @@ def job_roles(
             if ranks > 1:
                 torchrun += ["--tee=3", "--local-ranks-filter=0"]
             mine = [*common, f"run.cluster={c}", f"run.replica={r}"]
-            env = {"PYTHONUNBUFFERED": "1"}
-            if program:
-                env[OVERRIDES_ENV] = json.dumps(mine)
-                train = [program]
-            else:
-                train = ["-m", "hier_localsgd", "train", *mine]
-            roles.append(RoleSpec(f"c{c}r{r}", python, [*torchrun, *train], env))
+            # A user's program takes the overrides as its arguments (job.config_from_env reads
+            # them there too): a scheduler may pass the environment comma-separated (Slurm's
+            # srun --export), and a JSON list has commas.
+            train = [program, *mine] if program else ["-m", "hier_localsgd", "train", *mine]
+            roles.append(RoleSpec(f"c{c}r{r}", python, [*torchrun, *train], {"PYTHONUNBUFFERED": "1"}))
     return roles
 
 

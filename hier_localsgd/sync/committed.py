@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from hier_localsgd.sync.user_state import hyperparameters, set_hyperparameters
 from hier_localsgd.core import guard
 from hier_localsgd.core.device import host_copy, host_state, host_state_finite
 from hier_localsgd.core.flat import checksum, checksum_int
@@ -164,7 +165,9 @@ class CommittedState:
         (before the poisoned steps), or starts afresh if that state is not finite either."""
         st = self.st
         if host_state_finite(self.opt_backup):
+            live = hyperparameters(st.opt)  # a scheduler's lr stays where the loop has it (user_state.py)
             st.opt.load_state_dict(copy.deepcopy(self.opt_backup))
+            set_hyperparameters(st.opt, live)
             st.events("optimizer_restored", step=st.counters.step, how="last commit")
         else:
             st.opt.state.clear()
@@ -180,7 +183,9 @@ class CommittedState:
         st.tracker.enter(Phase.ROLLBACK, None, reason=reason)
         # the committed slice may have moved this round (resync, or a final outer commit)
         self.publish()
+        live = hyperparameters(st.opt)  # a scheduler's lr stays where the loop has it (user_state.py)
         st.opt.load_state_dict(copy.deepcopy(self.opt_backup))
+        set_hyperparameters(st.opt, live)
         st.tracker.set_counters(step=st.counters.step, outer_round=st.counters.outer_round)
         st.events("rollback", level="inner", reason=reason, step=st.counters.step)
         st.tracker.enter(Phase.LOCAL)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hier_localsgd.core.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
-from hier_localsgd.core.level import ALGORITHMS
+from hier_localsgd.core.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
 from hier_localsgd.schema import fail
 from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
@@ -43,8 +43,8 @@ class LevelConfig:
     # outer: inner rounds between an outer round's launch and its result's application
     # (overlap.py; 0 = blocking). flat: torchft DiLoCo's fragment_sync_delay (local steps).
     delay: int = 0
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = DILOCO_LR
+    momentum: float = DILOCO_MOMENTUM
     nesterov: bool = True
     # outer only: quantize the pseudo-gradient the leaders reduce (sync/compression.py):
     # none | int8 | fp8, one fp32 scale per block of compression_block elements
@@ -165,6 +165,12 @@ class SyncConfig:
     failed_round: str = "rollback"
     # Contributions screened for non-finite or outsized values (core/guard.py).
     poison: PoisonConfig = field(default_factory=PoisonConfig)
+
+    @property
+    def outer_period(self) -> int:
+        """Local steps between the hierarchy's outer rounds (the whole model; one fragment
+        of ``outer.fragments`` every outer_period / fragments)."""
+        return self.inner.every * self.outer.every
 
     def check(self, topology: TopologyConfig) -> None:
         t = topology

@@ -31,7 +31,7 @@ failed round (invariant I5), and so do the scheduler and data position.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Mapping, Optional, Protocol
+from typing import Any, Dict, List, Mapping, Optional, Protocol
 
 
 class Stateful(Protocol):
@@ -40,15 +40,34 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> Any: ...
 
 
+PARAM_GROUPS = "__param_groups__"  # the inner optimizer's live hyperparameters, served with the state
+
+
+def hyperparameters(optimizer: Any) -> List[Dict[str, Any]]:
+    """An optimizer's per-group hyperparameters (lr, betas, ...: what a scheduler moves)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def set_hyperparameters(optimizer: Any, groups: List[Dict[str, Any]]) -> None:
+    for g, hp in zip(optimizer.param_groups, groups):
+        g.update(copy.deepcopy(hp))
+
+
 class UserState:
-    """Named objects with ``state_dict``/``load_state_dict``.
+    """Named objects with ``state_dict``/``load_state_dict``, and the inner optimizer's live
+    hyperparameters: ``optimizer.load_state_dict`` (a rollback, a heal) restores the
+    hyperparameters of the commit it came from, which a scheduler that computes the next lr
+    from the current one (StepLR, ExponentialLR, ...) would then carry forward. A rollback
+    re-applies the live ones (committed.py); a heal applies the donor's, taken with its
+    state.
 
     Raises:
         TypeError: (at construction) naming an object that lacks either method.
     """
 
-    def __init__(self, objects: Optional[Mapping[str, Stateful]] = None) -> None:
+    def __init__(self, objects: Optional[Mapping[str, Stateful]] = None, optimizer: Optional[Any] = None) -> None:
         self.objects: Dict[str, Stateful] = dict(objects or {})
+        self.optimizer = optimizer
         for name, obj in self.objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"state[{name!r}]: {type(obj).__name__} has no state_dict()/load_state_dict(); "
@@ -59,7 +78,10 @@ class UserState:
 
     def take(self) -> None:
         """Copies every object's state now (training thread): what a donor serves next."""
-        self._taken = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.objects.items()}
+        taken = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.objects.items()}
+        if self.optimizer is not None:
+            taken[PARAM_GROUPS] = copy.deepcopy(hyperparameters(self.optimizer))
+        self._taken = taken
 
     def served(self) -> Dict[str, Any]:
         """The last state taken (safe from any thread: a dict that is replaced, never mutated)."""
@@ -72,14 +94,14 @@ class UserState:
             ValueError: naming the registered object the donor did not send (the two
                 processes registered different state: a program mismatch).
         """
-        if not self.objects:
-            return
+        self.loads += 1
         received = received or {}
         missing = sorted(set(self.objects) - set(received))
         if missing:
-            raise ValueError(f"{source} holds no user state {missing} (it registered {sorted(received)}): "
+            raise ValueError(f"{source} holds no user state {missing} (it registered {sorted(k for k in received if k != PARAM_GROUPS)}): "
                              "every replica group must register the same state")
         for name, obj in self.objects.items():
             obj.load_state_dict(copy.deepcopy(received[name]))
-        self.loads += 1
-        self._taken = copy.deepcopy({name: received[name] for name in self.objects})
+        if self.optimizer is not None and PARAM_GROUPS in received:
+            set_hyperparameters(self.optimizer, received[PARAM_GROUPS])  # after the optimizer's own load
+        self._taken = copy.deepcopy(received)
