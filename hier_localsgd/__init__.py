@@ -33,8 +33,8 @@ _HOMES = {
     "Topology": "hier_localsgd.job", "run": "hier_localsgd.job", "config_from_env": "hier_localsgd.job",
     "OVERRIDES_ENV": "hier_localsgd.core.runtime",
     "load_config": "hier_localsgd.config", "Config": "hier_localsgd.config",
-    "ConfigError": "hier_localsgd.schema",
-    "SyncConfig": "hier_localsgd.sync.types", "LevelConfig": "hier_localsgd.sync.types",
+    "ConfigError": "hier_localsgd.errors",
+    "SyncConfig": "hier_localsgd.sync.sections", "LevelConfig": "hier_localsgd.sync.sections",
     "Stateful": "hier_localsgd.sync.user_state",
     "JobFinished": "hier_localsgd.sync.common", "FatalSyncError": "hier_localsgd.sync.common",
 }
@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from hier_localsgd.config import Config, load_config
     from hier_localsgd.core.runtime import OVERRIDES_ENV
     from hier_localsgd.job import Topology, config_from_env, run
-    from hier_localsgd.schema import ConfigError
+    from hier_localsgd.errors import ConfigError
     from hier_localsgd.sync.common import FatalSyncError, JobFinished
-    from hier_localsgd.sync.types import LevelConfig, SyncConfig
+    from hier_localsgd.sync.sections import LevelConfig, SyncConfig
     from hier_localsgd.sync.user_state import Stateful
 
 

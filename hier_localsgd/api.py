@@ -41,14 +41,14 @@ import torch
 from hier_localsgd.core.checkpoint import Checkpointer, rng_state, set_rng_state
 from hier_localsgd.core.device import memory_stats
 from hier_localsgd.core.faults import FaultPlan, fire
-from hier_localsgd.core.flat import FlatParams, checksum
+from hier_localsgd.core.flat_params import FlatParams, checksum
 from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime import EXIT_ERROR, EXIT_OK, EXIT_WATCHDOG, LOG_TAG
 from hier_localsgd.core.status import ReplicaPublisher, inbox_path
 from hier_localsgd.job import Topology, wait_for_gate, wait_for_lighthouse
 from hier_localsgd.sync.build import build_strategy
 from hier_localsgd.sync.common import JobFinished
-from hier_localsgd.sync.types import SyncConfig
+from hier_localsgd.sync.sections import SyncConfig
 from hier_localsgd.sync.user_state import Stateful, UserState
 
 logger = logging.getLogger("hier_localsgd.api")
@@ -365,7 +365,7 @@ class HierarchicalDiLoCo:
     def _flat_params(self, model: torch.nn.Module) -> Any:
         from torch.distributed.tensor import DTensor
 
-        from hier_localsgd.schema import fail
+        from hier_localsgd.errors import fail
 
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         shards = self.config.group.rank_shards(self.topology.group.size)  # the sync syncs each rank's own shard

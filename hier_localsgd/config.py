@@ -29,9 +29,9 @@ from hier_localsgd.core.timeouts import Timeouts, TimeoutsConfig
 from hier_localsgd.emulation.lossy import LinkSpec, LinksConfig
 from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig, TPSweepConfig, check_tp_sweep
 from hier_localsgd.launch.lighthouse import LighthouseConfig
-from hier_localsgd.schema import ConfigError, fail
+from hier_localsgd.errors import ConfigError, fail
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
-from hier_localsgd.sync.types import SyncConfig, TopologyConfig
+from hier_localsgd.sync.sections import SyncConfig, TopologyConfig
 from hier_localsgd.tools.dashboard.config import DashboardConfig
 from hier_localsgd.tools.deployment import MODEL_COMMANDS, moved_to
 from hier_localsgd.tools.plan.config import MOVED as PLAN_MOVED, PlanConfig

@@ -23,12 +23,12 @@ from torch import nn
 from torchft.coordination import LighthouseServer
 
 from hier_localsgd.core.faults import Fault, FaultPlan
-from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.flat_params import FlatParams
 from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.core.phases import PhaseTracker
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
-from hier_localsgd.sync.types import PoisonConfig
+from hier_localsgd.sync.sections import PoisonConfig
 from hier_localsgd.core.timeouts import Timeouts
 
 FAST_TIMEOUTS = Timeouts.from_seconds(

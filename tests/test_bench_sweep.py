@@ -14,7 +14,7 @@ import pytest
 from hier_localsgd.config import load_config
 from hier_localsgd.experiments.bench import sync_eval
 from hier_localsgd.experiments.bench_sweep import reach, stats, summarize, table
-from hier_localsgd.schema import ConfigError
+from hier_localsgd.errors import ConfigError
 
 
 def curve(losses, every):

@@ -118,7 +118,7 @@ def test_failed_syncs_are_retried_so_every_fragment_still_commits_once_per_F_com
 # groups, replica groups as threads so every local update is exact (harness.py).
 
 from harness import ThreadedHier, local_steps  # noqa: E402
-from hier_localsgd.core.flat import FlatParams  # noqa: E402
+from hier_localsgd.core.flat_params import FlatParams  # noqa: E402
 from hier_localsgd.core.fragments import flat_ranges, gather, localize, scatter_  # noqa: E402
 from hier_localsgd.sync.overlap import is_apply_round, is_launch_round  # noqa: E402
 

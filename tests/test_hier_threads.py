@@ -570,7 +570,7 @@ def test_finish_gives_up_at_its_bound_when_the_lighthouse_stays_out():
         local_steps(rep, update, 2)
         before[rep.key] = rep.flat.data.clone()
         rep.sync.health["inner"].probe = lambda: False
-        rep.sync.s = dataclasses.replace(rep.sync.s, final_wait=timedelta(seconds=1))
+        rep.sync.settings = dataclasses.replace(rep.sync.settings, final_wait=timedelta(seconds=1))
         t0 = time.monotonic()
         rep.sync.finish()
         took[rep.key] = time.monotonic() - t0

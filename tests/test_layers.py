@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # and chaos_faults (the fault kinds they name) sit below the root config that composes
 # them; the experiment drivers above it load configurations of their own.
 LAYERS: List[Tuple[str, Sequence[str]]] = [
-    ("base", ("hier_localsgd", "hier_localsgd.costs", "hier_localsgd.schema")),
+    ("base", ("hier_localsgd", "hier_localsgd.costs", "hier_localsgd.errors")),
     ("emulation", ("hier_localsgd.emulation",)),
     ("core", ("hier_localsgd.core",)),
     ("sync", ("hier_localsgd.sync",)),

@@ -133,7 +133,7 @@ def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from hier_localsgd.core.flat import FlatParams
+    from hier_localsgd.core.flat_params import FlatParams
     from hier_localsgd.train.model import build_model, lm_loss
 
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.flat_params import FlatParams
 from hier_localsgd.core.invariants import CollectiveGate, InvariantViolation, check_disjoint_tensors, check_distinct_clusters
 from hier_localsgd.core.phases import Phase, PhaseError, PhaseTracker
 

@@ -15,7 +15,7 @@ from hier_localsgd.core.guard import NONFINITE, Fingerprint, accepted_median, pl
 from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.core.status import read_events, replica_dir
 from hier_localsgd.sync.common import PoisonLimit
-from hier_localsgd.sync.types import PoisonConfig
+from hier_localsgd.sync.sections import PoisonConfig
 
 
 def fp(norm: float, weight: float = 1.0, ref: float = 0.0) -> Fingerprint:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hier_localsgd.schema import fail
+from hier_localsgd.errors import fail
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ I3 QUORUM_BEFORE_COLLECTIVE
 I4 PARAMETERS_WRITTEN_IN_PLACE
     Synchronisation reads and writes parameter *storage* under ``no_grad``; the
     model's Parameter objects (which the optimizer holds) are never replaced
-    (:class:`hier_localsgd.core.flat.FlatParams`).
+    (:class:`hier_localsgd.core.flat_params.FlatParams`).
 I5 COUNTERS_ADVANCE_EVERYWHERE
     The local-step counter is advanced by the training loop of every replica, not
     inside a leader-only code path; round counters are part of the replicated state.

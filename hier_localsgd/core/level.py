@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 
 from hier_localsgd.core.device import host_copy, wants_pinned
-from hier_localsgd.core.flat import checksum_int
+from hier_localsgd.core.flat_params import checksum_int
 from hier_localsgd.core.fragments import Ranges, gather, scatter_
 
 ALGORITHMS = ("localsgd", "diloco")

@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hier_localsgd import costs
 from hier_localsgd.config import Config, ConfigError, load_config
-from hier_localsgd.schema import fail
+from hier_localsgd.errors import fail
 from hier_localsgd.launch.local import LocalJob, child_env
 from hier_localsgd.launch.netns import tbf_transfer_s
 from hier_localsgd.core.link import sent_per_rank

@@ -13,8 +13,8 @@ from typing import List
 from hier_localsgd.core.faults import ROLES
 from hier_localsgd.core.phases import Phase
 from hier_localsgd.experiments.chaos_faults import KINDS
-from hier_localsgd.schema import fail
-from hier_localsgd.sync.types import MODES
+from hier_localsgd.errors import fail
+from hier_localsgd.sync.sections import MODES
 
 # bench.py; hier_int8 / hier_overlap_int8: hier / hier_overlap with sync.outer.compression=int8;
 # *_fragF: with F streaming fragments (sync.outer.fragments=F; bench.h_outer a multiple of F, overlapped >= 2F)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, List
 
 from hier_localsgd.core.addresses import parse_address
 from hier_localsgd.core.runtime import EXIT_CONFIG
-from hier_localsgd.schema import fail
+from hier_localsgd.errors import fail
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config

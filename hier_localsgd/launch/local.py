@@ -36,7 +36,7 @@ from hier_localsgd.core.addresses import LighthouseUnreachable, parse_address, p
 from hier_localsgd.core.runtime import OVERRIDES_ENV
 from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir, stop_path
 from hier_localsgd.launch.lighthouse import port_in_use
-from hier_localsgd.schema import fail
+from hier_localsgd.errors import fail
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config

@@ -37,7 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hier_localsgd.core.comm import LevelComm
-from hier_localsgd.core.flat import FlatParams, checksum
+from hier_localsgd.core.flat_params import FlatParams, checksum
 from hier_localsgd.core.fragments import Fragment, fragment_parameters, split_fragments
 from hier_localsgd.core.invariants import CollectiveGate
 from hier_localsgd.core.device import host_copy, host_state
@@ -89,7 +89,7 @@ class _Baseline:
     ) -> None:
         """``backend``: the process group's (core/device.py); a baseline's ring spans the
         clusters, so it takes the outer level's (``train.backends.outer``)."""
-        self.id, self.t, self.flat, self.opt = identity, timeouts, flat, optimizer
+        self.id, self.timeouts, self.flat, self.opt = identity, timeouts, flat, optimizer
         self.tracker, self.events = tracker, events
         tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
         self.counters = Counters()
@@ -184,7 +184,7 @@ class DDPSync(_Baseline):
         self._in_quorum = False
 
     def before_forward(self) -> None:
-        t = self.t
+        t = self.timeouts
         self.tracker.enter(Phase.INNER_QUORUM)
         try:
             q = self.mgr.start_quorum(self.tracker.remaining())
@@ -259,7 +259,7 @@ class FlatSync(_Baseline):
         self.algo.__enter__()  # registers the optimizer hooks that run the syncs
         self.work = {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0}
         # torchft's syncs run inside optimizer.step(): the LOCAL budget covers one.
-        self._budget = self.t.local_step + self.t.inner_quorum + self.t.inner_reduce + self.t.inner_commit
+        self._budget = self.timeouts.local_step + self.timeouts.inner_quorum + self.timeouts.inner_reduce + self.timeouts.inner_commit
 
     def start(self) -> None:
         self.tracker.enter(Phase.LOCAL, self._budget)

@@ -13,12 +13,12 @@ import torch
 
 from hier_localsgd.core.device import resolve_backend
 from hier_localsgd.core.faults import FaultPlan
-from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.flat_params import FlatParams
 from hier_localsgd.core.fragments import flat_ranges, split_fragments
 from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.core.phases import PhaseTracker
 from hier_localsgd.core.status import job_finished
-from hier_localsgd.schema import fail
+from hier_localsgd.errors import fail
 from hier_localsgd.sync.common import EventSink, SyncStrategy
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
 from hier_localsgd.sync.user_state import UserState

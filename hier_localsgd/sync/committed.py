@@ -20,7 +20,7 @@ import torch
 from hier_localsgd.sync.user_state import hyperparameters, set_hyperparameters
 from hier_localsgd.core import guard
 from hier_localsgd.core.device import host_copy, host_state, host_state_finite
-from hier_localsgd.core.flat import checksum, checksum_int
+from hier_localsgd.core.flat_params import checksum, checksum_int
 from hier_localsgd.core.level import Staged
 from hier_localsgd.core.phases import Phase
 from hier_localsgd.sync.common import OuterResult, Status
@@ -142,8 +142,8 @@ class CommittedState:
         One rank per group: a copy. Several: an all-gather over the group's own process
         group (never an FT group: ranks of one group share no FT group, I1)."""
         st = self.st
-        g = st.s.group_world_size
-        if g == 1 or st.s.group_shards:
+        g = st.settings.group_world_size
+        if g == 1 or st.settings.group_shards:
             self.model.copy_(st.inner.backup)
         else:
             import torch.distributed as dist
@@ -197,7 +197,7 @@ class CommittedState:
         that state, which no failure touched (updates are staged and applied only on commit)."""
         start = self.round_start_hash
         self.round_start_hash = None
-        return start is not None and self.st.s.group_world_size == 1 and self.inner_hash() == start
+        return start is not None and self.st.settings.group_world_size == 1 and self.inner_hash() == start
 
     def _keep_local(self, reason: str) -> None:
         """A failed round that keeps the local steps (sync.failed_round=keep_local): the
@@ -237,8 +237,8 @@ class CommittedState:
             return None
         steps = st.work["steps_since_commit"]
         base, live, behind_steps = self.inner_stale
-        behind = -(-max(behind_steps, steps) // st.s.h_inner)
-        if steps <= 0 or behind > st.s.inner_max_staleness:
+        behind = -(-max(behind_steps, steps) // st.settings.h_inner)
+        if steps <= 0 or behind > st.settings.inner_max_staleness:
             return None
         return live.to(st.flat.data.device), base, behind
 
@@ -277,7 +277,7 @@ class CommittedState:
             # applied at the sync point, on the training thread.
             self.pending_heal = sd
             return
-        if (self.inner_stale is None and st.s.inner_max_staleness > 0 and st.s.group_world_size == 1
+        if (self.inner_stale is None and st.settings.inner_max_staleness > 0 and st.settings.group_world_size == 1
                 and st.work["steps_since_commit"] > 0):
             # What the heal replaces: the work an inner stale update contributes (stale_inner),
             # on the host (committed state costs no device memory), and how many steps of

@@ -63,7 +63,7 @@ class FinalWait:
         at once when there is nothing to do, or past ``sync.final_wait_s`` (module doc:
         Timeouts). Never raises."""
         st = self.st
-        s = st.s
+        s = st.settings
         bound: timedelta = s.final_wait
         if not self.outage or bound.total_seconds() <= 0 or s.group_world_size != 1:
             return
@@ -86,7 +86,7 @@ class FinalWait:
     def _reconcile(self, t0: float, deadline: float) -> None:
         """Join rounds until one commits with the whole cluster in its quorum."""
         st = self.st
-        s = st.s
+        s = st.settings
         while True:
             committed, size = self.join_round()
             if committed and size >= s.replicas_per_cluster:
@@ -102,4 +102,4 @@ class FinalWait:
         st = self.st
         st.events("final_wait", state="gave_up", step=st.counters.step, why=why, waited_s=round(time.time() - t0, 2))
         logger.warning("%s ends with its own model: %s within sync.final_wait_s=%gs after the final round's outage",
-                       st.id, why, st.s.final_wait.total_seconds())
+                       st.id, why, st.settings.final_wait.total_seconds())

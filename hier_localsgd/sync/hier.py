@@ -85,7 +85,7 @@ from hier_localsgd.core import guard
 from hier_localsgd.core.comm import LevelComm, is_timeout
 from hier_localsgd.core.device import host_copy
 from hier_localsgd.core.faults import FaultPlan
-from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.flat_params import FlatParams
 from hier_localsgd.core.fragments import Ranges
 from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
 from hier_localsgd.core.level import Level
@@ -114,7 +114,7 @@ __all__ = ["HierSettings", "HierarchicalSync", "Identity"]
 
 def _shared(name: str) -> property:
     """An attribute of the round's :class:`SyncState`, read and set through the sync
-    (tests and the training loop reach ``sync.counters``, ``sync.s``, ...)."""
+    (tests and the training loop reach ``sync.counters``, ``sync.settings``, ...)."""
     return property(lambda self: getattr(self.st, name), lambda self, v: setattr(self.st, name, v))
 
 
@@ -134,7 +134,7 @@ class HierarchicalSync:
     shared :class:`SyncState` ``st``.
     """
 
-    s = _shared("s")
+    settings = _shared("settings")
     id = _shared("id")
     flat = _shared("flat")
     tracker = _shared("tracker")
@@ -185,7 +185,7 @@ class HierarchicalSync:
         overlap = settings.outer_delay > 0
         probe = min(timedelta(seconds=1), settings.quorum_slice)
         self.st = SyncState(
-            s=settings, id=identity, t=timeouts, flat=flat, opt=inner_optimizer, tracker=tracker, events=events,
+            settings=settings, id=identity, timeouts=timeouts, flat=flat, opt=inner_optimizer, tracker=tracker, events=events,
             faults=faults or FaultPlan([], identity.cluster, identity.replica), user=user_state or UserState(),
             part=part, slice_len=slice_len,
             group=group, group_store=group_store,  # group_store is already per attempt (trainer.py)
@@ -254,14 +254,14 @@ class HierarchicalSync:
         the job finished meanwhile raises :class:`JobFinished` (it exits 0).
         """
         st = self.st
-        deadline = time.time() + st.t.startup.total_seconds()
+        deadline = time.time() + st.timeouts.startup.total_seconds()
         while True:
             st.tracker.set_counters(step=st.counters.step)
             self.round(join=True)
-            if self._last_healed or self._last_quorum_size >= st.s.replicas_per_cluster:
+            if self._last_healed or self._last_quorum_size >= st.settings.replicas_per_cluster:
                 return
             if time.time() > deadline:
-                logger.warning("%s starting with %d of %d replica groups after %s", st.id, self._last_quorum_size, st.s.replicas_per_cluster, st.t.startup)
+                logger.warning("%s starting with %d of %d replica groups after %s", st.id, self._last_quorum_size, st.settings.replicas_per_cluster, st.timeouts.startup)
                 return
             # A restart that comes up just after the last group finished would otherwise wait
             # out the start-up and three outer quorums alone (seen: 150 s in test_overlap).
@@ -273,17 +273,17 @@ class HierarchicalSync:
         quorum meanwhile (early.py). Otherwise nothing: syncs happen at round boundaries."""
         st = self.st
         c = st.counters
-        if st.s.early_quorum and self._early is None and self.is_sync_step(c.step + 1):
+        if st.settings.early_quorum and self._early is None and self.is_sync_step(c.step + 1):
             progress = training_progress(c.outer_round, c.step + 1, c.inner_round)  # as the sync point would announce
             # The call may run a little past its budget (a last slice of >= 0.1 s, a lighthouse
             # probe, the group's configuration): it gets the phase's budget less a heartbeat
             # timeout, so it has ended by the time the sync point's own budget runs out.
-            full = st.t.phase(Phase.INNER_QUORUM)
-            budget = max(full - st.s.quorum_slice, full / 2)
+            full = st.timeouts.phase(Phase.INNER_QUORUM)
+            budget = max(full - st.settings.quorum_slice, full / 2)
             self.committed.defer_heal = True  # a heal it decides is applied at the sync point (committed.py)
             self.committed.serve_step = c.step + 1  # set before its thread starts: a donor may serve at once
             self._early = EarlyQuorum(
-                lambda: st.inner_mgr.start_quorum(budget, st.health["inner"], st.s.quorum_slice, progress=progress), c.step + 1)
+                lambda: st.inner_mgr.start_quorum(budget, st.health["inner"], st.settings.quorum_slice, progress=progress), c.step + 1)
 
     def before_optimizer_step(self) -> bool:
         """Local steps always apply; a failed round rolls them back later."""
@@ -314,20 +314,20 @@ class HierarchicalSync:
     def is_sync_step(self, step: int) -> bool:
         """A round ends at ``step``: every ``h_inner`` steps, and at the run's last step
         (``final_step``), which need not be a multiple of anything: a final partial round."""
-        return step % self.st.s.h_inner == 0 or self._is_final(step)
+        return step % self.st.settings.h_inner == 0 or self._is_final(step)
 
     def _is_final(self, step: int) -> bool:
-        return self.st.s.final_step > 0 and step == self.st.s.final_step
+        return self.st.settings.final_step > 0 and step == self.st.settings.final_step
 
     def is_outer_round(self) -> bool:
         """The round at the current step carries the outer level: on the schedule every
         cluster computes alike (overlap.is_launch_round), and at the run's last step, so the
         run ends on one synced model whatever ``train.steps`` is."""
-        s, step = self.st.s, self.st.counters.step
+        s, step = self.st.settings, self.st.counters.step
         return is_launch_round(step, s.h_inner, s.h_outer, s.num_fragments) or self._is_final(step)
 
     def is_apply_round(self) -> bool:
-        s = self.st.s
+        s = self.st.settings
         return is_apply_round(self.st.counters.step, s.h_inner, s.h_outer, s.outer_delay, s.num_fragments)
 
     def fragment_ranges(self, fragment: Optional[int]) -> Optional[Ranges]:
@@ -360,7 +360,7 @@ class HierarchicalSync:
         tr, c = st.tracker, st.counters
         # keep_local may keep this round's local steps only if what it committed has not
         # moved when the round fails (a heal, a resync or an outer commit moves it).
-        cs.round_start_hash = cs.inner_hash() if st.s.keep_local and not join else None
+        cs.round_start_hash = cs.inner_hash() if st.settings.keep_local and not join else None
         cs.inner_stale = None  # a heal in this round's quorum keeps what it replaced here
         st.poison.begin_round()
         tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
@@ -370,9 +370,9 @@ class HierarchicalSync:
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             outage(st, "inner", e)
-            if not join and st.s.final_step > 0 and c.step >= st.s.final_step:
+            if not join and st.settings.final_step > 0 and c.step >= st.settings.final_step:
                 self.final.outage = True  # finish() reconciles the cluster (final.py)
-            if st.leader and self.is_outer_round() and st.s.group_world_size == 1 and not join:
+            if st.leader and self.is_outer_round() and st.settings.group_world_size == 1 and not join:
                 ol.without_cluster()
             tr.enter(Phase.LOCAL, reason="cluster lighthouse not answering: round skipped")
             return False
@@ -399,7 +399,7 @@ class HierarchicalSync:
         weight = 0.0 if self._weight0_why else 1.0
         live, base, behind = stale if stale is not None else (st.flat.data[st.part], None, 0)
         # The screen's norm, per round of this member's work (a stale update spans several).
-        rounds = max(1.0, st.work["steps_since_commit"] / st.s.h_inner)
+        rounds = max(1.0, st.work["steps_since_commit"] / st.settings.h_inner)
         plan = consistency(
             st, st.inner_comm, q, "inner",
             guard.Fingerprint(cs.inner_hash(), c.outer_round, c.inner_round, c.step, weight,
@@ -431,7 +431,7 @@ class HierarchicalSync:
         # would still move the model by its momentum. Every member knows the total.
         outer_now = self.is_outer_round() and not v["idle"]
         outer_join = not outer_now and ol.join_wanted(join, q, plan)  # a cluster restarted whole
-        final = st.s.final_step > 0 and c.step >= st.s.final_step
+        final = st.settings.final_step > 0 and c.step >= st.settings.final_step
         if outer_join or (outer_now and (not ol.overlap or final)):
             if st.leader:
                 if final:
@@ -539,7 +539,7 @@ class HierarchicalSync:
             if not early.done():
                 raise FatalSyncError(f"an unused early inner quorum for step {early.step} did not end within its phase")
             cs.pending_heal, cs.defer_heal = None, False
-        return st.inner_mgr.start_quorum(tr.remaining(), st.health["inner"], st.s.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
+        return st.inner_mgr.start_quorum(tr.remaining(), st.health["inner"], st.settings.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
 
     def _final_join_round(self) -> Tuple[bool, int]:
         """One join round for finish() (final.py): (committed, the size of its quorum)."""
@@ -556,7 +556,7 @@ class HierarchicalSync:
         # out one quorum timeout, not max_quorum_failures of them (seen: a lagging cluster's
         # leader 3 x 120 s, then its successor as long again).
         self._check_job_done()
-        if n >= self.s.max_quorum_failures:
+        if n >= self.settings.max_quorum_failures:
             raise FatalSyncError(f"{level} quorum failed {n} times in a row (last: {e})") from e
 
     def _check_job_done(self) -> None:

@@ -23,7 +23,7 @@ from hier_localsgd.core import guard
 from hier_localsgd.core.addresses import LighthouseUnreachable
 from hier_localsgd.core.comm import LevelComm
 from hier_localsgd.core.device import host_copy
-from hier_localsgd.core.flat import checksum
+from hier_localsgd.core.flat_params import checksum
 from hier_localsgd.core.fragments import FragmentSchedule, Ranges, gather, localize, scatter_
 from hier_localsgd.core.level import Level
 from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
@@ -51,7 +51,7 @@ class OuterLevel:
     def __init__(self, st: SyncState, committed: CommittedState) -> None:
         self.st = st
         self.committed = committed  # the leader's lone outer round (without_cluster) commits into it
-        s = st.s
+        s = st.settings
         # Streaming fragments, in offsets of this rank's slice (core/fragments.py).
         self._fragments = [localize(r, st.part) for r in s.outer_fragments]
         self.schedule = FragmentSchedule(s.h_outer, s.num_fragments)  # keyed by committed outer rounds
@@ -68,7 +68,7 @@ class OuterLevel:
             OuterStage(str(st.id), listener=lambda phase: st.tracker.set_extra(outer_stage=phase)) if self.overlap else None
         )
         if self.stage is not None:
-            self.stage.tracker.budgets = st.t
+            self.stage.tracker.budgets = st.timeouts
         self.snap_since_outer = 0  # inner-committed steps the launched outer round carries
         self._stage_outer: Optional[Level] = None  # the stage's copy of the outer level
         self._stage_comp: Optional[OuterCompression] = None  # and of the compression state
@@ -146,8 +146,8 @@ class OuterLevel:
         # every cluster (the guard has brought every member to the quorum's outer round),
         # except the run's last round, which syncs the whole model so the run ends on one.
         # A cluster that healed to a newer global model adopts all of it (fragment None).
-        last = st.s.final_step > 0 and view_step >= st.s.final_step
-        fragment = self.schedule.fragment_for_sync(view_round) if st.s.outer_fragments and not last else None
+        last = st.settings.final_step > 0 and view_step >= st.settings.final_step
+        fragment = self.schedule.fragment_for_sync(view_round) if st.settings.outer_fragments and not last else None
         sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
         staged = reduce(lvl, comm, cluster_model, plan, q.rank, comp, self.fragment_ranges(fragment),
                         base=self._base if stale else None)
@@ -205,7 +205,7 @@ class OuterLevel:
                     raise LighthouseOutage(health.message("no cluster Manager yet"))
             mgr, comm = self.ensure(tr)
             comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
-            q = mgr.start_quorum(tr.remaining(), health, st.s.quorum_slice, progress=outer_progress(cur_round, cur_step, self._fresh))
+            q = mgr.start_quorum(tr.remaining(), health, st.settings.quorum_slice, progress=outer_progress(cur_round, cur_step, self._fresh))
         except LighthouseOutage as e:
             # The clusters train and sync inside themselves until the global lighthouse returns.
             outage(st, "outer", e)
@@ -248,11 +248,11 @@ class OuterLevel:
         would count twice), nor with streaming fragments (a cluster that moved adopts the
         whole global model). A leader that died after its payload went out cannot tell its
         successor; then one round of its cluster's work can count twice."""
-        if self._healed is None or self._base is None or self.st.s.outer_fragments:
+        if self._healed is None or self._base is None or self.st.settings.outer_fragments:
             return False
         if self._sent_round == cur_round:
             return False
-        return 0 < self._healed[0] - cur_round <= self.st.s.outer_max_staleness
+        return 0 < self._healed[0] - cur_round <= self.st.settings.outer_max_staleness
 
     # ------------------------------------------------------------------ overlapped outer sync
     def launch(self, contribute: bool) -> None:
@@ -267,7 +267,7 @@ class OuterLevel:
         if not st.leader:
             return
         self.drop_stage("a new outer round")  # one never applied (its apply round was skipped)
-        lvl = Level("outer", st.s.outer, st.outer.backup)
+        lvl = Level("outer", st.settings.outer, st.outer.backup)
         lvl.load_state_dict(st.outer.state_dict())
         view = (c.outer_round, c.step)
         self._stage_outer, self._target, self._view = lvl, lvl, view
@@ -275,7 +275,7 @@ class OuterLevel:
         model = st.snap.clone()
         norm = screen_norm(st, lvl, model, None, 1.0 if contribute else 0.0)  # here: the training thread
         self.stage.launch(lambda tr: self.run(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp, norm=norm))
-        st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=st.s.outer_delay)
+        st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=st.settings.outer_delay)
 
     def collect(self) -> OuterResult:
         """The leader, at the apply round: the stage's result, waiting at most while the
@@ -286,8 +286,8 @@ class OuterLevel:
         none = OuterResult(Status.INNER_ONLY, None, c.outer_round, c.step)
         if not stage.busy:
             return none
-        end = st.tracker.deadline() or (time.time() + st.t.broadcast_wait.total_seconds())
-        end -= st.t.broadcast.total_seconds()  # leave the broadcast its own time
+        end = st.tracker.deadline() or (time.time() + st.timeouts.broadcast_wait.total_seconds())
+        end -= st.timeouts.broadcast.total_seconds()  # leave the broadcast its own time
         res: Optional[OuterResult] = None
         while True:
             finished, res = stage.collect(min(timedelta(seconds=0.5), stage.wait_budget()))
@@ -431,12 +431,12 @@ class OuterLevel:
         """
         st = self.st
         c = st.counters
-        if not (join and not self.overlap and st.s.group_world_size == 1 and q.size >= st.s.replicas_per_cluster
+        if not (join and not self.overlap and st.settings.group_world_size == 1 and q.size >= st.settings.replicas_per_cluster
                 and c.step == 0 and c.outer_round == 0 and plan.total_weight == 0):
             return False
         ask = 0.0
         if st.leader:
-            html = fetch_status(st.s.global_lighthouse, st.s.quorum_slice)
+            html = fetch_status(st.settings.global_lighthouse, st.settings.quorum_slice)
             step = parse_status(html).max_step if html is not None else None
             ask = 1.0 if step is not None and step > 0 else 0.0
         v = torch.tensor([ask], dtype=torch.float32)
@@ -513,15 +513,15 @@ class OuterLevel:
     def ensure(self, tracker: Optional[PhaseTracker] = None) -> tuple[LevelManager, LevelComm]:
         if self.mgr is None or self.comm is None:
             st = self.st
-            t = st.t
-            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=st.s.outer_link, backend=st.s.outer_backend)
+            t = st.timeouts
+            link = LinkProcessGroup("outer", t.outer_pg, distinct_clusters=True, emulation=st.settings.outer_link, backend=st.settings.outer_backend)
             link.share_stats(self.stats)  # one account (and loss streams) across leadership changes
             self.link = link
             self.mgr = manager(st, "outer", link, f"store/outer/{self._epoch}",  # one store per leadership term
                                self.state_dict, self.load_state_dict)
             self._epoch += 1
             self.comm = LevelComm(self.mgr, link, tracker or st.tracker, st.gate, st.events,
-                                  watch=QuorumWatch(st.s.global_lighthouse, st.s.quorum_slice))
+                                  watch=QuorumWatch(st.settings.global_lighthouse, st.settings.quorum_slice))
         return self.mgr, self.comm
 
     def demote(self) -> None:

@@ -24,7 +24,7 @@ from typing import Callable, Deque, Optional
 
 from hier_localsgd.core.guard import NONFINITE
 from hier_localsgd.sync.common import PoisonLimit
-from hier_localsgd.sync.types import PoisonConfig
+from hier_localsgd.sync.sections import PoisonConfig
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from hier_localsgd.core import guard
 from hier_localsgd.core.comm import LevelComm
 from hier_localsgd.core.faults import ACTIONS, FaultPlan, fire
-from hier_localsgd.core.flat import FlatParams
+from hier_localsgd.core.flat_params import FlatParams
 from hier_localsgd.core.fragments import Ranges
 from hier_localsgd.core.invariants import CollectiveGate
 from hier_localsgd.core.level import Level, LevelAlgorithm, Staged
@@ -36,7 +36,7 @@ from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Ident
 from hier_localsgd.sync.compression import DEFAULT_BLOCK, NONE as NO_COMPRESSION, OuterCompression
 from hier_localsgd.sync.group_vote import GroupVote
 from hier_localsgd.sync.poison import PoisonRecord
-from hier_localsgd.sync.types import PoisonConfig
+from hier_localsgd.sync.sections import PoisonConfig
 from hier_localsgd.sync.user_state import UserState
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
@@ -118,9 +118,9 @@ class SyncState:
     level's link, Manager and collectives, the group vote and the poison record right after
     (the inner Manager serves the committed state, which needs this object first)."""
 
-    s: HierSettings
+    settings: HierSettings
     id: Identity
-    t: Timeouts
+    timeouts: Timeouts
     flat: FlatParams
     opt: Optimizer
     tracker: PhaseTracker
@@ -187,7 +187,7 @@ def consistency(
         # The round is lost (commit will fail); keep collectives matched: weight 0.
         return guard.GuardPlan([mine] * q.size, None, [0.0] * q.size, failed=True)
     fps = guard.decode(v, q.size)
-    p = guard.plan(fps, max_behind=st.s.outer_max_staleness if level == "outer" else 0, ratio=st.s.poison.norm_ratio)
+    p = guard.plan(fps, max_behind=st.settings.outer_max_staleness if level == "outer" else 0, ratio=st.settings.poison.norm_ratio)
     for i in p.excluded_ranks():
         st.poison.excluded(level, guard.member_name(fps[i].who, level), p.excluded[i], fps[i].norm,
                            mine=i == q.rank, step=st.counters.step)
@@ -298,7 +298,7 @@ def manager(
 ) -> LevelManager:
     """The Manager of one level (inner: the cluster's lighthouse; outer: the global one),
     serving and loading heals with the level owner's ``state_dict``/``load_state_dict``."""
-    s, inner = st.s, level == "inner"
+    s, inner = st.settings, level == "inner"
     return LevelManager(
         level=level,
         replica_id=st.id.inner_replica_id if inner else st.id.outer_replica_id,
@@ -308,7 +308,7 @@ def manager(
         state_dict=state_dict,
         load_state_dict=load_state_dict,
         min_replicas=s.min_replicas if inner else s.min_clusters,
-        timeouts=st.t,
+        timeouts=st.timeouts,
         hostname=s.hostname,
         group_rank=s.group_rank,
         group_world_size=s.group_world_size,

@@ -10,7 +10,7 @@ sequences of ``seq_len`` tokens per rank and step). The simulator also reads ``t
 (``plan.*``, ``simulate.*``) hold only what is theirs: the model flavor, precision,
 hardware and scaling law; failure rates and the run's horizon.
 
-These are checked by the sections' own checks (a :class:`~hier_localsgd.schema.ConfigError`,
+These are checked by the sections' own checks (a :class:`~hier_localsgd.errors.ConfigError`,
 a ValueError, naming the field), with ``runs=False``: the restrictions of what this
 trainer can run (``train.steps`` a multiple of ``sync.flat.every`` in flat, several ranks per group
 only in ``hier``) do not bind a model of a deployment.

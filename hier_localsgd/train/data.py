@@ -37,7 +37,7 @@ from typing import List, Optional, Protocol, Tuple
 import numpy as np
 import torch
 
-from hier_localsgd.schema import ConfigError, fail
+from hier_localsgd.errors import ConfigError, fail
 
 DATA_KINDS = ("markov", "text", "parquet")
 TOKENIZERS = ("bytes", "bpe")

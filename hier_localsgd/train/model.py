@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hier_localsgd.schema import fail
+from hier_localsgd.errors import fail
 
 TINY = "tiny"
 LLAMA3_PREFIX = "llama3_"

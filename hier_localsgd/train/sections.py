@@ -11,8 +11,8 @@ from typing import Dict
 
 from hier_localsgd.core.device import PARAM_DTYPES, PRECISIONS
 from hier_localsgd.emulation.lossy import LinkConfig, LinkSpec
-from hier_localsgd.schema import ConfigError, fail
-from hier_localsgd.sync.types import SyncConfig
+from hier_localsgd.errors import ConfigError, fail
+from hier_localsgd.sync.sections import SyncConfig
 
 
 @dataclass

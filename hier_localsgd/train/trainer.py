@@ -102,7 +102,7 @@ def train(topology: Topology) -> None:
             if b.tp is not None:
                 sync.extra_status["tp"] = b.tp.stats()
             b.opt.step()  # a sync round at round boundaries (ddp: every step, its all-reduce first)
-            b.opt.zero_grad(set_to_none=cfg.sync.mode != "ddp")  # ddp: its flat gradient buffer stays (core/flat.py)
+            b.opt.zero_grad(set_to_none=cfg.sync.mode != "ddp")  # ddp: its flat gradient buffer stays (core/flat_params.py)
             if tr.eval_every and sync.step_count % tr.eval_every == tr.eval_offset and sync.step_count < tr.steps:
                 t_eval = time.perf_counter()
                 sync.record_eval(evaluate(b.model, eval_set, tr.precision), floor=floor, eval_s=time.perf_counter() - t_eval)

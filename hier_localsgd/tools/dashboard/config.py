@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Tuple
 
 from hier_localsgd.core.status import JOB_EVENTS_FILE
-from hier_localsgd.schema import ConfigError
+from hier_localsgd.errors import ConfigError
 
 
 
@@ -68,7 +68,7 @@ class DashboardConfig:
 
 
 def validate(cfg: DashboardConfig, prefix: str = "dashboard") -> None:
-    """Raises :class:`~hier_localsgd.schema.ConfigError` whose message starts with the field."""
+    """Raises :class:`~hier_localsgd.errors.ConfigError` whose message starts with the field."""
     if not cfg.run_dir:
         raise ConfigError(f"{prefix}.run_dir: required: the run directory to watch, e.g. {prefix}.run_dir=runs/latest")
     if not Path(cfg.run_dir).is_dir():

@@ -54,7 +54,7 @@ Failure semantics:
   it kept publishing for 5 s. Restarting the
   process is the launcher's job (``launch/replica.sh``, ``LocalJob.wait(restart=True)``).
 * The server binds ``dashboard.host`` (127.0.0.1 by default); a bind failure
-  raises :class:`~hier_localsgd.schema.ConfigError` naming ``dashboard.port``.
+  raises :class:`~hier_localsgd.errors.ConfigError` naming ``dashboard.port``.
 
 Web stack: Flask (its WSGI app, :func:`create_app`) served by Werkzeug's
 threaded server; the page is static HTML + vanilla JS + inline SVG charts
@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from hier_localsgd.core.runtime import EXIT_CONFIG
-from hier_localsgd.schema import ConfigError
+from hier_localsgd.errors import ConfigError
 from hier_localsgd.tools.dashboard.config import DASHBOARD_EVENTS, DashboardConfig, STATIC_DIR, is_loopback, validate
 from hier_localsgd.tools.dashboard.reader import RunFiles, RunReader
 from hier_localsgd.tools.dashboard.state import build_state
@@ -218,7 +218,7 @@ def start_in_thread(cfg: DashboardConfig) -> Tuple[str, Callable[[], None]]:
     """Serves the dashboard from a daemon thread; returns (url, stop).
 
     ``stop()`` shuts the server down and waits up to 5 s for it. Raises
-    :class:`~hier_localsgd.schema.ConfigError` (naming the field) if the config
+    :class:`~hier_localsgd.errors.ConfigError` (naming the field) if the config
     is invalid or the address cannot be bound.
     """
     server = _make_server(cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
-from hier_localsgd.sync.types import MODES
+from hier_localsgd.sync.sections import MODES
 
 
 DTYPE_BYTES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from hier_localsgd.sync.types import SyncConfig
+from hier_localsgd.sync.sections import SyncConfig
 from hier_localsgd.tools.plan.config import DTYPE_BYTES, PRESETS, PlanModelConfig
 
 if TYPE_CHECKING:

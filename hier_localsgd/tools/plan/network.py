@@ -9,7 +9,7 @@ from typing import Any, Dict
 from hier_localsgd import costs
 from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.emulation.lossy import LinkSpec
-from hier_localsgd.sync.types import SyncConfig
+from hier_localsgd.sync.sections import SyncConfig
 
 
 # ----------------------------------------------------------------------------- network

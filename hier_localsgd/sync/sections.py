@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from hier_localsgd.core.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
 from hier_localsgd.core.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
-from hier_localsgd.schema import fail
+from hier_localsgd.errors import fail
 from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
 MODES = ("hier", "flat", "ddp")
