@@ -22,7 +22,7 @@ channel: it joins only the group's ranks, which live and die together (torchrun 
 restarts all of them when one dies), so a vote never waits for another replica group. It
 runs on the training thread, where the group's other collectives run, so the ranks issue
 it in the same order. Its timeout is the group's (``max(inner_reduce, local_step)``,
-train/trainer.py). A vote that fails (a sibling died) counts as every flag false on the
+job.py). A vote that fails (a sibling died) counts as every flag false on the
 rank that saw it; torchrun then ends the group. With one rank per group there is nothing
 to agree on and no collective is issued.
 """

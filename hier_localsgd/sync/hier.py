@@ -188,7 +188,7 @@ class HierarchicalSync:
             settings=settings, id=identity, timeouts=timeouts, flat=flat, opt=inner_optimizer, tracker=tracker, events=events,
             faults=faults or FaultPlan([], identity.cluster, identity.replica), user=user_state or UserState(),
             part=part, slice_len=slice_len,
-            group=group, group_store=group_store,  # group_store is already per attempt (trainer.py)
+            group=group, group_store=group_store,  # group_store is already per attempt (job.py)
             job_done=job_done,
             inner=Level("inner", settings.inner, flat.data[part]),
             outer=Level("outer", settings.outer, flat.data[part]),
