@@ -160,6 +160,7 @@ class HierarchicalDiLoCo:
 
     # -- the loop --------------------------------------------------------------
     def __enter__(self) -> "HierarchicalDiLoCo":
+        self._resume()  # checkpoint.resume: before the join round, after whatever the owner evaluated
         self.pub.update(state="ready")
         wait_for_gate(self.config.run.start_gate, self.config.timeouts_obj().startup.total_seconds())
         self.pub.update(state="running")
@@ -363,11 +364,12 @@ class HierarchicalDiLoCo:
 
     # -- construction ------------------------------------------------------------
     def _flat_params(self, model: torch.nn.Module) -> Any:
+        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
         from hier_localsgd.errors import fail
 
-        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        sharded = isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
         shards = self.config.group.rank_shards(self.topology.group.size)  # the sync syncs each rank's own shard
         if sharded and not shards:
             fail("group.sharding", f"{self.config.group.sharding!r} — the model's parameters are FSDP2 shards (DTensor): "
@@ -405,7 +407,7 @@ class HierarchicalDiLoCo:
         return pub
 
     def _open_checkpoints(self) -> Optional[Checkpointer]:
-        """The durable checkpoints (checkpoint.*), resuming from the newest usable one."""
+        """The durable checkpoints (checkpoint.*); :meth:`_resume` loads the newest usable one."""
         cfg, ident, grp = self.config, self.topology.identity, self.topology.group
         ck = cfg.checkpoint
         if not (ck.every or ck.resume):
@@ -413,12 +415,18 @@ class HierarchicalDiLoCo:
         ckpt = Checkpointer(ck.dir or os.path.join(cfg.run.dir, "checkpoints"), ident.cluster, ident.replica, ck.keep, self.pub.event,
                             rank=grp.rank, layout={"ranks_per_replica": grp.size, "device": self.topology.device.type})
         self.topology.runtime.on_exit(lambda code, reason: ckpt.wait(timeout_s=60.0))
-        if ck.resume:
-            payload = ckpt.load_latest()
-            if payload is not None:
-                self.strategy.restore(payload["state"])  # type: ignore[attr-defined]  # hier only (config.py)
-                set_rng_state(payload["state"]["rng"])
-                logger.info("%s resumed at step %d (outer round %d)", ident, self.counters.step, self.counters.outer_round)
-            else:
-                logger.warning("%s: checkpoint.resume=true but no usable checkpoint under %s; starting fresh", ident, ckpt.dir)
         return ckpt
+
+    def _resume(self) -> None:
+        """checkpoint.resume: the sync (and the user's state) from the newest usable checkpoint."""
+        ident = self.topology.identity
+        if self.ckpt is None or not self.config.checkpoint.resume:
+            return
+        payload = self.ckpt.load_latest()
+        if payload is not None:
+            self.strategy.restore(payload["state"])  # type: ignore[attr-defined]  # hier only (config.py)
+            set_rng_state(payload["state"]["rng"])
+            self._last_ckpt_round = self.counters.outer_round
+            logger.info("%s resumed at step %d (outer round %d)", ident, self.counters.step, self.counters.outer_round)
+        else:
+            logger.warning("%s: checkpoint.resume=true but no usable checkpoint under %s; starting fresh", ident, self.ckpt.dir)

@@ -405,7 +405,7 @@ def test_a_failed_quorum_checks_whether_the_job_finished_at_the_first_failure():
     from hier_localsgd.sync.hier import HierarchicalSync
 
     def stub(done):
-        s = types.SimpleNamespace(_quorum_failures={"inner": 0, "outer": 0}, id="c1r0", s=types.SimpleNamespace(max_quorum_failures=3),
+        s = types.SimpleNamespace(_quorum_failures={"inner": 0, "outer": 0}, id="c1r0", settings=types.SimpleNamespace(max_quorum_failures=3),
                                   job_done=lambda: done, events=lambda *a, **k: None, tracker=types.SimpleNamespace(phase=types.SimpleNamespace(value="OUTER_QUORUM")))
         s._check_job_done = lambda: HierarchicalSync._check_job_done(s)
         return s

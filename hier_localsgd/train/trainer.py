@@ -90,8 +90,9 @@ def train(topology: Topology) -> None:
     eval_set = data.eval_batches()
     floor = data.entropy_floor
     # -- the sync (hier / flat / ddp), in the optimizer's step hooks -----------------
-    eval_start = evaluate(b.model, eval_set, tr.precision)  # the model from the seed, before any resume or heal
+    # The sync's view of the parameters first: FSDP2 re-creates them at the first forward.
     sync = HierarchicalDiLoCo(b.model, b.opt, topology)
+    eval_start = evaluate(b.model, eval_set, tr.precision)  # the model from the seed: a resume or heal comes at `with`
     sync.record_eval(eval_start, floor=floor, step=0)
     with sync:  # the join round: a restarted group heals here, before its first step
         for step in sync.steps():  # from the healed step after a restart
