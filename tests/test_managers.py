@@ -71,14 +71,8 @@ def test_a_restarted_lighthouse_reissuing_a_quorum_id_gets_a_fresh_group():
     addr = f"http://127.0.0.1:{port}"
     a, b = level_manager(addr, "a_r0000"), level_manager(addr, "b_r0001")
     try:
-        views = {}
-        ths = [threading.Thread(target=lambda m=m: views.__setitem__(m.replica_id, m.start_quorum(timedelta(seconds=15))))
-               for m in (a, b)]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(30)
-        assert {v.size for v in views.values()} == {2}, views
+        views = quorum_of_both(addr, a, b, timedelta(seconds=15))
+        assert {getattr(v, "size", v) for v in views.values()} == {2}, views
         first_id = a.quorum_id
         sums = {}
         ths = [threading.Thread(target=lambda m=m, v=v: sums.__setitem__(m.replica_id, allreduce_sum(m, v)))
@@ -136,6 +130,19 @@ def in_threads(*calls):
     return out
 
 
+def quorum_of_both(addr: str, a: LevelManager, b: LevelManager, timeout: timedelta) -> dict:
+    """a and b ask for their first quorum together, once the lighthouse has heard both.
+
+    With min_replicas=1 a lighthouse that has not yet heard a's heartbeat forms a quorum of
+    b alone at once, and a's request then waits behind the split-brain guard (b heartbeats
+    but does not ask) until it fails: a CI run on a loaded machine, a QuorumFailed after 15 s.
+    Once both are heard, neither can get a quorum without the other."""
+    missing = await_heartbeats(addr, [a.full_replica_id, b.full_replica_id], timedelta(seconds=1), timedelta(seconds=30),
+                               poll=timedelta(milliseconds=50))
+    assert missing == [], f"the lighthouse never heard {missing}"
+    return in_threads(("a", lambda: a.start_quorum(timeout)), ("b", lambda: b.start_quorum(timeout)))
+
+
 def test_a_quorum_formed_with_a_given_up_request_is_dropped_and_formed_again_with_the_live_one(caplog):
     port = free_port()
     lh = lighthouse(port)
@@ -143,7 +150,7 @@ def test_a_quorum_formed_with_a_given_up_request_is_dropped_and_formed_again_wit
     a, b = level_manager(addr, "a_r0000", presence_s=1.0), level_manager(addr, "b_r0001", presence_s=1.0)
     try:
         q = timedelta(seconds=15)
-        views = in_threads(("a", lambda: a.start_quorum(q)), ("b", lambda: b.start_quorum(q)))
+        views = quorum_of_both(addr, a, b, q)
         assert views["a"].size == views["b"].size == 2, views
         assert in_threads(("a", lambda: allreduce_sum(a, 1.0)), ("b", lambda: allreduce_sum(b, 2.0))) == {"a": 3.0, "b": 3.0}
         assert in_threads(("a", lambda: a.should_commit(q)), ("b", lambda: b.should_commit(q))) == {"a": True, "b": True}
@@ -222,6 +229,8 @@ def test_after_its_lighthouse_restarts_a_member_does_not_take_rank_0_from_one_no
                                   timedelta(seconds=600)) for m in ("a", "b")}
     q = timedelta(seconds=30)
     try:
+        # both heard first (quorum_of_both says why)
+        assert await_heartbeats(addr, [a.full_replica_id, b.full_replica_id], hb, timedelta(seconds=30)) == []
         views = in_threads(("a", lambda: a.start_quorum(q, health["a"], hb)), ("b", lambda: b.start_quorum(q, health["b"], hb)))
         assert (views["a"].rank, views["b"].rank, views["a"].size) == (0, 1, 2), views
         lh.kill()
@@ -301,7 +310,7 @@ def test_a_collective_abandoned_in_one_round_that_fails_later_does_not_fail_the_
     events: list = []
     try:
         q = timedelta(seconds=15)
-        views = in_threads(("a", lambda: a.start_quorum(q)), ("b", lambda: b.start_quorum(q)))
+        views = quorum_of_both(addr, a, b, q)
         assert views["a"].size == views["b"].size == 2, views
         tracker = PhaseTracker("a")
         tracker.enter(Phase.INNER_QUORUM, timedelta(seconds=60))

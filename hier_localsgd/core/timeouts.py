@@ -12,8 +12,10 @@ turned into :class:`datetime.timedelta` here.
 Derived waits (computed, never configured separately):
 
 * ``broadcast_wait`` — how long a non-leader waits in BROADCAST: the leader runs
-  the whole outer level (quorum, reduce, commit) before it sends, so the wait is
-  the sum of those phase timeouts plus ``broadcast``.
+  the whole outer level (quorum, reduce, commit: ``outer_level``) before it sends, so
+  the wait is the sum of those phase timeouts plus ``broadcast``; at a run's final
+  partial round with overlapped outer rounds, one ``outer_level`` more
+  (``final_broadcast_wait``: the leader first waits for the stage still in flight).
 * ``inner_pg`` / ``outer_pg`` — the Gloo process-group timeout of each level. It
   bounds the group's rendezvous (done inside the level's QUORUM phase, so it is
   at most that phase's timeout) and nothing else: every collective passes its own
@@ -95,9 +97,22 @@ class Timeouts:
         return cls(**kwargs)
 
     @property
+    def outer_level(self) -> timedelta:
+        """The leader's whole outer level (quorum, reduce, commit): what a blocking outer
+        round, or an overlapped one on its stage, can legitimately take."""
+        return self.outer_quorum + self.outer_reduce + self.outer_commit
+
+    @property
     def broadcast_wait(self) -> timedelta:
         """A non-leader's BROADCAST wait: the leader's whole outer level, then the send."""
-        return self.outer_quorum + self.outer_reduce + self.outer_commit + self.broadcast
+        return self.outer_level + self.broadcast
+
+    @property
+    def final_broadcast_wait(self) -> timedelta:
+        """A non-leader's BROADCAST wait at a run's final partial round with overlapped
+        outer rounds: the leader may first wait for the stage still in flight (at most its
+        whole outer level), then runs the blocking one."""
+        return self.outer_level + self.broadcast_wait
 
     @property
     def inner_pg(self) -> timedelta:

@@ -433,14 +433,19 @@ class HierarchicalSync:
         outer_join = not outer_now and ol.join_wanted(join, q, plan)  # a cluster restarted whole
         final = st.settings.final_step > 0 and c.step >= st.settings.final_step
         if outer_join or (outer_now and (not ol.overlap or final)):
+            # The final round waits for an overlapped round still in flight (one outer
+            # round at a time on the Manager); its members wait that much longer.
+            after_stage = final and ol.overlap
             if st.leader:
-                if final:
-                    ol.await_stage()  # the last overlapped round may still be in flight
-                ol.drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
+                if not after_stage:
+                    ol.drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid (a join: nothing).
-                result = ol.run(staged.backup, contribute=inner_ok and not outer_join, inner_ok=inner_ok)
-            tr.enter(Phase.BROADCAST, leader=st.leader)
+                result = ol.run(staged.backup, contribute=inner_ok and not outer_join, inner_ok=inner_ok, after_stage=after_stage)
+            if after_stage and not st.leader:
+                tr.enter(Phase.BROADCAST, st.timeouts.final_broadcast_wait, leader=False)
+            else:
+                tr.enter(Phase.BROADCAST, leader=st.leader)
             fault_point(st, Phase.BROADCAST)
             result = ol.broadcast(result, prior=staged.backup)
         elif ol.overlap and self.is_apply_round():

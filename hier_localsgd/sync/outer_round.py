@@ -92,7 +92,7 @@ class OuterLevel:
     def run(
         self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool,
         tr: Optional[PhaseTracker] = None, lvl: Optional[Level] = None, view: Optional[tuple[int, int]] = None,
-        comp: Optional[OuterCompression] = None, norm: Optional[float] = None,
+        comp: Optional[OuterCompression] = None, norm: Optional[float] = None, after_stage: bool = False,
     ) -> OuterResult:
         """The leader's outer level: OUTER_QUORUM, OUTER_REDUCE, OUTER_COMMIT.
 
@@ -102,7 +102,7 @@ class OuterLevel:
         state (``comp``), the counters at the launch (``view``) and the poison screen's
         norm of the contribution (``norm``, taken at the launch: it needs the group's own
         process group, which only the training thread uses); it then touches no state
-        the training thread uses."""
+        the training thread uses. ``after_stage``: the final partial round (:meth:`quorum`)."""
         st = self.st
         c = st.counters
         tr = st.tracker if tr is None else tr
@@ -112,7 +112,7 @@ class OuterLevel:
         fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
         if tr is not st.tracker and not st.leader:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
-        joined = self.quorum(tr, cur_round, cur_step)
+        joined = self.quorum(tr, cur_round, cur_step, after_stage)
         if tr is st.tracker and st.vote.active:  # a blocking round: the group's ranks agree (group_vote.py)
             v = st.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None,
                               no_heal=joined is None or not joined[2].healed)
@@ -189,12 +189,22 @@ class OuterLevel:
             self._base = tensors[0].clone()  # the global model its work started from (a stale update)
         self._healed = (src.outer_round, src.step)
 
-    def quorum(self, tr: PhaseTracker, cur_round: int, cur_step: int) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
+    def quorum(
+        self, tr: PhaseTracker, cur_round: int, cur_step: int, after_stage: bool = False,
+    ) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
         """OUTER_QUORUM: the leader's cluster Manager joins the outer quorum. Returns its
         Manager, comm and quorum, or None when the quorum failed or the global lighthouse is
-        out (the event and the rollback are recorded here; the round stays inner-only)."""
+        out (the event and the rollback are recorded here; the round stays inner-only).
+
+        ``after_stage`` (the final partial round, blocking): first wait for an overlapped
+        round still in flight on the same Manager (:meth:`await_stage`); the phase's
+        budget grows by the whole outer level for it."""
         st = self.st
-        tr.enter(Phase.OUTER_QUORUM)
+        if after_stage:
+            tr.enter(Phase.OUTER_QUORUM, st.timeouts.outer_level + st.timeouts.outer_quorum)
+            self.await_stage(end=time.time() + st.timeouts.outer_level.total_seconds())
+        else:
+            tr.enter(Phase.OUTER_QUORUM)
         fault_point(st, Phase.OUTER_QUORUM, cur_step, self.link)
         self._healed, self._base = None, None
         health = st.health["outer"]
@@ -277,17 +287,20 @@ class OuterLevel:
         self.stage.launch(lambda tr: self.run(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp, norm=norm))
         st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=st.settings.outer_delay)
 
-    def collect(self) -> OuterResult:
+    def collect(self, end: Optional[float] = None) -> OuterResult:
         """The leader, at the apply round: the stage's result, waiting at most while the
-        stage is inside its deadlines (and the round's BROADCAST budget lasts)."""
+        stage is inside its deadlines and until ``end`` (epoch seconds; by default what
+        the round's BROADCAST budget leaves once the broadcast has its own time). A stage
+        still running then is dropped, its cluster Manager shut down."""
         assert self.stage is not None
         st = self.st
         c, stage = st.counters, self.stage
         none = OuterResult(Status.INNER_ONLY, None, c.outer_round, c.step)
         if not stage.busy:
             return none
-        end = st.tracker.deadline() or (time.time() + st.timeouts.broadcast_wait.total_seconds())
-        end -= st.timeouts.broadcast.total_seconds()  # leave the broadcast its own time
+        if end is None:
+            end = st.tracker.deadline() or (time.time() + st.timeouts.broadcast_wait.total_seconds())
+            end -= st.timeouts.broadcast.total_seconds()  # leave the broadcast its own time
         res: Optional[OuterResult] = None
         while True:
             finished, res = stage.collect(min(timedelta(seconds=0.5), stage.wait_budget()))
@@ -309,17 +322,24 @@ class OuterLevel:
         step = c.step + (res.step - st.snap_step)  # a healed-to newer view moves the step as well
         return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True, fragment=res.fragment)
 
-    def await_stage(self) -> None:
+    def await_stage(self, end: float) -> None:
         """The final partial round (a run whose length is off the outer schedule) is
         blocking while an overlapped round may still be in flight on the same Manager:
-        wait for it (within its deadlines, as at an apply round) and forget its result.
+        wait for it (within its deadlines and until ``end``) and forget its result.
         Nothing is lost: the blocking round measures the cluster's pseudo-gradient from the
         last applied global model, so it carries that round's work too. Every cluster
-        does the same at the same step, so the stage's collectives stay matched."""
+        does the same at the same step, so the stage's collectives stay matched.
+
+        It waits for the stage to end on its own rather than dropping it: a leader that
+        shut its Manager down while another cluster's stage was still in its commit
+        vote left the clusters' outer levels in different states (the final round's
+        quorum then met one old and one new Manager); a CI run under load ended two
+        clusters on different models. Its caller's phase budget covers the wait
+        (``Timeouts.outer_level``, and the members' ``final_broadcast_wait``)."""
         if self.stage is None or not self.stage.busy:
             return
         running, t0 = self.stage.running, time.time()
-        res = self.collect()
+        res = self.collect(end)
         self._stage_outer, self._stage_comp = None, None
         self._target, self._view = self.st.outer, None
         # Not a rollback: its work rides the final round (the dashboard shows it neutral).
