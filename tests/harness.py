@@ -14,7 +14,7 @@ import re
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -27,7 +27,9 @@ from hier_localsgd.core.flat_params import FlatParams
 from hier_localsgd.core.level import LevelAlgorithm
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.core.phases import PhaseTracker
-from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
+from hier_localsgd.config import Config, load_config
+from hier_localsgd.sync.build import hier_settings
+from hier_localsgd.sync.hier import HierarchicalSync, Identity
 from hier_localsgd.sync.sections import PoisonConfig
 from hier_localsgd.core.timeouts import Timeouts
 
@@ -87,8 +89,6 @@ class ThreadedHier:
         quorum_slice: Optional[timedelta] = None,
         poison: Optional[PoisonConfig] = None,
     ) -> None:
-        self.poison = poison  # None: HierSettings' default
-        self.quorum_slice = quorum_slice  # None: HierSettings' default
         self.outer_fragments, self.early_quorum, self.keep_local = outer_fragments, early_quorum, keep_local
         self.outer_max_staleness, self.inner_max_staleness = outer_max_staleness, inner_max_staleness
         self.C, self.R = clusters, replicas
@@ -103,40 +103,40 @@ class ThreadedHier:
         self.min_clusters = min_clusters or clusters
         self.inner_link, self.outer_link = inner_link, outer_link
         self.replicas: Dict[Tuple[int, int], Replica] = {}
+        self.cfg = self.config(heartbeat_timeout_ms)
+        self.direct: Dict[str, Any] = dict(
+            inner_link=inner_link, outer_link=outer_link, final_step=final_step, outer_fragments=tuple(outer_fragments),
+            quorum_slice=quorum_slice or timedelta(seconds=5), **({"poison": poison} if poison is not None else {}),
+        )
+
+    def config(self, heartbeat_timeout_ms: int) -> Config:
+        """The job's config for these threads (built once: hydra's compose is not thread-safe)."""
+        def level(name: str, a: LevelAlgorithm) -> List[str]:
+            return [f"sync.{name}.algorithm={a.name}", f"sync.{name}.lr={a.lr}", f"sync.{name}.momentum={a.momentum}",
+                    f"sync.{name}.nesterov={a.nesterov}"]
+
+        return load_config([
+            f"topology.clusters={self.C}", f"topology.replicas_per_cluster={self.R}",
+            f"sync.inner.every={self.h_inner}", f"sync.outer.every={self.h_outer}", *level("inner", self.inner), *level("outer", self.outer),
+            f"lighthouse.global_addr='{self.global_lh.address()}'",
+            "lighthouse.cluster_addrs=[" + ",".join(f"'{lh.address()}'" for lh in self.cluster_lh) + "]",
+            f"lighthouse.heartbeat_timeout_ms={heartbeat_timeout_ms}", "run.hostname=127.0.0.1",
+            "sync.min_replicas=1", f"sync.min_clusters={self.min_clusters}", "sync.max_quorum_failures=3", "sync.max_commit_failures=5",
+            f"sync.outer.delay={self.outer_delay}", f"sync.outer.compression={self.outer_compression}",
+            f"sync.outer.compression_block={self.compression_block}", f"sync.inner.early_quorum={self.early_quorum}",
+            f"sync.failed_round={'keep_local' if self.keep_local else 'rollback'}",
+            f"sync.outer.max_staleness={self.outer_max_staleness}", f"sync.inner.max_staleness={self.inner_max_staleness}",
+        ], validate_for="demo")
 
     def make(self, c: int, r: int) -> Replica:
         model = Vec(self.numel)
         flat = FlatParams(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        settings = HierSettings(
-            h_inner=self.h_inner,
-            h_outer=self.h_outer,
-            inner=self.inner,
-            outer=self.outer,
-            cluster_lighthouse=self.cluster_lh[c].address(),
-            cluster_lighthouse_field=f"lighthouse.cluster_addrs[{c}]",
-            global_lighthouse=self.global_lh.address(),
-            global_lighthouse_field="lighthouse.global_addr",
-            min_replicas=1,
-            min_clusters=self.min_clusters,
-            max_quorum_failures=3,
-            max_commit_failures=5,
-            hostname="127.0.0.1",
-            replicas_per_cluster=self.R,
-            inner_link=self.inner_link,
-            outer_link=self.outer_link,
-            outer_delay=self.outer_delay,
-            final_step=self.final_step,
-            outer_compression=self.outer_compression,
-            outer_compression_block=self.compression_block,
-            outer_fragments=self.outer_fragments,
-            early_quorum=self.early_quorum,
-            keep_local=self.keep_local,
-            outer_max_staleness=self.outer_max_staleness,
-            inner_max_staleness=self.inner_max_staleness,
-            **({"quorum_slice": self.quorum_slice} if self.quorum_slice is not None else {}),
-            **({"poison": self.poison} if self.poison is not None else {}),
-        )
+        # The hierarchy's settings come from the one function that maps the config
+        # (sync/build.py); only what a config cannot name is set directly: emulated links
+        # as objects, explicit fragment ranges, no final step (0), a quorum slice apart from
+        # the heartbeat timeout, and a poison screen object.
+        settings = replace(hier_settings(self.cfg, Identity(c, r), flat, model), **self.direct)
         events: List[Tuple[str, Dict[str, Any]]] = []
         sync = HierarchicalSync(
             settings, Identity(c, r), self.t, flat, opt, PhaseTracker(describe=f"c{c}r{r}"),
@@ -224,7 +224,6 @@ def local_steps(rep: Replica, updates: Callable[[int, int, int], torch.Tensor], 
 import time as _time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from hier_localsgd.config import load_config  # noqa: E402
 from hier_localsgd.experiments.summary import summarize  # noqa: E402
 from hier_localsgd.launch.local import LocalJob  # noqa: E402
 from hier_localsgd.core.status import read_events, replica_dir  # noqa: E402

@@ -111,7 +111,7 @@ class Timeouts:
     def final_broadcast_wait(self) -> timedelta:
         """A non-leader's BROADCAST wait at a run's final partial round with overlapped
         outer rounds: the leader may first wait for the stage still in flight (at most its
-        whole outer level), then runs the blocking one."""
+        whole outer level, in OUTER_QUORUM), then runs the blocking one."""
         return self.outer_level + self.broadcast_wait
 
     @property

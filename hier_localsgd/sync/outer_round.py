@@ -102,7 +102,8 @@ class OuterLevel:
         state (``comp``), the counters at the launch (``view``) and the poison screen's
         norm of the contribution (``norm``, taken at the launch: it needs the group's own
         process group, which only the training thread uses); it then touches no state
-        the training thread uses. ``after_stage``: the final partial round (:meth:`quorum`)."""
+        the training thread uses. ``after_stage``: the final partial round, which first waits
+        for an overlapped round still in flight (:meth:`await_stage`)."""
         st = self.st
         c = st.counters
         tr = st.tracker if tr is None else tr
@@ -112,7 +113,13 @@ class OuterLevel:
         fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, cur_round, cur_step)
         if tr is not st.tracker and not st.leader:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
-        joined = self.quorum(tr, cur_round, cur_step, after_stage)
+        if after_stage:
+            # The final partial round: the Manager is free once an overlapped round still in
+            # flight on it has ended (await_stage); OUTER_QUORUM is then re-armed for the
+            # quorum itself.
+            tr.enter(Phase.OUTER_QUORUM, st.timeouts.outer_level)
+            self.await_stage(end=tr.deadline() or time.time() + st.timeouts.outer_level.total_seconds())
+        joined = self.quorum(tr, cur_round, cur_step)
         if tr is st.tracker and st.vote.active:  # a blocking round: the group's ranks agree (group_vote.py)
             v = st.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None,
                               no_heal=joined is None or not joined[2].healed)
@@ -189,22 +196,12 @@ class OuterLevel:
             self._base = tensors[0].clone()  # the global model its work started from (a stale update)
         self._healed = (src.outer_round, src.step)
 
-    def quorum(
-        self, tr: PhaseTracker, cur_round: int, cur_step: int, after_stage: bool = False,
-    ) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
+    def quorum(self, tr: PhaseTracker, cur_round: int, cur_step: int) -> Optional[tuple[LevelManager, LevelComm, QuorumView]]:
         """OUTER_QUORUM: the leader's cluster Manager joins the outer quorum. Returns its
         Manager, comm and quorum, or None when the quorum failed or the global lighthouse is
-        out (the event and the rollback are recorded here; the round stays inner-only).
-
-        ``after_stage`` (the final partial round, blocking): first wait for an overlapped
-        round still in flight on the same Manager (:meth:`await_stage`); the phase's
-        budget grows by the whole outer level for it."""
+        out (the event and the rollback are recorded here; the round stays inner-only)."""
         st = self.st
-        if after_stage:
-            tr.enter(Phase.OUTER_QUORUM, st.timeouts.outer_level + st.timeouts.outer_quorum)
-            self.await_stage(end=time.time() + st.timeouts.outer_level.total_seconds())
-        else:
-            tr.enter(Phase.OUTER_QUORUM)
+        tr.enter(Phase.OUTER_QUORUM)
         fault_point(st, Phase.OUTER_QUORUM, cur_step, self.link)
         self._healed, self._base = None, None
         health = st.health["outer"]

@@ -33,7 +33,7 @@ from hier_localsgd.core.phases import Phase, PhaseTracker
 from hier_localsgd.core.timeouts import Timeouts
 from hier_localsgd.emulation.lossy import LinkSpec
 from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity
-from hier_localsgd.sync.compression import DEFAULT_BLOCK, NONE as NO_COMPRESSION, OuterCompression
+from hier_localsgd.sync.compression import OuterCompression
 from hier_localsgd.sync.group_vote import GroupVote
 from hier_localsgd.sync.poison import PoisonRecord
 from hier_localsgd.sync.sections import PoisonConfig
@@ -44,6 +44,10 @@ logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the
 
 @dataclass(frozen=True)
 class HierSettings:
+    """The hierarchy's settings. Built from the config by one function,
+    :func:`hier_localsgd.sync.build.hier_settings`; no field has a default here (each
+    default has its one home in the config's sections)."""
+
     h_inner: int
     h_outer: int
     inner: LevelAlgorithm
@@ -57,53 +61,53 @@ class HierSettings:
     max_quorum_failures: int
     max_commit_failures: Optional[int]
     hostname: str
-    replicas_per_cluster: int = 1
-    inner_link: Optional[LinkSpec] = None  # emulated lossy/slow link per level (lossy.py)
-    outer_link: Optional[LinkSpec] = None
-    group_rank: int = 0
-    group_world_size: int = 1
+    replicas_per_cluster: int
+    inner_link: Optional[LinkSpec]
+    outer_link: Optional[LinkSpec]
+    group_rank: int
+    group_world_size: int
     # group.parallel=tp: every rank holds its own shard of the model (tp.py) and syncs all
     # of it with the same rank of the other groups; no slicing, no group all-gather.
-    group_shards: bool = False
+    group_shards: bool
     # Process-group backend of each level (core/device.py; link.py stages tensors to it).
-    inner_backend: str = "gloo"
-    outer_backend: str = "gloo"
+    inner_backend: str
+    outer_backend: str
     # Lighthouse outages (outage.py): each quorum request waits at most quorum_slice (the
     # lighthouse heartbeat timeout) before the lighthouse is probed; a level whose
     # lighthouse has not answered for outage_limit ends the process.
-    quorum_slice: timedelta = timedelta(seconds=5)
-    outage_limit: timedelta = timedelta(seconds=600)
+    quorum_slice: timedelta
+    outage_limit: timedelta
     # A final round skipped for a cluster lighthouse outage: how long finish() waits for
     # the lighthouse and the cluster's quorum to reconcile the groups' models (final.py).
-    final_wait: timedelta = timedelta(seconds=60)
+    final_wait: timedelta
     # Overlapped outer sync (overlap.py): inner rounds between an outer round's launch and
     # the application of its result; 0 = blocking. The outer round at final_step (the run's
     # last step, 0 = unknown) always blocks, so a run ends on a synced model.
-    outer_delay: int = 0
-    final_step: int = 0
+    outer_delay: int
+    final_step: int
     # Compressed outer reduce (compression.py): none | int8 | fp8, elements per block.
-    outer_compression: str = NO_COMPRESSION
-    outer_compression_block: int = DEFAULT_BLOCK
+    outer_compression: str
+    outer_compression_block: int
     # Streaming fragments (core/fragments.py): each fragment's ranges of the flat vector
     # (of this rank's shard with group_shards); one fragment per outer round, every
     # h_inner·h_outer/F steps.
     # Empty: one fragment, the whole model (every h_inner·h_outer steps).
-    outer_fragments: Tuple[Ranges, ...] = ()
+    outer_fragments: Tuple[Ranges, ...]
     # Ask for each inner round's quorum during its last local step (early.py).
-    early_quorum: bool = False
+    early_quorum: bool
     # A cluster behind the outer quorum by 1..this many outer rounds contributes a stale
     # update (outer_round.py, ``OuterLevel.run``); 0: weight 0.
-    outer_max_staleness: int = 0
+    outer_max_staleness: int
     # A member that healed from a peer whose state is at most this many inner rounds of
     # steps ahead of the member's last commit contributes its local steps since then,
     # measured from that commit, to the round it healed in (a stale update at the inner
     # level, committed.py ``stale_inner``); 0: weight 0. One rank per group.
-    inner_max_staleness: int = 0
+    inner_max_staleness: int
     # A failed inner round keeps the local steps when nothing committed moved
     # (sync.failed_round=keep_local; committed.py). Needs group_world_size == 1.
-    keep_local: bool = False
+    keep_local: bool
     # The screen of contributions at both levels (core/guard.py) and when a group gives up.
-    poison: PoisonConfig = field(default_factory=PoisonConfig)
+    poison: PoisonConfig
 
     @property
     def num_fragments(self) -> int:
