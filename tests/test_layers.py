@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # them; the experiment drivers above it load configurations of their own.
 LAYERS: List[Tuple[str, Sequence[str]]] = [
     ("base", ("hier_localsgd", "hier_localsgd.costs", "hier_localsgd.errors")),
-    ("emulation", ("hier_localsgd.emulation",)),
     ("core", ("hier_localsgd.core",)),
     ("sync", ("hier_localsgd.sync",)),
     ("train", ("hier_localsgd.train",)),
@@ -184,11 +183,11 @@ def test_the_checks_catch_a_violation() -> None:
     """The checks can fail: a synthetic upward edge and a synthetic cycle are reported."""
     real = edges()
     assert real, "no package imports found: the walk is broken"
-    assert ("hier_localsgd.core.managers", "hier_localsgd.core.addresses") in {(a, b) for a, b, _ in real}
-    up = upward(real + [("hier_localsgd.core.phases", "hier_localsgd.experiments.chaos", 1)])
-    assert up == ["hier_localsgd.core.phases:1 (core) imports hier_localsgd.experiments.chaos (experiments), a higher layer"]
-    loop = cycles(real + [("hier_localsgd.core.addresses", "hier_localsgd.core.managers", 1)])
-    assert any({"hier_localsgd.core.addresses", "hier_localsgd.core.managers"} <= set(c) for c in loop), loop
+    assert ("hier_localsgd.core.ft.managers", "hier_localsgd.core.runtime.addresses") in {(a, b) for a, b, _ in real}
+    up = upward(real + [("hier_localsgd.core.runtime.phases", "hier_localsgd.experiments.chaos", 1)])
+    assert up == ["hier_localsgd.core.runtime.phases:1 (core) imports hier_localsgd.experiments.chaos (experiments), a higher layer"]
+    loop = cycles(real + [("hier_localsgd.core.runtime.addresses", "hier_localsgd.core.ft.managers", 1)])
+    assert any({"hier_localsgd.core.runtime.addresses", "hier_localsgd.core.ft.managers"} <= set(c) for c in loop), loop
 
 
 def test_type_checking_imports_are_skipped(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ round. A verdict shared by all ranks of all members needs one store every rank r
 which torchft's quorum does not name; those groups keep torchft's plain behaviour.
 
 Failure semantics: :func:`confirm_presence` raises :class:`QuorumAbsent` on an "abort"
-verdict and :class:`~hier_localsgd.core.addresses.StoreUnreachable` when the store's
+verdict and :class:`~hier_localsgd.core.runtime.addresses.StoreUnreachable` when the store's
 host is gone; the caller fails that quorum (LevelManager turns both into QuorumFailed).
 A quorum of one is not checked.
 
@@ -52,7 +52,7 @@ from typing import Dict, Sequence
 
 from torch.distributed import TCPStore
 
-from hier_localsgd.core.addresses import connect_store
+from hier_localsgd.core.runtime.addresses import connect_store
 
 logger = logging.getLogger(__name__)
 
