@@ -57,10 +57,9 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.core.runtime.addresses import STORE_ATTEMPT_S, connect_store
+from hier_localsgd.core.runtime.addresses import STORE_ATTEMPT_S, connect_store, quorum_tag
 from hier_localsgd.core.runtime.device import NCCL_BACKENDS, comm_device
 from hier_localsgd.core.runtime.invariants import InvariantViolation, check_distinct_clusters
-from hier_localsgd.core.ft.presence import quorum_tag
 from hier_localsgd.core.links.works import ChainedWork, DoneWork, FailedWork, PeerWork
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec
 
@@ -226,7 +225,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         restarted lighthouse numbers quorums from 1 again: a reissued id would read keys
         an earlier quorum of that id left in the same store (a dead peer's address:
         "connection refused", seen in a chaos run). The prefix therefore also carries
-        the quorum's tag (presence.quorum_tag: its id, max step and full member ids, the
+        the quorum's tag (addresses.quorum_tag: its id, max step and full member ids, the
         same on every member)."""
         self._quorum_tag = quorum_tag(quorum)
 
