@@ -2,7 +2,7 @@
 
     python benchmarks/allreduce_floor.py [--sizes-mb 1,6,24.65] [--gbps 10] [--latency-ms 0.1] [--busy 2]
 
-The link emulation (hier_localsgd/emulation/lossy.py) can only add time: a collective lasts at
+The link emulation (hier_localsgd/core/links/lossy.py) can only add time: a collective lasts at
 least its ring bound 2(n-1)/n * S/B + 2(n-1)*alpha, but never less than the real
 transfer. When the real transfer between two processes over loopback is slower than the
 bound (a fast emulated LAN on a small VM), the measured sync time exceeds the bound no
@@ -74,7 +74,7 @@ def main() -> int:
     a = ap.parse_args()
     from torch.distributed import TCPStore
 
-    from hier_localsgd.emulation.lossy import LinkSpec
+    from hier_localsgd.core.links.lossy import LinkSpec
 
     sizes = [int(float(s) * 1e6 / 4) for s in a.sizes_mb.split(",")]
     spec = LinkSpec(latency_s=a.latency_ms / 1e3, bandwidth_Bps=a.gbps * 1e9 / 8)

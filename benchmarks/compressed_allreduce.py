@@ -49,7 +49,7 @@ def rank_main(rank: int, world: int, port: int, numel: int, block: int, repeats:
     from torch.distributed.distributed_c10d import AllreduceOptions
     from torchft.process_group import ProcessGroupGloo
 
-    from hier_localsgd.core.compressed_allreduce import compressed_allreduce
+    from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -93,7 +93,7 @@ def rank_main(rank: int, world: int, port: int, numel: int, block: int, repeats:
         if rank == 0 and counted is not None:
             # accuracy of the last call against the true mean (every rank's input is
             # seeded by its rank, so rank 0 can rebuild them)
-            from hier_localsgd.core.compressed_allreduce import mean_error_bound
+            from hier_localsgd.core.tensors.compressed_allreduce import mean_error_bound
 
             inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
             true = torch.stack(inputs).mean(0)
@@ -127,7 +127,7 @@ def run_world(world: int, numel: int, block: int, repeats: int, count_wire: bool
 def round_trip(block: int) -> None:
     import torch
 
-    from hier_localsgd.core.compress import FORMATS, dequantize, error_bound, quantize
+    from hier_localsgd.core.tensors.compress import FORMATS, dequantize, error_bound, quantize
     from hier_localsgd.train.model import build_model
 
     model = build_model("llama3_debugmodel", 2048, 64, 0, seed=0)
@@ -159,7 +159,7 @@ def main() -> int:
         print("unshare/ip not found: wire bytes not measured")
     count_wire = a.in_netns
 
-    from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes, fp32_ring_allreduce_bytes
+    from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes, fp32_ring_allreduce_bytes
 
     round_trip(a.block)
     print(f"\n{os.cpu_count()} cores shared with other work; median of {a.repeats} (slowest rank of each); "

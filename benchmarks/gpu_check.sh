@@ -9,7 +9,7 @@
 # 2. a demo with every replica group on the one GPU: processes sharing one GPU cannot
 #    form an NCCL communicator (NCCL needs one device per rank), so every level uses Gloo
 #    on device tensors (train.backends.*=gloo: the link stages them through pinned host
-#    buffers, core/link.py);
+#    buffers, core/links/link.py);
 # 3. hier vs flat (torchft DiLoCo) vs ddp on llama3_debugmodel (2 clusters x 2 groups), then
 #    on llama3_1B (1.50 B parameters; 2 clusters x 1 group, bf16 weights: with fp32 weights
 #    two hier processes would hold ~112 GiB of host memory, planner) when the GPU and the

@@ -31,7 +31,7 @@ __all__ = [
 _HOMES = {
     "HierarchicalDiLoCo": "hier_localsgd.api",
     "Topology": "hier_localsgd.job", "run": "hier_localsgd.job", "config_from_env": "hier_localsgd.job",
-    "OVERRIDES_ENV": "hier_localsgd.core.runtime",
+    "OVERRIDES_ENV": "hier_localsgd.core.runtime.runtime",
     "load_config": "hier_localsgd.config", "Config": "hier_localsgd.config",
     "ConfigError": "hier_localsgd.errors",
     "SyncConfig": "hier_localsgd.sync.sections", "LevelConfig": "hier_localsgd.sync.sections",
@@ -42,7 +42,7 @@ _HOMES = {
 if TYPE_CHECKING:
     from hier_localsgd.api import HierarchicalDiLoCo
     from hier_localsgd.config import Config, load_config
-    from hier_localsgd.core.runtime import OVERRIDES_ENV
+    from hier_localsgd.core.runtime.runtime import OVERRIDES_ENV
     from hier_localsgd.job import Topology, config_from_env, run
     from hier_localsgd.errors import ConfigError
     from hier_localsgd.sync.common import FatalSyncError, JobFinished

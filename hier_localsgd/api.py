@@ -38,13 +38,13 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
-from hier_localsgd.core.checkpoint import Checkpointer, rng_state, set_rng_state
-from hier_localsgd.core.device import memory_stats
-from hier_localsgd.core.faults import FaultPlan, fire
-from hier_localsgd.core.flat_params import FlatParams, checksum
-from hier_localsgd.core.phases import Phase, PhaseTracker
-from hier_localsgd.core.runtime import EXIT_ERROR, EXIT_OK, EXIT_WATCHDOG, LOG_TAG
-from hier_localsgd.core.status import ReplicaPublisher, inbox_path
+from hier_localsgd.core.runtime.checkpoint import Checkpointer, rng_state, set_rng_state
+from hier_localsgd.core.runtime.device import memory_stats
+from hier_localsgd.core.runtime.faults import FaultPlan, fire
+from hier_localsgd.core.tensors.flat_params import FlatParams, checksum
+from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.core.runtime.runtime import EXIT_ERROR, EXIT_OK, EXIT_WATCHDOG, LOG_TAG
+from hier_localsgd.core.runtime.status import ReplicaPublisher, inbox_path
 from hier_localsgd.job import Topology, wait_for_gate, wait_for_lighthouse
 from hier_localsgd.sync.build import build_strategy
 from hier_localsgd.sync.common import JobFinished
@@ -375,7 +375,7 @@ class HierarchicalDiLoCo:
             fail("group.sharding", f"{self.config.group.sharding!r} — the model's parameters are FSDP2 shards (DTensor): "
                  "set group.sharding=fsdp so each rank syncs its own shard (with several ranks per group)")
         if sharded:  # FSDP2 inside the group: each rank syncs its shard
-            from hier_localsgd.core.fsdp import ShardedParams
+            from hier_localsgd.core.tensors.fsdp import ShardedParams
 
             return ShardedParams(model)
         if shards and self.config.group.parallel != "tp":

@@ -29,8 +29,8 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
-from hier_localsgd.core.logs import debug, setup_logging
-from hier_localsgd.core.runtime import EXIT_CONFIG
+from hier_localsgd.core.runtime.logs import debug, setup_logging
+from hier_localsgd.core.runtime.runtime import EXIT_CONFIG
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config

@@ -22,11 +22,11 @@ from typing import Any, Dict, List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from hier_localsgd.core.checkpoint import CheckpointConfig
-from hier_localsgd.core.faults import Fault
-from hier_localsgd.core.runtime import RunConfig
-from hier_localsgd.core.timeouts import Timeouts, TimeoutsConfig
-from hier_localsgd.emulation.lossy import LinkSpec, LinksConfig
+from hier_localsgd.core.runtime.checkpoint import CheckpointConfig
+from hier_localsgd.core.runtime.faults import Fault
+from hier_localsgd.core.runtime.runtime import RunConfig
+from hier_localsgd.core.runtime.timeouts import Timeouts, TimeoutsConfig
+from hier_localsgd.core.links.lossy import LinkSpec, LinksConfig
 from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig, TPSweepConfig, check_tp_sweep
 from hier_localsgd.launch.lighthouse import LighthouseConfig
 from hier_localsgd.errors import ConfigError, fail
@@ -178,7 +178,7 @@ def _render(v: Any) -> str:
 
 def _check_fragments(cfg: Config, runs: bool, path: str = "sync.outer.fragments") -> None:
     """``sync.outer.fragments`` > 1: hier only; ``sync.flat.fragments`` > 1: flat only; and no
-    more fragments than the model has layer units (core/fragments.py; the model is built on
+    more fragments than the model has layer units (core/tensors/fragments.py; the model is built on
     the meta device: no memory)."""
     s = cfg.sync
     F = s.flat.fragments if path == "sync.flat.fragments" else s.outer.fragments
@@ -192,7 +192,7 @@ def _check_fragments(cfg: Config, runs: bool, path: str = "sync.outer.fragments"
         return
     import torch
 
-    from hier_localsgd.core.fragments import split_fragments
+    from hier_localsgd.core.tensors.fragments import split_fragments
     from hier_localsgd.train.model import build_model
 
     with torch.device("meta"):
@@ -271,7 +271,7 @@ def validate(cfg: Config, command: str = "train") -> None:
             raise ConfigError(str(e)) from e
 
     # The compressed outer reduce moves packed bytes (codes and block scales): a lost
-    # packet can only arrive as zeros (core/link.py), so no stale or rescale fill.
+    # packet can only arrive as zeros (core/links/link.py), so no stale or rescale fill.
     if s.mode == "hier" and s.outer.compression != NO_COMPRESSION and cfg.link_spec("outer").model.enabled and cfg.links.outer.fill != "zero":
         fail("links.outer.fill", f"{cfg.links.outer.fill!r} — with sync.outer.compression={s.outer.compression} lost packets of the compressed payload can only be zero-filled (links.outer.fill=zero)")
 

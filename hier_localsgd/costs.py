@@ -10,8 +10,8 @@ payload of S bytes over n ranks, with the standard algorithm models:
 * all-gather (ring): each rank sends ``(n-1)·S``, at least ``(n-1)·S/B + (n-1)·α``;
 * a point-to-point transfer (a heal): ``S/B + α``.
 
-Every use reads it from here: the link accounting (core/link.py), the link emulation's
-sleep-to-the-bound (emulation/), the planner and simulator (tools/) and the
+Every use reads it from here: the link accounting (core/links/link.py), the link emulation's
+sleep-to-the-bound (core/links/lossy.py), the planner and simulator (tools/) and the
 benchmark's byte budget (experiments/bench.py). A bandwidth of 0 means "not modelled":
 the bandwidth term is left out (the emulation's "unthrottled"). n <= 1 costs nothing.
 """

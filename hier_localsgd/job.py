@@ -13,7 +13,7 @@ replica group's own process group.
 (which is one such program): signals are taken on a thread of their own, a watchdog ends a
 process stuck past a phase deadline, and every way out — return, exception, signal,
 watchdog — stops the heartbeats first and ends the process with ``os._exit``
-(core/runtime.py). Exit codes: 0 done (or the job finished without this group), 1 an
+(core/runtime/runtime.py). Exit codes: 0 done (or the job finished without this group), 1 an
 error (the launcher restarts the group, which heals from a live peer), 2 a configuration
 error or a group that gave up for good (never restarted), 3 the watchdog, 128+N signal N.
 """
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import torch
 
-from hier_localsgd.core.device import resolve_backend, resolve_device
-from hier_localsgd.core.logs import debug, setup_logging
-from hier_localsgd.core.runtime import EXIT_CONFIG, OVERRIDES_ENV, Runtime
-from hier_localsgd.core.status import read_json, replica_dir, stop_path
+from hier_localsgd.core.runtime.device import resolve_backend, resolve_device
+from hier_localsgd.core.runtime.logs import debug, setup_logging
+from hier_localsgd.core.runtime.runtime import EXIT_CONFIG, OVERRIDES_ENV, Runtime
+from hier_localsgd.core.runtime.status import read_json, replica_dir, stop_path
 from hier_localsgd.sync.build import GroupPlace, job_done_check
 from hier_localsgd.sync.common import Identity, JobFinished
 
@@ -234,7 +234,7 @@ def wait_for_lighthouse(cfg: "Config", identity: Identity, ran_before: bool) -> 
     process waits for it, up to ``sync.outage_limit_s``, as a running process would
     (outage.py), instead of exiting and being restarted again.
     """
-    from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
+    from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, probe_lighthouse
 
     if not ran_before:
         return

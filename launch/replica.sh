@@ -88,7 +88,7 @@ else
   cmd=("${PYTHON:-python3}" "${train[@]}")
 fi
 # A multi-rank group that stopped for good (exit 2 on a rank, e.g. a poison limit) leaves
-# this file: torchrun's own exit code is then not 2 (core/status.py stop_path).
+# this file: torchrun's own exit code is then not 2 (core/runtime/status.py stop_path).
 stopped="$run_dir/replicas/c${cluster}r${replica}/stopped"
 rm -f "$stopped"
 restarts=0

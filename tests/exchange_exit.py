@@ -2,7 +2,7 @@
 
 Issue #30: a linkcheck worker exited -6 with "terminate called without an active
 exception". gdb on a reproduction showed the cause: the helper thread that completes an
-all-to-all/all-gather exchange (core/link.py, ``PeerWork``) was still inside the torch
+all-to-all/all-gather exchange (core/links/link.py, ``PeerWork``) was still inside the torch
 future's completion, which releases the GIL and wakes the waiter, when the main thread
 went on to finalize the interpreter; the helper, a daemon, asked for the GIL back during
 finalization and was ended by ``pthread_exit``, whose unwinding through that C++ frame
@@ -37,8 +37,8 @@ import torch
 def _rank(rank: int, port: int) -> None:
     from torch.distributed import TCPStore
 
-    from hier_localsgd.core.compressed_allreduce import compressed_allreduce
-    from hier_localsgd.core.link import LinkProcessGroup
+    from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce
+    from hier_localsgd.core.links.link import LinkProcessGroup
 
     timeout = timedelta(seconds=30)
     store = TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
@@ -71,7 +71,7 @@ def pairs(n: int) -> list:
 
 
 def finalizing() -> None:
-    from hier_localsgd.core.works import PeerWork
+    from hier_localsgd.core.links.works import PeerWork
 
     ballast = [[i] for i in range(2_000_000)]  # noqa: F841  (walked by the collector at exit)
     go, woken = threading.Event(), threading.Event()

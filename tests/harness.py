@@ -22,16 +22,16 @@ import torch
 from torch import nn
 from torchft.coordination import LighthouseServer
 
-from hier_localsgd.core.faults import Fault, FaultPlan
-from hier_localsgd.core.flat_params import FlatParams
-from hier_localsgd.core.level import LevelAlgorithm
-from hier_localsgd.emulation.lossy import LinkSpec
-from hier_localsgd.core.phases import PhaseTracker
+from hier_localsgd.core.runtime.faults import Fault, FaultPlan
+from hier_localsgd.core.tensors.flat_params import FlatParams
+from hier_localsgd.core.tensors.level import LevelAlgorithm
+from hier_localsgd.core.links.lossy import LinkSpec
+from hier_localsgd.core.runtime.phases import PhaseTracker
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.sync.build import hier_settings
 from hier_localsgd.sync.hier import HierarchicalSync, Identity
 from hier_localsgd.sync.sections import PoisonConfig
-from hier_localsgd.core.timeouts import Timeouts
+from hier_localsgd.core.runtime.timeouts import Timeouts
 
 FAST_TIMEOUTS = Timeouts.from_seconds(
     dict(connect=5, inner_quorum=30, inner_reduce=30, inner_commit=15, outer_quorum=30, outer_reduce=30, outer_commit=15, broadcast=30)
@@ -192,7 +192,7 @@ def await_pending_requests(lighthouse_addr: str, n: int, bound_s: float = 60.0) 
     """Waits until ``n`` quorum requests are pending at the lighthouse (its status page's
     participant count), for at most ``bound_s``: a test orders who asks first by this,
     not by a sleep."""
-    from hier_localsgd.core.peers import fetch_status
+    from hier_localsgd.core.ft.peers import fetch_status
 
     end = time.monotonic() + bound_s
     while time.monotonic() < end:
@@ -226,7 +226,7 @@ from pathlib import Path  # noqa: E402
 
 from hier_localsgd.experiments.summary import summarize  # noqa: E402
 from hier_localsgd.launch.local import LocalJob  # noqa: E402
-from hier_localsgd.core.status import read_events, replica_dir  # noqa: E402
+from hier_localsgd.core.runtime.status import read_events, replica_dir  # noqa: E402
 
 # Small topologies on 2 cores: short but bounded timeouts, fast lighthouses.
 FAST_JOB = [

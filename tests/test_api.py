@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hier_localsgd import ConfigError, OVERRIDES_ENV, config_from_env, load_config
-from hier_localsgd.core.flat_params import FlatParams
+from hier_localsgd.core.tensors.flat_params import FlatParams
 from hier_localsgd.sync.user_state import UserState
 from tests.harness import logs_tail, run_job
 from tests.test_examples import corpus

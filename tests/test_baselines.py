@@ -5,7 +5,7 @@ import pytest
 
 from harness import logs_tail, run_job
 
-from hier_localsgd.core.status import read_events, replica_dir
+from hier_localsgd.core.runtime.status import read_events, replica_dir
 
 pytestmark = pytest.mark.slow
 

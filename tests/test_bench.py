@@ -53,7 +53,7 @@ def test_sync_ratio_counts_a_compressed_round_and_bounds_each_collective_through
     round (all-to-all + all-gather), per collective the larger of its sent bytes through tbf
     (link.sent_per_rank) and the latency floor the emulation slept; without tbf the
     emulation's own bound."""
-    from hier_localsgd.core.link import sent_per_rank
+    from hier_localsgd.core.links.link import sent_per_rank
     from hier_localsgd.experiments.bench import sync_ratio
     from hier_localsgd.launch.netns import tbf_transfer_s
 

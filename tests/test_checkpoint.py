@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import logs_tail, run_job, when_step
-from hier_localsgd.core.checkpoint import Checkpointer
+from hier_localsgd.core.runtime.checkpoint import Checkpointer
 
 
 def make_state(v: float) -> dict:

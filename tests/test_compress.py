@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from hier_localsgd.core.compress import (
+from hier_localsgd.core.tensors.compress import (
     FP8,
     INT8,
     ErrorFeedback,
@@ -64,7 +64,7 @@ def test_zero_block_decodes_to_zero_and_non_finite_block_to_nan():
 
 
 def test_fp8_table_decode_is_bitwise_the_cast_for_every_code():
-    from hier_localsgd.core.compress import _fp8_to_fp32
+    from hier_localsgd.core.tensors.compress import _fp8_to_fp32
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     by_table = _fp8_to_fp32(codes)
@@ -93,7 +93,7 @@ def test_fp8_casts_on_cpu_without_triton():
     """The docstring's claim: torch 2.13's CPU cast to float8_e4m3fn needs no triton."""
     code = (
         "import sys, torch\n"
-        "from hier_localsgd.core.compress import check_format, quantize, dequantize\n"
+        "from hier_localsgd.core.tensors.compress import check_format, quantize, dequantize\n"
         "check_format('fp8', 256, 'cpu')\n"
         "dequantize(quantize(torch.randn(1000), 'fp8', 256))\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"

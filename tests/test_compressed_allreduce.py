@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from hier_localsgd.core.compress import FP8, INT8, ErrorFeedback
-from hier_localsgd.core.compressed_allreduce import (
+from hier_localsgd.core.tensors.compress import FP8, INT8, ErrorFeedback
+from hier_localsgd.core.tensors.compressed_allreduce import (
     compressed_allreduce_bytes,
     fp32_ring_allreduce_bytes,
     mean_error_bound,
@@ -37,7 +37,7 @@ def _input(rank: int, fmt: str, rnd: int = 0) -> torch.Tensor:
 def _rank_main(rank: int, world: int, store_path: str, out_dir: str, torchft_port: int = 0) -> None:
     import torch.distributed as dist
 
-    from hier_localsgd.core.compressed_allreduce import compressed_allreduce
+    from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce
 
     torch.set_num_threads(1)
     if torchft_port:
@@ -171,7 +171,7 @@ def _absent_peer_main(rank: int, world: int, store_path: str, out_dir: str) -> N
 
     import torch.distributed as dist
 
-    from hier_localsgd.core.compressed_allreduce import compressed_allreduce
+    from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce
 
     store = dist.FileStore(store_path, world)
     pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=60))

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from hier_localsgd.config import ConfigError, load_config
-from hier_localsgd.core.addresses import LighthouseUnreachable, probe_lighthouse
+from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, probe_lighthouse
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from hier_localsgd.config import ConfigError
 from hier_localsgd.tools.dashboard.config import DashboardConfig
 from hier_localsgd.tools.dashboard.server import start_in_thread
 from hier_localsgd.tools.dashboard.state import read_state
-from hier_localsgd.core.status import read_json
+from hier_localsgd.core.runtime.status import read_json
 
 NOW = 1_800_000_000.0
 CHROMIUM = os.environ.get("HIER_DASHBOARD_CHROMIUM", "/usr/bin/chromium")
@@ -546,7 +546,7 @@ def wait_for_step(run_dir: Path, step: int, timeout_s: float) -> None:
 
 
 def dash_phases() -> set:
-    from hier_localsgd.core.phases import Phase
+    from hier_localsgd.core.runtime.phases import Phase
 
     return {p.value for p in Phase}
 

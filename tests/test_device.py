@@ -13,11 +13,11 @@ from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp, TCPS
 
 from harness import logs_tail, run_job
 from hier_localsgd.config import ConfigError, load_config
-from hier_localsgd.core.checkpoint import Checkpointer, LayoutMismatch
-from hier_localsgd.core.device import host_copy, host_state, one_host_backends, resolve_backend, resolve_device
-from hier_localsgd.core.level import Level, LevelAlgorithm
-from hier_localsgd.core.link import LinkProcessGroup
-from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec, LossModel
+from hier_localsgd.core.runtime.checkpoint import Checkpointer, LayoutMismatch
+from hier_localsgd.core.runtime.device import host_copy, host_state, one_host_backends, resolve_backend, resolve_device
+from hier_localsgd.core.tensors.level import Level, LevelAlgorithm
+from hier_localsgd.core.links.link import LinkProcessGroup
+from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec, LossModel
 from hier_localsgd.train.data import DeviceData, MarkovChain, MarkovData
 from hier_localsgd.train.model import build_model, lm_loss
 
@@ -231,7 +231,7 @@ def test_fsdp_in_a_replica_group_on_gloo_matches_the_ddp_run(tmp_path):
     groups) trains the same model as ddp (each rank a whole replica, gradients averaged):
     the same averaged gradients, the same elementwise updates, so the loss matches up to
     floating-point reduction order."""
-    from hier_localsgd.core.status import read_json, replica_dir
+    from hier_localsgd.core.runtime.status import read_json, replica_dir
 
     ddp = run_job(tmp_path / "ddp", [*G2_SMALL, "group.sharding=ddp"])
     assert all(c == 0 for c in ddp.codes.values()), logs_tail(ddp)

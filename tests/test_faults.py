@@ -179,7 +179,7 @@ def test_start_order_does_not_matter(tmp_path, name, order):
         first, second = [k for k in order if k[0] == c]
         # sync.start(): the cluster's first group repeats no-op join rounds alone (weight 0:
         # its model stays the initial one) until the second arrives, 3 s later. Healing
-        # follows training progress (step, committed rounds: core/managers.start_quorum), and
+        # follows training progress (step, committed rounds: core/ft/managers.start_quorum), and
         # both are at step 0 with no round committed, so the second joins without a transfer
         # (both build the same initial model from the seed) — neither heals — and from their
         # first round on they commit the same model.

@@ -1,4 +1,4 @@
-"""Streaming fragments (core/fragments.py) on torchtitan's debugmodel and the tiny LM, and wired into
+"""Streaming fragments (core/tensors/fragments.py) on torchtitan's debugmodel and the tiny LM, and wired into
 the hierarchy's outer level (sync.outer.fragments)."""
 
 import itertools
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hier_localsgd.core.fragments import FragmentSchedule, fragment_parameters, split_fragments
+from hier_localsgd.core.tensors.fragments import FragmentSchedule, fragment_parameters, split_fragments
 from hier_localsgd.train.model import build_model
 
 
@@ -118,8 +118,8 @@ def test_failed_syncs_are_retried_so_every_fragment_still_commits_once_per_F_com
 # groups, replica groups as threads so every local update is exact (harness.py).
 
 from harness import ThreadedHier, local_steps  # noqa: E402
-from hier_localsgd.core.flat_params import FlatParams  # noqa: E402
-from hier_localsgd.core.fragments import flat_ranges, gather, localize, scatter_  # noqa: E402
+from hier_localsgd.core.tensors.flat_params import FlatParams  # noqa: E402
+from hier_localsgd.core.tensors.fragments import flat_ranges, gather, localize, scatter_  # noqa: E402
 from hier_localsgd.sync.overlap import is_apply_round, is_launch_round  # noqa: E402
 
 C, R, H_IN, H_OUT, NUMEL = 2, 2, 1, 4, 4

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from harness import ThreadedHier, await_pending_requests, local_steps
-from hier_localsgd.core.faults import Fault
-from hier_localsgd.core.invariants import InvariantViolation
-from hier_localsgd.core.managers import GroupRefused
-from hier_localsgd.core.level import LevelAlgorithm
+from hier_localsgd.core.runtime.faults import Fault
+from hier_localsgd.core.runtime.invariants import InvariantViolation
+from hier_localsgd.core.ft.managers import GroupRefused
+from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.sync.common import FatalSyncError
 
 C, R, H_IN, H_OUT = 2, 2, 1, 2
@@ -155,7 +155,7 @@ def test_injected_failure_rolls_back_to_last_commit_and_next_round_succeeds(phas
 def cluster_lighthouse_out_at(rep, step: int) -> None:
     """The group's cluster lighthouse does not answer at ``step`` (not in join rounds): its
     quorum call raises LighthouseOutage there, as outage.py's would."""
-    from hier_localsgd.core.outage import LighthouseOutage
+    from hier_localsgd.core.ft.outage import LighthouseOutage
 
     orig = rep.sync._inner_quorum
 
@@ -314,7 +314,7 @@ def test_outer_progress_heals_behind_from_ahead_and_a_fresh_leader_from_an_estab
 
 
 def test_guard_keeps_the_weight_of_an_outer_member_at_most_max_behind_rounds_behind():
-    from hier_localsgd.core.guard import Fingerprint, plan
+    from hier_localsgd.core.tensors.guard import Fingerprint, plan
 
     src, one, two = Fingerprint(7, 5, 0, 50, 1.0), Fingerprint(8, 4, 0, 40, 1.0), Fingerprint(9, 3, 0, 30, 1.0)
     assert plan([src, one, two]).weights == [1.0, 0.0, 0.0]  # the default: behind is weight 0
@@ -342,7 +342,7 @@ def test_a_cluster_that_missed_an_outer_round_contributes_a_stale_update(max_sta
     final model is a hand computation. Events order the two clusters: no timing race."""
     import threading
 
-    from hier_localsgd.core.phases import Phase
+    from hier_localsgd.core.runtime.phases import Phase
 
     L = LevelAlgorithm.build("localsgd")
     # One quorum request per phase (no 5 s slices: this test has no outage to detect), so

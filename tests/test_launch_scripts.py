@@ -92,7 +92,7 @@ def _lighthouse_children(script_pid: int) -> list:
 
 
 def _wait_answering(addr: str, timeout_s: float) -> float:
-    from hier_localsgd.core.outage import lighthouse_answers
+    from hier_localsgd.core.ft.outage import lighthouse_answers
     from datetime import timedelta
 
     t0 = time.time()

@@ -2,7 +2,8 @@
 
 The layer order is written out here (lowest first); docs/architecture.md draws it. A
 module belongs to the layer of the longest prefix listed. Within one layer any import
-is allowed (but no cycle). Every ``import`` counts, those inside functions too (they run
+is allowed (but no cycle). ``hier_localsgd.core`` is four layers, its subpackages in
+CORE_ORDER: every core module lives in one of them, and imports between them point down. Every ``import`` counts, those inside functions too (they run
 as surely as the others, only later); imports under ``if TYPE_CHECKING:`` do not (they
 never run: they name a type for annotations, e.g. ``Config`` in the launcher).
 """
@@ -16,13 +17,17 @@ from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 PACKAGE = "hier_localsgd"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
+# The core subpackages, lowest first: process plumbing, model-state numerics, a level's
+# links (process group and link emulation), the torchft-facing pieces.
+CORE_ORDER: Tuple[str, ...] = ("runtime", "tensors", "links", "ft")
+
 # Lowest first. experiments.sections (the experiments' config sections, dataclasses only)
 # and chaos_faults (the fault kinds they name) sit below the root config that composes
 # them; the experiment drivers above it load configurations of their own.
 LAYERS: List[Tuple[str, Sequence[str]]] = [
     ("base", ("hier_localsgd", "hier_localsgd.costs", "hier_localsgd.errors")),
-    ("emulation", ("hier_localsgd.emulation",)),
-    ("core", ("hier_localsgd.core",)),
+    ("core", ("hier_localsgd.core",)),  # the package itself: a docstring, nothing else
+    *[(f"core.{sub}", (f"hier_localsgd.core.{sub}",)) for sub in CORE_ORDER],
     ("sync", ("hier_localsgd.sync",)),
     ("train", ("hier_localsgd.train",)),
     ("launch", ("hier_localsgd.launch",)),
@@ -184,11 +189,47 @@ def test_the_checks_catch_a_violation() -> None:
     """The checks can fail: a synthetic upward edge and a synthetic cycle are reported."""
     real = edges()
     assert real, "no package imports found: the walk is broken"
-    assert ("hier_localsgd.core.managers", "hier_localsgd.core.addresses") in {(a, b) for a, b, _ in real}
-    up = upward(real + [("hier_localsgd.core.phases", "hier_localsgd.experiments.chaos", 1)])
-    assert up == ["hier_localsgd.core.phases:1 (core) imports hier_localsgd.experiments.chaos (experiments), a higher layer"]
-    loop = cycles(real + [("hier_localsgd.core.addresses", "hier_localsgd.core.managers", 1)])
-    assert any({"hier_localsgd.core.addresses", "hier_localsgd.core.managers"} <= set(c) for c in loop), loop
+    assert ("hier_localsgd.core.ft.managers", "hier_localsgd.core.runtime.addresses") in {(a, b) for a, b, _ in real}
+    up = upward(real + [("hier_localsgd.core.runtime.phases", "hier_localsgd.experiments.chaos", 1)])
+    assert up == [
+        "hier_localsgd.core.runtime.phases:1 (core.runtime) imports hier_localsgd.experiments.chaos (experiments), a higher layer"
+    ]
+    # Between core subpackages: links may not import ft (as link.py once imported presence.py).
+    up = upward(real + [("hier_localsgd.core.links.link", "hier_localsgd.core.ft.presence", 1)])
+    assert up == ["hier_localsgd.core.links.link:1 (core.links) imports hier_localsgd.core.ft.presence (core.ft), a higher layer"]
+    loop = cycles(real + [("hier_localsgd.core.runtime.addresses", "hier_localsgd.core.ft.managers", 1)])
+    assert any({"hier_localsgd.core.runtime.addresses", "hier_localsgd.core.ft.managers"} <= set(c) for c in loop), loop
+
+
+def test_core_is_its_subpackages_in_order() -> None:
+    """Every module of hier_localsgd.core sits in one of CORE_ORDER's subpackages, those
+    layers come right after core itself in CORE_ORDER's order, each subpackage's
+    ``__init__`` is a docstring and nothing else (no re-exports), and every edge between
+    two subpackages points to a lower one."""
+    mods = modules()
+    subs = {f"hier_localsgd.core.{s}" for s in CORE_ORDER}
+    assert subs <= set(mods), sorted(subs - set(mods))
+    for mod in mods:
+        if mod.startswith("hier_localsgd.core."):
+            assert mod.split(".")[2] in CORE_ORDER, f"{mod} is in no core subpackage {CORE_ORDER}"
+    names = [name for name, _ in LAYERS]
+    at = names.index("core")
+    assert names[at : at + 1 + len(CORE_ORDER)] == ["core", *(f"core.{s}" for s in CORE_ORDER)]
+    for sub in ["", *(f".{s}" for s in CORE_ORDER)]:
+        body = ast.parse(mods[f"hier_localsgd.core{sub}"].read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), (
+            f"hier_localsgd.core{sub}/__init__.py holds more than its docstring"
+        )
+    rank = {f"hier_localsgd.core.{s}": i for i, s in enumerate(CORE_ORDER)}
+    between = [
+        (a, b, line)
+        for a, b, line in edges(mods)
+        if a.startswith("hier_localsgd.core.") and b.startswith("hier_localsgd.core.")
+        and a.split(".")[2] != b.split(".")[2]
+    ]
+    assert between, "no import between core subpackages found: the walk is broken"
+    bad = [f"{a}:{line} imports {b}" for a, b, line in between if rank[".".join(b.split(".")[:3])] > rank[".".join(a.split(".")[:3])]]
+    assert not bad, "\n".join(bad)
 
 
 def test_type_checking_imports_are_skipped(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 import torch
 
-from hier_localsgd.core.level import Level, LevelAlgorithm, OuterSGD
+from hier_localsgd.core.tensors.level import Level, LevelAlgorithm, OuterSGD
 
 
 def test_outer_sgd_matches_torch_sgd_nesterov_over_several_steps():

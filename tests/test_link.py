@@ -5,7 +5,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 
-from hier_localsgd.core.link import LinkProcessGroup
+from hier_localsgd.core.links.link import LinkProcessGroup
 
 
 def test_a_retired_group_is_set_aside_and_the_next_configure_builds_a_working_one():
@@ -34,7 +34,7 @@ def test_a_quorum_store_whose_host_is_gone_fails_configure_at_once_not_after_c10
 
     import pytest
 
-    from hier_localsgd.core.addresses import StoreUnreachable
+    from hier_localsgd.core.runtime.addresses import StoreUnreachable
 
     dead = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = dead.port
@@ -69,7 +69,7 @@ def test_a_store_host_that_dies_mid_connect_fails_configure_within_seconds_not_c
 
     import pytest
 
-    from hier_localsgd.core.addresses import StoreUnreachable
+    from hier_localsgd.core.runtime.addresses import StoreUnreachable
 
     srv, port = _listener()
 
@@ -97,7 +97,7 @@ def test_a_store_host_that_accepts_but_never_answers_fails_configure_by_the_phas
 
     import pytest
 
-    from hier_localsgd.core.addresses import StoreUnreachable
+    from hier_localsgd.core.runtime.addresses import StoreUnreachable
 
     srv, port = _listener()  # never accepts: connections complete in the kernel's backlog
     try:

@@ -12,8 +12,8 @@ from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions
 
 from harness import ThreadedHier, local_steps, logs_tail, run_job
-from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
-from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec, LossModel, LossStream, parse_netem
+from hier_localsgd.core.links.link import CONTROL, PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec, LossModel, LossStream, parse_netem
 
 
 # ---------------------------------------------------------------- loss models

@@ -15,12 +15,12 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 from torchft.coordination import LighthouseServer
 
-from hier_localsgd.core.link import LinkProcessGroup
-from hier_localsgd.core.managers import LevelManager, QuorumFailed
-from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, lighthouse_answers
-from hier_localsgd.core.peers import await_heartbeats
-from hier_localsgd.core.presence import PresenceCheck, QuorumAbsent
-from hier_localsgd.core.timeouts import Timeouts
+from hier_localsgd.core.links.link import LinkProcessGroup
+from hier_localsgd.core.ft.managers import LevelManager, QuorumFailed
+from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage, lighthouse_answers
+from hier_localsgd.core.ft.peers import await_heartbeats
+from hier_localsgd.core.ft.presence import PresenceCheck, QuorumAbsent
+from hier_localsgd.core.runtime.timeouts import Timeouts
 
 OP_S = 8  # each collective's timeout: a stale two-member group waits this long, then fails
 
@@ -298,10 +298,10 @@ def test_a_collective_abandoned_in_one_round_that_fails_later_does_not_fail_the_
     after that (b's group is aborted then). With torchft's ``wrap_future`` that failure was
     reported into a's new round and failed its commit (a CI run: two clusters one outer
     round apart at the end)."""
-    from hier_localsgd.core.comm import LevelComm
-    from hier_localsgd.core.invariants import CollectiveGate
-    from hier_localsgd.core.peers import QuorumWatch
-    from hier_localsgd.core.phases import Phase, PhaseTracker
+    from hier_localsgd.core.ft.comm import LevelComm
+    from hier_localsgd.core.runtime.invariants import CollectiveGate
+    from hier_localsgd.core.ft.peers import QuorumWatch
+    from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 
     port = free_port()
     lh = lighthouse(port)

@@ -9,7 +9,7 @@ import pytest
 
 from harness import logs_tail, run_job, when_step
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.core.status import read_events, read_json, replica_dir
+from hier_localsgd.core.runtime.status import read_events, read_json, replica_dir
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from hier_localsgd.core.flat_params import FlatParams
+    from hier_localsgd.core.tensors.flat_params import FlatParams
     from hier_localsgd.train.model import build_model, lm_loss
 
     torch.set_num_threads(1)

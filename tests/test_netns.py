@@ -262,7 +262,7 @@ def test_a_partitioned_cluster_trains_on_alone_and_rejoins(tmp_path):
     This used to cost cluster 0 a whole timeouts.outer_quorum in the rendezvous, and with
     torchft keeping given-up requests the two leaders' waits could lock in phase until one
     exited (seen in 2 of 5 runs at 759f441). Every member now confirms a formed quorum
-    (core/presence.py): cluster 0 drops that quorum within a heartbeat timeout."""
+    (core/ft/presence.py): cluster 0 drops that quorum within a heartbeat timeout."""
     seen = {}
 
     def during(job):

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from harness import logs_tail, run_job
-from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
+from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 
 pytestmark = pytest.mark.slow
 
@@ -254,7 +254,7 @@ def test_a_refused_probe_is_retried_at_every_round_a_silent_one_backs_off():
     backoff (each of its probes costs a probe timeout: 1 s, then 2 s here)."""
     from datetime import timedelta
 
-    from hier_localsgd.core.outage import REFUSED, SILENT
+    from hier_localsgd.core.ft.outage import REFUSED, SILENT
 
     for seen, probed_at in ((REFUSED, [0.0, 0.5, 1.0, 1.5, 2.0]), (SILENT, [0.0, 1.0])):
         now, answers = [0.0], []
@@ -276,7 +276,7 @@ def test_lighthouse_probe_tells_up_refused_and_silent_apart_on_real_sockets():
     from datetime import timedelta
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from hier_localsgd.core.outage import REFUSED, SILENT, UP, lighthouse_probe
+    from hier_localsgd.core.ft.outage import REFUSED, SILENT, UP, lighthouse_probe
 
     class Page(BaseHTTPRequestHandler):
         def do_GET(self):

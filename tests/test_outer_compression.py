@@ -16,9 +16,9 @@ import torch
 
 from harness import ThreadedHier, local_steps
 from hier_localsgd.config import ConfigError, load_config
-from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
-from hier_localsgd.core.faults import Fault
-from hier_localsgd.core.level import LevelAlgorithm
+from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
+from hier_localsgd.core.runtime.faults import Fault
+from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.costs import ring_allreduce_bytes
 
 C, R, H_IN, H_OUT = 2, 2, 1, 2
@@ -252,10 +252,10 @@ from datetime import timedelta  # noqa: E402
 
 from torch.distributed import TCPStore  # noqa: E402
 
-from hier_localsgd.core.compress import quantized_nbytes  # noqa: E402
-from hier_localsgd.core.compressed_allreduce import compressed_allreduce, shard_layout  # noqa: E402
-from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup  # noqa: E402
-from hier_localsgd.emulation.lossy import LinkSpec, LossModel  # noqa: E402
+from hier_localsgd.core.tensors.compress import quantized_nbytes  # noqa: E402
+from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce, shard_layout  # noqa: E402
+from hier_localsgd.core.links.link import PAYLOAD, LinkProcessGroup  # noqa: E402
+from hier_localsgd.core.links.lossy import LinkSpec, LossModel  # noqa: E402
 
 LN, LBLOCK = 4096, 64
 

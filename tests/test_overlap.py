@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from harness import ThreadedHier, local_steps
-from hier_localsgd.core.faults import Fault
-from hier_localsgd.core.invariants import CollectiveGate, InvariantViolation
+from hier_localsgd.core.runtime.faults import Fault
+from hier_localsgd.core.runtime.invariants import CollectiveGate, InvariantViolation
 from hier_localsgd.sync.overlap import is_apply_round, merge_keep_local
 
 C, R, H_IN, H_OUT, D = 2, 2, 1, 2, 1

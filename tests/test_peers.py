@@ -13,7 +13,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from torchft.coordination import LighthouseClient
 
-from hier_localsgd.core.peers import QuorumWatch, await_heartbeats, fetch_status, parse_status
+from hier_localsgd.core.ft.peers import QuorumWatch, await_heartbeats, fetch_status, parse_status
 
 HB_MS = 1000
 

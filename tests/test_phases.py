@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from hier_localsgd.core.flat_params import FlatParams
-from hier_localsgd.core.invariants import CollectiveGate, InvariantViolation, check_disjoint_tensors, check_distinct_clusters
-from hier_localsgd.core.phases import Phase, PhaseError, PhaseTracker
+from hier_localsgd.core.tensors.flat_params import FlatParams
+from hier_localsgd.core.runtime.invariants import CollectiveGate, InvariantViolation, check_disjoint_tensors, check_distinct_clusters
+from hier_localsgd.core.runtime.phases import Phase, PhaseError, PhaseTracker
 
 P = Phase
 
@@ -112,7 +112,7 @@ def test_flat_params_keep_parameter_identity_and_write_in_place():
 
 
 def test_group_rank_check_rejects_a_rank_outside_the_group():
-    from hier_localsgd.core.invariants import check_group_rank
+    from hier_localsgd.core.runtime.invariants import check_group_rank
 
     check_group_rank("inner", 1, 2)  # rank 1 of 2: fine
     for rank, size in ((2, 2), (-1, 2), (0, 0)):
@@ -129,7 +129,7 @@ def test_a_phase_deadline_comes_from_the_budgets_named_once():
 
     import pytest
 
-    from hier_localsgd.core.timeouts import Timeouts
+    from hier_localsgd.core.runtime.timeouts import Timeouts
 
     t = Timeouts(inner_quorum=timedelta(seconds=7), broadcast=timedelta(seconds=11))
     assert t.broadcast_wait > t.broadcast  # the two BROADCAST budgets differ

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from hier_localsgd import costs
 from hier_localsgd.config import Config, ConfigError, load_config
-from hier_localsgd.emulation.lossy import LinkConfig
+from hier_localsgd.core.links.lossy import LinkConfig
 from hier_localsgd.tools.plan import config as plan_config, model as plan_model, planner as plan_planner, report as plan_report
 from hier_localsgd.tools.plan.config import PlanConfig, PlanModelConfig, ScalingConfig
 
@@ -142,7 +142,7 @@ def test_memory_per_rank_debugmodel_by_hand():
     hier, ddp, flat = (p["modes"][m]["memory"] for m in ("hier", "ddp", "flat"))
     assert hier["parameters"] == hier["gradients"] == s
     assert hier["optimizer"] == 2 * s  # AdamW, 2 float32 states
-    # hier keeps its sync state on the host (core/device.py); only the round's scratch is on
+    # hier keeps its sync state on the host (core/runtime/device.py); only the round's scratch is on
     # the device: the backup's device copy and the pseudo-gradient
     assert hier["sync_backups"] == hier["rollback_snapshot"] == 0
     assert hier["sync_scratch"] == 2 * s
@@ -329,7 +329,7 @@ def test_plan_reads_the_shared_topology_links_and_sync():
     assert h["modes"]["hier"]["sync_per_step_s"] == pytest.approx(st["inner_s"] / 20 + (st["outer_allreduce_s"] + st["broadcast_s"]) / 100)
     assert h["modes"]["flat"]["sync_per_step_s"] == pytest.approx(st["flat_s"] / 7)
     # an outer localsgd level keeps no momentum: one model-sized copy less than diloco
-    assert base["modes"]["hier"]["memory"]["host_sync_state"] - h["modes"]["hier"]["memory"]["host_sync_state"] == S_DEBUG  # on the host (core/device.py)
+    assert base["modes"]["hier"]["memory"]["host_sync_state"] - h["modes"]["hier"]["memory"]["host_sync_state"] == S_DEBUG  # on the host (core/runtime/device.py)
     # train: the batch is train.*'s
     assert _plan("train.batch_size=2")["flops"]["tokens_per_rank_step"] == 2 * 64
 
@@ -432,7 +432,7 @@ def test_the_outer_variant_model_reduces_to_the_blocking_one_and_hides_what_over
     the blocking formula; D inner rounds hide up to their own time; F fragments of S/F each
     cost F latency terms; int8 sends about a quarter of the bytes."""
     from hier_localsgd import costs
-    from hier_localsgd.emulation.lossy import LinkSpec
+    from hier_localsgd.core.links.lossy import LinkSpec
     from hier_localsgd.tools.plan.network import OuterVariant, hier_variant_sync_per_step, outer_round_s, sync_per_step, sync_times
 
     lan = LinkSpec(latency_s=1e-4, bandwidth_Bps=costs.gbps_to_Bps(10))

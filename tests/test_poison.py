@@ -1,4 +1,4 @@
-"""The poison screen (core/guard.py ``screen``, sync/poison.py; issue #30): a replica group
+"""The poison screen (core/tensors/guard.py ``screen``, sync/poison.py; issue #30): a replica group
 whose model goes bad never reaches the shared model.
 
 The rule is checked against hand computations; the round's arithmetic with threads over
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from harness import ThreadedHier, local_steps, logs_tail, run_job
-from hier_localsgd.core.guard import NONFINITE, Fingerprint, accepted_median, plan, screen
-from hier_localsgd.core.level import LevelAlgorithm
-from hier_localsgd.core.status import read_events, replica_dir
+from hier_localsgd.core.tensors.guard import NONFINITE, Fingerprint, accepted_median, plan, screen
+from hier_localsgd.core.tensors.level import LevelAlgorithm
+from hier_localsgd.core.runtime.status import read_events, replica_dir
 from hier_localsgd.sync.common import PoisonLimit
 from hier_localsgd.sync.sections import PoisonConfig
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from hier_localsgd.emulation.lossy import LinkSpec, LossModel
+from hier_localsgd.core.links.lossy import LinkSpec, LossModel
 from hier_localsgd.train.model import lm_loss
 from hier_localsgd.tools.plan.model import ModelDims
 from hier_localsgd.train.tp import OPS, TPGroup, build_llama3, build_tp_model, spawn_group, tp_comm_volume
@@ -190,7 +190,7 @@ def test_tp_groups_train_in_the_hierarchy_each_rank_syncing_its_own_shard(tmp_pa
     from harness import logs_tail, run_job
 
     from hier_localsgd.costs import ring_allreduce_bytes
-    from hier_localsgd.core.status import read_json, replica_dir
+    from hier_localsgd.core.runtime.status import read_json, replica_dir
 
     run = run_job(tmp_path, [*TP_JOB, "topology.clusters=2", "topology.replicas_per_cluster=1", "train.steps=20",
                              "group.tp_links.mlp_fwd.loss=bernoulli", "group.tp_links.mlp_fwd.p=0.01"], timeout_s=400)
@@ -218,7 +218,7 @@ def test_a_dead_tp_rank_takes_its_group_down_and_the_group_restarts_and_heals(tm
 
     from harness import logs_tail, run_job, when_step
 
-    from hier_localsgd.core.status import read_json, replica_dir
+    from hier_localsgd.core.runtime.status import read_json, replica_dir
 
     killed = {}
 
@@ -314,7 +314,7 @@ def test_latency_and_bandwidth_are_emulated_per_operation(tmp_path, variant):
     emulator's α–β bound for the bytes they carried (megatron all-reduces, naive
     all-gathers), the step lasts at least that long, and the other operations carry no
     emulation at all."""
-    from hier_localsgd.emulation.lossy import LinkSpec as Spec
+    from hier_localsgd.core.links.lossy import LinkSpec as Spec
 
     ranks = spawn_group(_time_worker, 2, str(tmp_path), args=(variant,), timeout=timedelta(seconds=120))
     spec = Spec(latency_s=LAT_S, bandwidth_Bps=BW_BPS)

@@ -57,8 +57,8 @@ from hier_localsgd.config import Config, ConfigError, load_config
 from hier_localsgd.errors import fail
 from hier_localsgd.launch.local import LocalJob, child_env
 from hier_localsgd.launch.netns import tbf_transfer_s
-from hier_localsgd.core.link import sent_per_rank
-from hier_localsgd.core.status import read_events, replica_dir
+from hier_localsgd.core.links.link import sent_per_rank
+from hier_localsgd.core.runtime.status import read_events, replica_dir
 
 
 WORKLOADS = {
@@ -107,7 +107,7 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],
         "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
         "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],
-        # streaming fragments (core/fragments.py): half the model per outer round, twice as often
+        # streaming fragments (core/tensors/fragments.py): half the model per outer round, twice as often
         "hier_frag2": ["sync.mode=hier", "sync.outer.fragments=2"],
         "hier_overlap_int8_frag2": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8", "sync.outer.fragments=2"],
         # a third of the model per round, for WANs where one int8 round outlasts an inner round (bench.h_outer a multiple of 3, >= 6)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from hier_localsgd.config import load_config
-from hier_localsgd.core.status import read_events, replica_dir
+from hier_localsgd.core.runtime.status import read_events, replica_dir
 from hier_localsgd.experiments.bench import _curve, sync_eval
 from hier_localsgd.experiments.chaos import flat_counterpart, run_chaos
 from hier_localsgd.experiments.chaos_plan import describe_match

@@ -38,8 +38,8 @@ from hier_localsgd.experiments.chaos_plan import BASELINE_PHASE, PlannedFault, d
 from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.experiments.chaos_stall import StallWatch, stall_limit_s  # noqa: F401  (StallWatch: tests import it here)
-from hier_localsgd.core.faults import deliver
-from hier_localsgd.core.status import inbox_path, read_events, replica_dir
+from hier_localsgd.core.runtime.faults import deliver
+from hier_localsgd.core.runtime.status import inbox_path, read_events, replica_dir
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 
 
@@ -521,7 +521,7 @@ def flat_counterpart(overrides: List[str], extra: Sequence[str] = ()) -> List[st
 
 def run_chaos(cfg: Config, overrides: List[str], flat_extra: Sequence[str] = ()) -> int:
     if "poison" in cfg.chaos.kinds:
-        overrides = [*overrides, "run.fault_inbox=true"]  # the processes take the monkey's poisons (core/faults.py)
+        overrides = [*overrides, "run.fault_inbox=true"]  # the processes take the monkey's poisons (core/runtime/faults.py)
     compare = cfg.chaos.compare_flat and cfg.sync.mode == "hier"
     flat_over = flat_counterpart(overrides, flat_extra)
     # The flat side's configuration is checked before anything runs (one line, exit 2).

@@ -21,8 +21,8 @@ Kinds (``chaos.kinds``; the schedule draws one per fault, seeded by ``chaos.seed
   namespace) off the network for ``chaos.partition_s``; needs ``run.netns`` (netns.py);
 * ``poison`` — a replica group's model goes bad (a NaN in every 64th value, as a diverging
   optimizer or a bit flip would leave it): handed over through its inbox
-  (``run.fault_inbox``, core/faults.py), it fires at the group's next step; the poison
-  screen (core/guard.py) must keep it out of every other group's model.
+  (``run.fault_inbox``, core/runtime/faults.py), it fires at the group's next step; the poison
+  screen (core/tensors/guard.py) must keep it out of every other group's model.
 
 Kills of every kind are kill records (chaos.py's accounting applies to them). The other
 kinds are *fault* records with their own evidence of recovery, computed here from the
@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 Key = Tuple[int, int]
 KILL_KINDS = ("kill", "phase_kill", "multi_kill")
 FAULT_KINDS = ("hang", "lighthouse", "partition", "poison")
-POISON = {"action": "poison", "how": "nan"}  # what the chaos command hands a group (core/faults.py)
+POISON = {"action": "poison", "how": "nan"}  # what the chaos command hands a group (core/runtime/faults.py)
 KINDS = KILL_KINDS + FAULT_KINDS
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from hier_localsgd.core.phases import Phase
+from hier_localsgd.core.runtime.phases import Phase
 from hier_localsgd.experiments.chaos_evidence import name
 from hier_localsgd.launch.local import Key, LocalJob
 

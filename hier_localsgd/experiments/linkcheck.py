@@ -5,7 +5,7 @@ sleeping until it; comparing that emulation against the same bound proves nothin
 the bound meets a link it does not control: one process per cluster, each in its own
 network namespace (netns.py), joined through veth pairs and a bridge whose cluster
 uplinks the kernel shapes with ``tbf`` at the rate under test. The processes form the
-project's own level process group (:class:`~hier_localsgd.core.link.LinkProcessGroup` around
+project's own level process group (:class:`~hier_localsgd.core.links.link.LinkProcessGroup` around
 torchft's Gloo group, as an outer level would) and time model-sized all-reduces.
 
 Three figures, each measured against something it was not derived from:
@@ -21,7 +21,7 @@ Three figures, each measured against something it was not derived from:
   emulation at the same rate ÷ the kernel-shaped time.
 
 ``op="int8"`` times the outer level's compressed all-reduce instead
-(core/compressed_allreduce.py: all-to-all of int8 shards, dequantize and sum, requantize,
+(core/tensors/compressed_allreduce.py: all-to-all of int8 shards, dequantize and sum, requantize,
 all-gather); its bound and analytic bytes are those of its compressed payload. ``busy=N``
 runs N processes spinning on the CPU alongside (as training does next to an overlapped
 outer round), to separate the link's cost from CPU contention.
@@ -99,8 +99,8 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
-    from hier_localsgd.core.link import LinkProcessGroup
-    from hier_localsgd.emulation.lossy import LinkSpec
+    from hier_localsgd.core.links.link import LinkProcessGroup
+    from hier_localsgd.core.links.lossy import LinkSpec
     from hier_localsgd.launch.netns import read_net_dev
 
     rank, world = spec["rank"], spec["world"]
@@ -119,7 +119,7 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         pg.allreduce([x], opts).wait()
 
     if spec.get("op", "allreduce") == "int8":
-        from hier_localsgd.core.compressed_allreduce import compressed_allreduce
+        from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce
 
         def payload(x: torch.Tensor) -> None:
             compressed_allreduce(x, pg, "int8", timeout=timeout, rank=rank, world=world)
@@ -158,7 +158,7 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
     """
     rate = rate_mbit * 1e6
     if op == "int8":
-        from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
+        from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
 
         sent = compressed_allreduce_bytes(nbytes // 4, clusters, "int8")  # per rank, both collectives
         analytic = float(sent)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from hier_localsgd.core.faults import ROLES
-from hier_localsgd.core.phases import Phase
+from hier_localsgd.core.runtime.faults import ROLES
+from hier_localsgd.core.runtime.phases import Phase
 from hier_localsgd.experiments.chaos_faults import KINDS
 from hier_localsgd.errors import fail
 from hier_localsgd.sync.sections import MODES
@@ -197,7 +197,7 @@ class TPSweepConfig:
 
 def check_tp_sweep(sw: "TPSweepConfig") -> None:
     """Checks ``tp_sweep.*``; raises ValueError naming the field."""
-    from hier_localsgd.emulation.lossy import FILLS, WHERE, check_sweep_grid
+    from hier_localsgd.core.links.lossy import FILLS, WHERE, check_sweep_grid
     from hier_localsgd.train.tp import VARIANTS
 
     def err(name: str, msg: str) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hier_localsgd.config import load_config
-from hier_localsgd.core.status import read_events
+from hier_localsgd.core.runtime.status import read_events
 from hier_localsgd.tools.simulate import engine, params
 from hier_localsgd.tools.simulate.params import KILL_PHASES
 

@@ -5,7 +5,7 @@ particular ``consistent`` is true only if every replica group reported the same 
 of its final parameters, taken after the last outer sync (with group.parallel=tp: every
 group's rank k the same, per k — the ranks of a group hold different shards), and every
 one of those models is finite (one checksum of all-NaN parameters is no success).
-``excluded`` lists the contributions the poison screen kept out (core/guard.py), each
+``excluded`` lists the contributions the poison screen kept out (core/tensors/guard.py), each
 (level, step, member) once. :func:`human` renders it.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hier_localsgd.config import Config
-from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
+from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
-from hier_localsgd.core.status import RESULT_FILE, read_events, read_json, replica_dir
+from hier_localsgd.core.runtime.status import RESULT_FILE, read_events, read_json, replica_dir
 from hier_localsgd.launch.local import LocalJob
 from hier_localsgd.train.tp import consistent_checksums
 

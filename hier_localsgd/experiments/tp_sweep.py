@@ -98,7 +98,7 @@ def grid(sw: TPSweepConfig) -> List[Dict[str, Any]]:
 
 
 def cell_specs(sw: TPSweepConfig, cell: Dict[str, Any]) -> Dict[str, Any]:
-    from hier_localsgd.emulation.lossy import LinkSpec, LossModel
+    from hier_localsgd.core.links.lossy import LinkSpec, LossModel
 
     if cell["rate"] == 0:
         return {}

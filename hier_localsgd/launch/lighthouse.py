@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, List
 
-from hier_localsgd.core.addresses import parse_address
-from hier_localsgd.core.runtime import EXIT_CONFIG
+from hier_localsgd.core.runtime.addresses import parse_address
+from hier_localsgd.core.runtime.runtime import EXIT_CONFIG
 from hier_localsgd.errors import fail
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def bind_address(field: str, addr: str) -> str:
 
 def result_paths(cfg: Config) -> List[Path]:
     """The result files of the replica groups this process's lighthouses serve."""
-    from hier_localsgd.core.status import replica_dir
+    from hier_localsgd.core.runtime.status import replica_dir
 
     t, lh = cfg.topology, cfg.lighthouse
     clusters = [lh.cluster] if lh.serve == "cluster" and cfg.sync.mode == "hier" else range(t.clusters)

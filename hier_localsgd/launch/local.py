@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from hier_localsgd.core.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
-from hier_localsgd.core.runtime import OVERRIDES_ENV
-from hier_localsgd.core.status import JOB_EVENTS_FILE, read_json, replica_dir, stop_path
+from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
+from hier_localsgd.core.runtime.runtime import OVERRIDES_ENV
+from hier_localsgd.core.runtime.status import JOB_EVENTS_FILE, read_json, replica_dir, stop_path
 from hier_localsgd.launch.lighthouse import port_in_use
 from hier_localsgd.errors import fail
 
@@ -174,8 +174,8 @@ class LocalJob:
 
     def _backend_overrides(self) -> List[str]:
         """Every group on this host: Gloo for the ``auto`` levels that groups sharing a GPU
-        cannot run over NCCL (core/device.py one_host_backends)."""
-        from hier_localsgd.core.device import one_host_backends
+        cannot run over NCCL (core/runtime/device.py one_host_backends)."""
+        from hier_localsgd.core.runtime.device import one_host_backends
 
         b = self.cfg.train.backends
         chosen = one_host_backends(self.cfg.train.device, {"group": b.group, "inner": b.inner, "outer": b.outer},
@@ -414,7 +414,7 @@ class LocalJob:
         return {k: self._exit_code(k, p.popen.poll()) for k, p in self.replicas.items()}
 
     def _exit_code(self, key: Key, code: Optional[int]) -> Optional[int]:
-        """A group that stopped for good under torchrun (core/status.stop_path) counts as
+        """A group that stopped for good under torchrun (core/runtime/status.stop_path) counts as
         exit 2 whatever torchrun returned after its restarts."""
         if code not in (None, 0, 2) and stop_path(self.run_dir, *key).exists():
             return 2

@@ -36,17 +36,17 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hier_localsgd.core.comm import LevelComm
-from hier_localsgd.core.flat_params import FlatParams, checksum
-from hier_localsgd.core.fragments import Fragment, fragment_parameters, split_fragments
-from hier_localsgd.core.invariants import CollectiveGate
-from hier_localsgd.core.device import host_copy, host_state
-from hier_localsgd.core.link import PAYLOAD, LinkProcessGroup
-from hier_localsgd.emulation.lossy import LinkSpec
-from hier_localsgd.core.managers import LevelManager, QuorumFailed
-from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.core.ft.comm import LevelComm
+from hier_localsgd.core.tensors.flat_params import FlatParams, checksum
+from hier_localsgd.core.tensors.fragments import Fragment, fragment_parameters, split_fragments
+from hier_localsgd.core.runtime.invariants import CollectiveGate
+from hier_localsgd.core.runtime.device import host_copy, host_state
+from hier_localsgd.core.links.link import PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.links.lossy import LinkSpec
+from hier_localsgd.core.ft.managers import LevelManager, QuorumFailed
+from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity
-from hier_localsgd.core.timeouts import Timeouts
+from hier_localsgd.core.runtime.timeouts import Timeouts
 from hier_localsgd.sync.user_state import UserState
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class _Baseline:
         backend: str = "gloo",
         user_state: Optional[UserState] = None,
     ) -> None:
-        """``backend``: the process group's (core/device.py); a baseline's ring spans the
+        """``backend``: the process group's (core/runtime/device.py); a baseline's ring spans the
         clusters, so it takes the outer level's (``train.backends.outer``)."""
         self.id, self.timeouts, self.flat, self.opt = identity, timeouts, flat, optimizer
         self.tracker, self.events = tracker, events
@@ -116,7 +116,7 @@ class _Baseline:
     def _state_dict(self) -> Dict[str, object]:
         c = self.counters
         return {
-            "model": host_copy(self.flat.data),  # served from the host (core/device.py)
+            "model": host_copy(self.flat.data),  # served from the host (core/runtime/device.py)
             "optimizer": host_state(self.opt.state_dict()),
             "counters": {"step": c.step, "inner_round": c.inner_round, "outer_round": c.outer_round},
             "user": self.user.served(),
@@ -239,7 +239,7 @@ class FlatSync(_Baseline):
         if algorithm == "diloco":
             # Streaming DiLoCo as torchft ships it: its model_fragments synced in turn, one every
             # sync_every/F steps (torchft divides), each parameter every `every` steps. The split
-            # is the hierarchy's (core/fragments.py), each fragment a module sharing the model's
+            # is the hierarchy's (core/tensors/fragments.py), each fragment a module sharing the model's
             # parameters (torchft reads only its named_parameters) with an outer optimizer of its own.
             parts = [model] if fragments == 1 else [_fragment_module(model, f) for f in split_fragments(model, fragments)]
             outer = [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, nesterov=nesterov) for m in parts]

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from hier_localsgd.core.device import resolve_backend
-from hier_localsgd.core.faults import FaultPlan
-from hier_localsgd.core.flat_params import FlatParams
-from hier_localsgd.core.fragments import flat_ranges, split_fragments
-from hier_localsgd.core.level import LevelAlgorithm
-from hier_localsgd.core.phases import PhaseTracker
-from hier_localsgd.core.status import job_finished
+from hier_localsgd.core.runtime.device import resolve_backend
+from hier_localsgd.core.runtime.faults import FaultPlan
+from hier_localsgd.core.tensors.flat_params import FlatParams
+from hier_localsgd.core.tensors.fragments import flat_ranges, split_fragments
+from hier_localsgd.core.tensors.level import LevelAlgorithm
+from hier_localsgd.core.runtime.phases import PhaseTracker
+from hier_localsgd.core.runtime.status import job_finished
 from hier_localsgd.errors import fail
 from hier_localsgd.sync.common import EventSink, SyncStrategy
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
@@ -46,7 +46,7 @@ def job_done_check(cfg: Config, identity: Identity) -> Callable[[], Optional[str
 
 
 def outer_fragment_ranges(model: torch.nn.Module, flat: FlatParams, fragments: int) -> tuple:
-    """``sync.outer.fragments`` as ranges of the flat vector (core/fragments.py): the model
+    """``sync.outer.fragments`` as ranges of the flat vector (core/tensors/fragments.py): the model
     split by layer into contiguous fragments of balanced size; () for one fragment."""
     if fragments <= 1:
         return ()

@@ -18,11 +18,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from hier_localsgd.sync.user_state import hyperparameters, set_hyperparameters
-from hier_localsgd.core import guard
-from hier_localsgd.core.device import host_copy, host_state, host_state_finite
-from hier_localsgd.core.flat_params import checksum, checksum_int
-from hier_localsgd.core.level import Staged
-from hier_localsgd.core.phases import Phase
+from hier_localsgd.core.tensors import guard
+from hier_localsgd.core.runtime.device import host_copy, host_state, host_state_finite
+from hier_localsgd.core.tensors.flat_params import checksum, checksum_int
+from hier_localsgd.core.tensors.level import Staged
+from hier_localsgd.core.runtime.phases import Phase
 from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.state import SyncState
 
@@ -46,7 +46,7 @@ class CommittedState:
 
     def __init__(self, st: SyncState) -> None:
         self.st = st
-        # Host state (core/device.py): pinned host memory when the model is on CUDA.
+        # Host state (core/runtime/device.py): pinned host memory when the model is on CUDA.
         self.model = host_copy(st.flat.data)  # the full model at the last commit
         self.opt_backup = host_state(st.opt.state_dict())
         self.inner_stale: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional, Protocol
 
 import torch
 
-from hier_localsgd.core.runtime import EXIT_CONFIG
+from hier_localsgd.core.runtime.runtime import EXIT_CONFIG
 
 EventSink = Callable[..., None]  # events(kind, **fields): the process's event log
 

@@ -1,7 +1,7 @@
 """Compressed outer payloads in the hierarchy (``sync.outer.compression``, issue #13 §3).
 
 With ``int8`` or ``fp8`` the leaders' OUTER_REDUCE is
-:func:`hier_localsgd.core.compressed_allreduce.compressed_allreduce` (all-to-all of
+:func:`hier_localsgd.core.tensors.compressed_allreduce.compressed_allreduce` (all-to-all of
 quantized shards, dequantize and sum, requantize, all-gather) instead of an fp32 ring
 all-reduce, so the slow links carry about a quarter of the bytes
 (docs/compression.md). Every cluster keeps one **error-feedback residual**
@@ -49,10 +49,10 @@ from typing import Dict, Optional
 
 import torch
 
-from hier_localsgd.core.comm import LevelComm
-from hier_localsgd.core.fragments import Ranges, gather, scatter_
-from hier_localsgd.core.compress import DEFAULT_BLOCK, FORMATS, ErrorFeedback, check_format
-from hier_localsgd.core.link import PAYLOAD
+from hier_localsgd.core.ft.comm import LevelComm
+from hier_localsgd.core.tensors.fragments import Ranges, gather, scatter_
+from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FORMATS, ErrorFeedback, check_format
+from hier_localsgd.core.links.link import PAYLOAD
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class OuterCompression:
         where zeros are sent and nothing is encoded) across the outer quorum in place;
         ``total``: the round's total weight, which the caller divides the sum by. Stages
         the new residual. ``ranges``: ``grad`` is one outer fragment's elements
-        (core/fragments.py); only their residual is used and staged. Returns False on
+        (core/tensors/fragments.py); only their residual is used and staged. Returns False on
         failure (``grad`` then unchanged, the commit vote fails; the caller rolls back)."""
         self._ef.rollback()
         mine = self.residual if ranges is None else gather(self.residual, ranges)

@@ -7,12 +7,12 @@ cluster's leader (rank 0 of the inner quorum) syncs across clusters through the
 global lighthouse and broadcasts the result to its cluster, inside the same inner
 quorum. Only leaders touch the slow links; slow-link traffic per outer round is
 one model per cluster whatever the number of replica groups. With streaming
-fragments (``sync.outer.fragments = F``, core/fragments.py) an outer round comes every
+fragments (``sync.outer.fragments = F``, core/tensors/fragments.py) an outer round comes every
 ``h_inner * h_outer / F`` steps and carries one fragment (the run's last round the
 whole model); with the early inner quorum (early.py) INNER_QUORUM collects a request
 made during the round's last local step.
 
-One round (the phases are in :mod:`hier_localsgd.core.phases`)::
+One round (the phases are in :mod:`hier_localsgd.core.runtime.phases`)::
 
     INNER_QUORUM   join the cluster quorum; heal from a live peer if behind
                    (torchft checkpoint transport); rank 0 is the leader
@@ -81,20 +81,20 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch.optim import Optimizer
 
-from hier_localsgd.core import guard
-from hier_localsgd.core.comm import LevelComm, is_timeout
-from hier_localsgd.core.device import host_copy
-from hier_localsgd.core.faults import FaultPlan
-from hier_localsgd.core.flat_params import FlatParams
-from hier_localsgd.core.fragments import Ranges
-from hier_localsgd.core.invariants import CollectiveGate, check_disjoint_tensors
-from hier_localsgd.core.level import Level
-from hier_localsgd.core.link import LinkProcessGroup
-from hier_localsgd.core.managers import QuorumFailed, QuorumView
-from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage
-from hier_localsgd.core.peers import QuorumWatch
-from hier_localsgd.core.phases import Phase, PhaseTracker
-from hier_localsgd.core.timeouts import Timeouts
+from hier_localsgd.core.tensors import guard
+from hier_localsgd.core.ft.comm import LevelComm, is_timeout
+from hier_localsgd.core.runtime.device import host_copy
+from hier_localsgd.core.runtime.faults import FaultPlan
+from hier_localsgd.core.tensors.flat_params import FlatParams
+from hier_localsgd.core.tensors.fragments import Ranges
+from hier_localsgd.core.runtime.invariants import CollectiveGate, check_disjoint_tensors
+from hier_localsgd.core.tensors.level import Level
+from hier_localsgd.core.links.link import LinkProcessGroup
+from hier_localsgd.core.ft.managers import QuorumFailed, QuorumView
+from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage
+from hier_localsgd.core.ft.peers import QuorumWatch
+from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.core.runtime.timeouts import Timeouts
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import EventSink, FatalSyncError, Identity, JobFinished, OuterResult, training_progress
 from hier_localsgd.sync.compression import build as build_compression

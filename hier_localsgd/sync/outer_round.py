@@ -19,18 +19,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hier_localsgd.core import guard
-from hier_localsgd.core.addresses import LighthouseUnreachable
-from hier_localsgd.core.comm import LevelComm
-from hier_localsgd.core.device import host_copy
-from hier_localsgd.core.flat_params import checksum
-from hier_localsgd.core.fragments import FragmentSchedule, Ranges, gather, localize, scatter_
-from hier_localsgd.core.level import Level
-from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
-from hier_localsgd.core.managers import LevelManager, QuorumFailed, QuorumView
-from hier_localsgd.core.outage import LighthouseOutage
-from hier_localsgd.core.peers import QuorumWatch, fetch_status, parse_status
-from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.core.tensors import guard
+from hier_localsgd.core.runtime.addresses import LighthouseUnreachable
+from hier_localsgd.core.ft.comm import LevelComm
+from hier_localsgd.core.runtime.device import host_copy
+from hier_localsgd.core.tensors.flat_params import checksum
+from hier_localsgd.core.tensors.fragments import FragmentSchedule, Ranges, gather, localize, scatter_
+from hier_localsgd.core.tensors.level import Level
+from hier_localsgd.core.links.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
+from hier_localsgd.core.ft.managers import LevelManager, QuorumFailed, QuorumView
+from hier_localsgd.core.ft.outage import LighthouseOutage
+from hier_localsgd.core.ft.peers import QuorumWatch, fetch_status, parse_status
+from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status, outer_progress
 from hier_localsgd.sync.compression import OuterCompression
@@ -52,7 +52,7 @@ class OuterLevel:
         self.st = st
         self.committed = committed  # the leader's lone outer round (without_cluster) commits into it
         s = st.settings
-        # Streaming fragments, in offsets of this rank's slice (core/fragments.py).
+        # Streaming fragments, in offsets of this rank's slice (core/tensors/fragments.py).
         self._fragments = [localize(r, st.part) for r in s.outer_fragments]
         self.schedule = FragmentSchedule(s.h_outer, s.num_fragments)  # keyed by committed outer rounds
         # The cluster Manager exists only while this replica group leads its cluster:

@@ -49,7 +49,7 @@ Fault semantics:
 Invariant I1 with overlap (docs/invariants.md): the leader has an inner collective
 (its cluster's inner rounds) and an outer collective in flight at once, on two groups
 that share no pair of processes (the outer group's members are of distinct clusters,
-I1(a), checked when it forms). :class:`~hier_localsgd.core.invariants.CollectiveGate` allows
+I1(a), checked when it forms). :class:`~hier_localsgd.core.runtime.invariants.CollectiveGate` allows
 exactly that pair of levels to overlap, and at most one collective per level.
 """
 
@@ -63,8 +63,8 @@ from typing import Any, Callable, Dict, FrozenSet, Optional
 
 import torch
 
-from hier_localsgd.core.fragments import FragmentSchedule
-from hier_localsgd.core.phases import Phase, PhaseTracker
+from hier_localsgd.core.tensors.fragments import FragmentSchedule
+from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def merge_keep_local(global_model: torch.Tensor, snapshot: torch.Tensor, now: to
 
 def outer_period(h_inner: int, h_outer: int, fragments: int = 1) -> int:
     """Local steps between outer rounds: ``h_inner·h_outer``, or with ``F`` streaming
-    fragments (core/fragments.py) ``h_inner·h_outer/F`` — one fragment per outer round."""
+    fragments (core/tensors/fragments.py) ``h_inner·h_outer/F`` — one fragment per outer round."""
     return h_inner * FragmentSchedule(h_outer, fragments).interval
 
 

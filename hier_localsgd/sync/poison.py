@@ -1,4 +1,4 @@
-"""What the poison screen (core/guard.py ``screen``) decided, as one replica group saw it.
+"""What the poison screen (core/tensors/guard.py ``screen``) decided, as one replica group saw it.
 
 Every member of a level computes the same exclusions from the same exchange, so every
 member records each one: an ``excluded`` event naming the excluded member (``c1r0`` at
@@ -22,7 +22,7 @@ import threading
 from collections import deque
 from typing import Callable, Deque, Optional
 
-from hier_localsgd.core.guard import NONFINITE
+from hier_localsgd.core.tensors.guard import NONFINITE
 from hier_localsgd.sync.common import PoisonLimit
 from hier_localsgd.sync.sections import PoisonConfig
 

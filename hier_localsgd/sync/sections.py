@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hier_localsgd.core.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
-from hier_localsgd.core.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
+from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
+from hier_localsgd.core.tensors.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
 from hier_localsgd.errors import fail
 from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
@@ -50,7 +50,7 @@ class LevelConfig:
     # none | int8 | fp8, one fp32 scale per block of compression_block elements
     compression: str = NONE
     compression_block: int = DEFAULT_BLOCK
-    # outer: streaming fragments (core/fragments.py): the model split by layer into F
+    # outer: streaming fragments (core/tensors/fragments.py): the model split by layer into F
     # contiguous fragments, one synced per outer round every inner.every·every/F steps.
     # flat (DiLoCo): the same split handed to torchft's DiLoCo as its model_fragments, one
     # fragment synced every every/F steps (each parameter every `every` steps)
@@ -119,7 +119,7 @@ class LevelConfig:
 
 @dataclass
 class PoisonConfig:
-    """The screen of contributions at both levels (core/guard.py ``screen``; issue #30)."""
+    """The screen of contributions at both levels (core/tensors/guard.py ``screen``; issue #30)."""
 
     # A contribution whose norm exceeds this multiple of the reference (the median of the
     # other contributors' norms, per round of work at the inner level) is excluded from the
@@ -153,7 +153,7 @@ class SyncConfig:
     max_quorum_failures: int = 3
     max_commit_failures: int = 5
     # A level whose lighthouse does not answer skips its rounds and trains on; past this
-    # many seconds of outage the process gives up (hier mode; core/outage.py).
+    # many seconds of outage the process gives up (hier mode; core/ft/outage.py).
     outage_limit_s: float = 600.0
     # The run's last round skipped for a cluster lighthouse outage: wait this long for the
     # lighthouse and the cluster's quorum, so its groups end on one model (sync/final.py).
@@ -163,7 +163,7 @@ class SyncConfig:
     # torchft's rule) | keep_local (keep the local steps; the next round's pseudo-gradient
     # carries them). sync/committed.py, docs/architecture.md "Failure semantics".
     failed_round: str = "rollback"
-    # Contributions screened for non-finite or outsized values (core/guard.py).
+    # Contributions screened for non-finite or outsized values (core/tensors/guard.py).
     poison: PoisonConfig = field(default_factory=PoisonConfig)
 
     @property

@@ -19,19 +19,19 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.optim import Optimizer
 
-from hier_localsgd.core import guard
-from hier_localsgd.core.comm import LevelComm
-from hier_localsgd.core.faults import ACTIONS, FaultPlan, fire
-from hier_localsgd.core.flat_params import FlatParams
-from hier_localsgd.core.fragments import Ranges
-from hier_localsgd.core.invariants import CollectiveGate
-from hier_localsgd.core.level import Level, LevelAlgorithm, Staged
-from hier_localsgd.core.link import CONTROL, PAYLOAD, LinkProcessGroup
-from hier_localsgd.core.managers import LevelManager, QuorumView
-from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
-from hier_localsgd.core.phases import Phase, PhaseTracker
-from hier_localsgd.core.timeouts import Timeouts
-from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.tensors import guard
+from hier_localsgd.core.ft.comm import LevelComm
+from hier_localsgd.core.runtime.faults import ACTIONS, FaultPlan, fire
+from hier_localsgd.core.tensors.flat_params import FlatParams
+from hier_localsgd.core.tensors.fragments import Ranges
+from hier_localsgd.core.runtime.invariants import CollectiveGate
+from hier_localsgd.core.tensors.level import Level, LevelAlgorithm, Staged
+from hier_localsgd.core.links.link import CONTROL, PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.ft.managers import LevelManager, QuorumView
+from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
+from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.core.runtime.timeouts import Timeouts
+from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity
 from hier_localsgd.sync.compression import OuterCompression
 from hier_localsgd.sync.group_vote import GroupVote
@@ -69,7 +69,7 @@ class HierSettings:
     # group.parallel=tp: every rank holds its own shard of the model (tp.py) and syncs all
     # of it with the same rank of the other groups; no slicing, no group all-gather.
     group_shards: bool
-    # Process-group backend of each level (core/device.py; link.py stages tensors to it).
+    # Process-group backend of each level (core/runtime/device.py; link.py stages tensors to it).
     inner_backend: str
     outer_backend: str
     # Lighthouse outages (outage.py): each quorum request waits at most quorum_slice (the
@@ -88,7 +88,7 @@ class HierSettings:
     # Compressed outer reduce (compression.py): none | int8 | fp8, elements per block.
     outer_compression: str
     outer_compression_block: int
-    # Streaming fragments (core/fragments.py): each fragment's ranges of the flat vector
+    # Streaming fragments (core/tensors/fragments.py): each fragment's ranges of the flat vector
     # (of this rank's shard with group_shards); one fragment per outer round, every
     # h_inner·h_outer/F steps.
     # Empty: one fragment, the whole model (every h_inner·h_outer steps).
@@ -106,7 +106,7 @@ class HierSettings:
     # A failed inner round keeps the local steps when nothing committed moved
     # (sync.failed_round=keep_local; committed.py). Needs group_world_size == 1.
     keep_local: bool
-    # The screen of contributions at both levels (core/guard.py) and when a group gives up.
+    # The screen of contributions at both levels (core/tensors/guard.py) and when a group gives up.
     poison: PoisonConfig
 
     @property

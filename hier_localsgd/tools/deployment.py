@@ -6,7 +6,7 @@ Both tools model the deployment every other command runs: ``topology`` (C x R x 
 the flat and ddp baselines; only ``latency_ms`` and ``bandwidth_gbps`` count, loss is not
 modelled, a bandwidth of 0 is unlimited as for the emulation) and ``train`` (``batch_size``
 sequences of ``seq_len`` tokens per rank and step). The simulator also reads ``timeouts``
-(core/timeouts.py) and the lighthouse's heartbeat and join timeouts. Their own sections
+(core/runtime/timeouts.py) and the lighthouse's heartbeat and join timeouts. Their own sections
 (``plan.*``, ``simulate.*``) hold only what is theirs: the model flavor, precision,
 hardware and scaling law; failure rates and the run's horizon.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.links.lossy import LinkSpec
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config

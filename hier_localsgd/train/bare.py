@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
-from hier_localsgd.core.device import DTYPES, memory_stats
+from hier_localsgd.core.runtime.device import DTYPES, memory_stats
 from hier_localsgd.train.model import build_model, evaluate, lm_loss
 from hier_localsgd.api import trimmed_mean
 from hier_localsgd.job import process_device

@@ -87,8 +87,8 @@ def llama3_flavor_args(flavor: str, field: str = "model.name"):  # type: ignore[
 
 
 def param_dtype(name: str) -> torch.dtype:
-    """``train.param_dtype`` as a torch dtype (core/device.py's table)."""
-    from hier_localsgd.core.device import DTYPES
+    """``train.param_dtype`` as a torch dtype (core/runtime/device.py's table)."""
+    from hier_localsgd.core.runtime.device import DTYPES
 
     return DTYPES[name]
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-from hier_localsgd.core.device import PARAM_DTYPES, PRECISIONS
-from hier_localsgd.emulation.lossy import LinkConfig, LinkSpec
+from hier_localsgd.core.runtime.device import PARAM_DTYPES, PRECISIONS
+from hier_localsgd.core.links.lossy import LinkConfig, LinkSpec
 from hier_localsgd.errors import ConfigError, fail
 from hier_localsgd.sync.sections import SyncConfig
 
 
 @dataclass
 class BackendsConfig:
-    """Process-group backend per level (core/device.py): ``auto`` = NCCL inside a replica
+    """Process-group backend per level (core/runtime/device.py): ``auto`` = NCCL inside a replica
     group and at the inner level on CUDA, Gloo on CPU; the outer (WAN) level Gloo over
     pinned host buffers. ``nccl`` at the inner/outer level is torchft's
     ProcessGroupBabyNCCL (survives an abort: NCCL runs in a subprocess), ``nccl_inproc``
@@ -56,7 +56,7 @@ class TrainConfig:
         what ``auto`` and an NCCL backend need) must be available."""
         import torch
 
-        from hier_localsgd.core.device import resolve_backend, resolve_device
+        from hier_localsgd.core.runtime.device import resolve_backend, resolve_device
 
         if self.precision not in PRECISIONS:
             fail("train.precision", f"{self.precision!r} — expected one of {PRECISIONS}")
@@ -119,7 +119,7 @@ class GroupConfig:
     parallel: str = "dp"  # dp: every rank a whole replica on its own data | tp: the model split over the ranks (train/tp.py)
     tp_variant: str = "megatron"  # megatron | naive
     tp_links: TPLinksConfig = field(default_factory=TPLinksConfig)
-    sharding: str = "ddp"  # parallel=dp with several ranks: ddp (whole replica per rank) | fsdp (FSDP2 shards, core/fsdp.py)
+    sharding: str = "ddp"  # parallel=dp with several ranks: ddp (whole replica per rank) | fsdp (FSDP2 shards, core/tensors/fsdp.py)
 
     def rank_shards(self, ranks_per_replica: int) -> bool:
         """Whether each rank of a group holds its own shard of the model (tp, or fsdp with
@@ -129,7 +129,7 @@ class GroupConfig:
 
     def check(self, ranks_per_replica: int, model_name: str, command: str, mode: str = "hier") -> None:
         """Checks ``group.*`` (and the TP links) against the topology and model; one line naming the field."""
-        from hier_localsgd.core.fsdp import SHARDINGS
+        from hier_localsgd.core.tensors.fsdp import SHARDINGS
         from hier_localsgd.train.tp import PARALLEL, VARIANTS
 
         if self.sharding not in SHARDINGS:

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
+from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec
 
 OPS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")
 VARIANTS = ("megatron", "naive")

@@ -62,7 +62,7 @@ def build_trainee(cfg: Config, grp: Any, device: torch.device, vocab_size: int) 
         tp = group_tp(cfg, grp.pg, grp.rank, grp.size)
         shard_llama3(model, tp, cfg.group.tp_variant)
     fsdp = grp.pg is not None and tp is None and cfg.group.sharding == "fsdp"
-    if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (core/fsdp.py)
+    if fsdp:  # FSDP2 inside the group; each rank syncs its own shard (core/tensors/fsdp.py)
         shard_model(model, grp.pg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(tr.beta1, tr.beta2), weight_decay=tr.weight_decay)
     # Data parallel inside a multi-rank replica group: torch DDP over the group's own process
@@ -103,7 +103,7 @@ def train(topology: Topology) -> None:
             if b.tp is not None:
                 sync.extra_status["tp"] = b.tp.stats()
             b.opt.step()  # a sync round at round boundaries (ddp: every step, its all-reduce first)
-            b.opt.zero_grad(set_to_none=cfg.sync.mode != "ddp")  # ddp: its flat gradient buffer stays (core/flat_params.py)
+            b.opt.zero_grad(set_to_none=cfg.sync.mode != "ddp")  # ddp: its flat gradient buffer stays (core/tensors/flat_params.py)
             if tr.eval_every and sync.step_count % tr.eval_every == tr.eval_offset and sync.step_count < tr.steps:
                 t_eval = time.perf_counter()
                 sync.record_eval(evaluate(b.model, eval_set, tr.precision), floor=floor, eval_s=time.perf_counter() - t_eval)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Tuple
 
-from hier_localsgd.core.status import JOB_EVENTS_FILE
+from hier_localsgd.core.runtime.status import JOB_EVENTS_FILE
 from hier_localsgd.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from hier_localsgd.core.status import EVENTS_FILE, STATUS_FILE
+from hier_localsgd.core.runtime.status import EVENTS_FILE, STATUS_FILE
 from hier_localsgd.tools.dashboard.config import DASHBOARD_EVENTS, JOB_EVENTS, Key, SKIPPED_EVENT_KINDS
 
 

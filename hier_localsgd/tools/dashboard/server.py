@@ -4,7 +4,7 @@ torchft's Lighthouse serves a status page per lighthouse; a hierarchical job has
 one global lighthouse plus one per cluster, and its replica groups' own state
 (phase of the sync state machine, rounds, loss, link statistics) is not on any
 of them. This dashboard reads a run directory (``run.dir``, see
-:mod:`hier_localsgd.core.status`) and shows:
+:mod:`hier_localsgd.core.runtime.status`) and shows:
 
 * the tree — global lighthouse → clusters (each with its lighthouse) → replica
   groups: role, process state, phase, step, inner/outer round, time since the
@@ -76,7 +76,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from hier_localsgd.core.runtime import EXIT_CONFIG
+from hier_localsgd.core.runtime.runtime import EXIT_CONFIG
 from hier_localsgd.errors import ConfigError
 from hier_localsgd.tools.dashboard.config import DASHBOARD_EVENTS, DashboardConfig, STATIC_DIR, is_loopback, validate
 from hier_localsgd.tools.dashboard.reader import RunFiles, RunReader

@@ -124,19 +124,19 @@ def activation_elements_per_token(d: ModelDims) -> Dict[str, float]:
 
 
 def sync_state_copies(mode: str, sync: SyncConfig, optimizer_states: int, rollback_snapshot: bool) -> Dict[str, int]:
-    """Model-sized copies the sync keeps, by where they are allocated (core/device.py):
+    """Model-sized copies the sync keeps, by where they are allocated (core/runtime/device.py):
 
     * ``device``: persistent on the accelerator. hier: none — its level backups, momenta,
       committed model and optimizer snapshot are host tensors. flat (torchft DiLoCo): the
       outer optimizer's momentum (an SGD over the model's own parameters, on the device);
       its backup is on the host (``backup_device=cpu``).
     * ``device_transient``: during a round, on the device. hier: the backup's device copy
-      and the pseudo-gradient ``backup - live`` (core/level.py); the all-reduce runs in
+      and the pseudo-gradient ``backup - live`` (core/tensors/level.py); the all-reduce runs in
       place (NCCL) or through a pinned host buffer (Gloo). flat: the pseudo-gradients and
       the all-reduce bucket (torchft's ``use_bucketization``).
     * ``host``: persistent host memory (pinned where the model is on CUDA). hier: the
       committed model, a backup per level plus a momentum for a ``diloco`` level, and the
-      pinned staging buffer of the Gloo outer link (core/link.py); flat: the backup.
+      pinned staging buffer of the Gloo outer link (core/links/link.py); flat: the backup.
     * ``host_snapshot``: hier's rollback copy of the inner optimizer (``optimizer_states``
       model-sized tensors, host).
     * ``host_transient``: hier's staged update of each level (backup, + momentum).

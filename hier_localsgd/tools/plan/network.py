@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Dict
 
 from hier_localsgd import costs
-from hier_localsgd.core.compressed_allreduce import compressed_allreduce_bytes
-from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
+from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.sync.sections import SyncConfig
 
 

@@ -29,7 +29,7 @@ instantiated):
 3. **Peak memory per rank** (bytes) on the device: parameters, gradients, AdamW state
    (2 tensors), the sync copies kept on the device and the sync scratch
    (model.sync_state_copies: hier keeps its backups, momenta, rollback snapshot and staged
-   state on the host, as core/device.py places them; torchft's flat DiLoCo its outer
+   state on the host, as core/runtime/device.py places them; torchft's flat DiLoCo its outer
    momentum on the device), reported apart as ``host_*``, and activations, with and
    without per-block activation checkpointing. With ``sharding=fsdp`` the model-sized
    terms are divided by G. Activations per token per block (elements):

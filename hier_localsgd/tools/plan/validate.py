@@ -40,7 +40,7 @@ import statistics
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from hier_localsgd import costs
-from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.tools.plan.network import OuterVariant, hier_variant_sync_per_step, outer_round_s, sync_per_step, sync_times
 
 PREDICTED_MODES = ("hier", "flat", "ddp")

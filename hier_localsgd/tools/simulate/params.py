@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence, Tuple
 
 from hier_localsgd import costs
-from hier_localsgd.core.faults import ROLES
-from hier_localsgd.emulation.lossy import LinkSpec
+from hier_localsgd.core.runtime.faults import ROLES
+from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.tools.deployment import check_shared, links
 from hier_localsgd.tools.plan.network import hier_sync_per_step
 from hier_localsgd.tools.plan.model import dtype_bytes, flops_per_token, param_counts, resolve_model, shard_factor

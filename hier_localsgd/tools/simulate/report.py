@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from hier_localsgd.core.faults import ROLES
+from hier_localsgd.core.runtime.faults import ROLES
 from hier_localsgd.tools.plan.planner import deployment_of
 from hier_localsgd.tools.plan.report import fmt_bytes, fmt_time, table
 from hier_localsgd.tools.simulate.engine import RunResult, simulate_once

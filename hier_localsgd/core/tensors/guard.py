@@ -34,7 +34,7 @@ for the others) when
 * it holds a NaN or an infinity, or
 * its norm exceeds ``ratio`` times the reference: the median of the other contributors'
   norms in this round, or, with no other contributor, the median of the members' running
-  references (each level's median accepted norm at its last commit, :class:`~hier_localsgd.core.level.Level`).
+  references (each level's median accepted norm at its last commit, :class:`~hier_localsgd.core.tensors.level.Level`).
 
 Cost: one extra pass over the contribution to take its norm (one subtraction and one
 reduction per element, once per round, not per step) and three floats per member in the

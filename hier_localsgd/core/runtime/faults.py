@@ -6,7 +6,7 @@ and what happens:
 * ``fail`` in a phase (INNER_REDUCE, OUTER_REDUCE or BROADCAST): the phase's next
   payload collective (the model-sized transfer) completes on the wire but its
   result is reported as failed, as a broken link would be
-  (:meth:`hier_localsgd.core.link.LinkProcessGroup.arm_failure`); with
+  (:meth:`hier_localsgd.core.links.link.LinkProcessGroup.arm_failure`); with
   ``collective: control``, the phase's next control collective instead (in a REDUCE
   phase, the consistency guard's exchange, guard.py);
 * ``raise``: the process raises an exception at that step, in the training loop (while

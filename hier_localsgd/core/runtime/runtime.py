@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, List, Optional
 
-from hier_localsgd.core.phases import PhaseTracker
+from hier_localsgd.core.runtime.phases import PhaseTracker
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RunConfig:
     # Local jobs: each cluster (and its lighthouse) in its own Linux network namespace on a
     # bridge, the global lighthouse in the hub's (launch/netns.py); needs root. Enables partitions.
     netns: bool = False
-    # Take faults handed over while the process runs (core/faults.py FaultPlan.inbox): the
+    # Take faults handed over while the process runs (core/runtime/faults.py FaultPlan.inbox): the
     # chaos command's poison. Off by default: a process in production takes none.
     fault_inbox: bool = False
     # Local jobs (demo, chaos, bench): each replica group runs this Python script (a user's

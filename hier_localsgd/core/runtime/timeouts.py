@@ -1,9 +1,9 @@
 """Every timeout in hier_localsgd, named once.
 
 Nothing in the package waits without one of these. Each phase of the sync state
-machine (:mod:`hier_localsgd.core.phases`) has its own deadline; every wait inside a
+machine (:mod:`hier_localsgd.core.runtime.phases`) has its own deadline; every wait inside a
 phase (quorum RPC, collective, commit vote, checkpoint transfer) is bounded by the
-time left before that deadline, and the watchdog (:mod:`hier_localsgd.core.runtime`)
+time left before that deadline, and the watchdog (:mod:`hier_localsgd.core.runtime.runtime`)
 ends a process that is still inside a phase ``watchdog_grace`` after its deadline.
 
 Values come from the ``timeouts`` section of the config, in seconds, and are
@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Mapping, Optional
 
-from hier_localsgd.core.phases import Phase
+from hier_localsgd.core.runtime.phases import Phase
 
 # Timers fire at or after their deadline; this much earlier still counts as "at" it (the
 # deadline and a timer's start are read from the clock at slightly different times).

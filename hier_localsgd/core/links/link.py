@@ -16,9 +16,9 @@ quorum change. The wrapper:
   would be seen by the Manager. Tests and fault plans use it.
 
 * emulates a lossy, slow link when the level has a ``links.<level>`` spec
-  (:mod:`hier_localsgd.emulation.lossy`): payload collectives lose packets and fill them,
+  (:mod:`hier_localsgd.core.links.lossy`): payload collectives lose packets and fill them,
   every collective takes at least its latency/bandwidth bound;
-* runs on the level's backend (``train.backends.<level>``, core/device.py): Gloo, or
+* runs on the level's backend (``train.backends.<level>``, core/runtime/device.py): Gloo, or
   torchft's NCCL groups. Tensors not on the backend's device are staged: device tensors
   handed to Gloo go through pinned host buffers (one buffer per tensor slot, shape and
   dtype, reused across rounds), host tensors handed to NCCL through device buffers
@@ -30,7 +30,7 @@ quorum change. The wrapper:
   collective, and every fill runs on that device.
 
 The compressed outer reduce (``sync.outer.compression``,
-:mod:`hier_localsgd.core.compressed_allreduce`) runs an all-to-all and an all-gather of
+:mod:`hier_localsgd.core.tensors.compressed_allreduce`) runs an all-to-all and an all-gather of
 packed uint8 ``[codes | fp32 scales]`` rows: both are counted here by the bytes they
 really send (all-to-all: the ``W−1`` rows for the other ranks; ring all-gather: ``W−1``
 chunks), take at least their bandwidth/latency bound computed from those bytes, and, on
@@ -57,12 +57,11 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWrapper
 
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.core.addresses import STORE_ATTEMPT_S, connect_store
-from hier_localsgd.core.device import NCCL_BACKENDS, comm_device
-from hier_localsgd.core.invariants import InvariantViolation, check_distinct_clusters
-from hier_localsgd.core.presence import quorum_tag
-from hier_localsgd.core.works import ChainedWork, DoneWork, FailedWork, PeerWork
-from hier_localsgd.emulation.lossy import LinkEmulation, LinkSpec
+from hier_localsgd.core.runtime.addresses import STORE_ATTEMPT_S, connect_store, quorum_tag
+from hier_localsgd.core.runtime.device import NCCL_BACKENDS, comm_device
+from hier_localsgd.core.runtime.invariants import InvariantViolation, check_distinct_clusters
+from hier_localsgd.core.links.works import ChainedWork, DoneWork, FailedWork, PeerWork
+from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ _connect = threading.local()
 
 def _create_store_client(store_addr: str, timeout: timedelta) -> PrefixStore:
     """torchft's ``create_store_client`` (the same ``host:port/prefix`` and PrefixStore),
-    with the connect bounded by :func:`~hier_localsgd.core.addresses.connect_store`:
+    with the connect bounded by :func:`~hier_localsgd.core.runtime.addresses.connect_store`:
     torchft 0.2.0's process groups connect to the quorum's store through it, and c10d's
     own connect outlasts the phase deadline when the store's host dies mid-connect."""
     within = getattr(_connect, "within", None)
@@ -152,7 +151,7 @@ class LinkStats:
 
 
 def backend_pg(backend: str, timeout: timedelta) -> ProcessGroup:
-    """A fresh reconfigurable torchft process group of ``backend`` (core/device.py):
+    """A fresh reconfigurable torchft process group of ``backend`` (core/runtime/device.py):
     ``gloo`` ProcessGroupGloo, ``nccl`` ProcessGroupBabyNCCL (NCCL in a subprocess),
     ``nccl_inproc`` ProcessGroupNCCL."""
     if backend == "gloo":
@@ -226,7 +225,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         restarted lighthouse numbers quorums from 1 again: a reissued id would read keys
         an earlier quorum of that id left in the same store (a dead peer's address:
         "connection refused", seen in a chaos run). The prefix therefore also carries
-        the quorum's tag (presence.quorum_tag: its id, max step and full member ids, the
+        the quorum's tag (addresses.quorum_tag: its id, max step and full member ids, the
         same on every member)."""
         self._quorum_tag = quorum_tag(quorum)
 

@@ -31,12 +31,13 @@ round. A verdict shared by all ranks of all members needs one store every rank r
 which torchft's quorum does not name; those groups keep torchft's plain behaviour.
 
 Failure semantics: :func:`confirm_presence` raises :class:`QuorumAbsent` on an "abort"
-verdict and :class:`~hier_localsgd.core.addresses.StoreUnreachable` when the store's
+verdict and :class:`~hier_localsgd.core.runtime.addresses.StoreUnreachable` when the store's
 host is gone; the caller fails that quorum (LevelManager turns both into QuorumFailed).
 A quorum of one is not checked.
 
 Keys live under ``hier/present/<tag>/`` with ``<tag>`` from
-:func:`quorum_tag`: the same on every member of one formed quorum. Two formations share
+:func:`quorum_tag` (addresses.py; the link's rendezvous prefix carries it too): the same
+on every member of one formed quorum. Two formations share
 a tag only with the same id, highest step and member ids (uuids included): torchft
 changes the id when membership changes or a member reports a failed commit, and the
 step on every commit, so a repeat needs a round that ended without a commit vote.
@@ -44,7 +45,6 @@ step on every commit, so a repeat needs a round that ended without a commit vote
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from datetime import timedelta
@@ -52,7 +52,7 @@ from typing import Dict, Sequence
 
 from torch.distributed import TCPStore
 
-from hier_localsgd.core.addresses import connect_store
+from hier_localsgd.core.runtime.addresses import connect_store, quorum_tag
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,6 @@ GO, ABORT = "go", "abort"
 
 class QuorumAbsent(RuntimeError):
     """A member of the formed quorum did not confirm it within the timeout: do not use it."""
-
-
-def quorum_tag(quorum: object) -> str:
-    """A short tag of one formed quorum, the same on every member (see the module doc)."""
-    ids = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
-    text = f"{getattr(quorum, 'quorum_id', '')}|{getattr(quorum, 'max_step', '')}|{ids}"
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 class PresenceCheck:

@@ -15,7 +15,7 @@ program applies ``fully_shard`` itself, and the API syncs the shards through
 Checked on torch 2.13.0 (CPU build): ``fully_shard`` trains on CPU tensors over Gloo
 (all-gather and reduce-scatter run through Gloo), which is what tests/test_device.py uses.
 
-:class:`ShardedParams` gives the sync the :class:`hier_localsgd.core.flat_params.FlatParams`
+:class:`ShardedParams` gives the sync the :class:`hier_localsgd.core.tensors.flat_params.FlatParams`
 interface it uses (``data``, ``numel``, ``nbytes``, ``load_``, ``check_in_place``) over the
 rank's local shards. Unlike FlatParams it cannot make the shards views of one buffer (FSDP2
 owns their storage and may re-create it at lazy initialisation), so ``data`` is a fresh
@@ -30,7 +30,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from hier_localsgd.core.invariants import PARAMETERS_WRITTEN_IN_PLACE, InvariantViolation
+from hier_localsgd.core.runtime.invariants import PARAMETERS_WRITTEN_IN_PLACE, InvariantViolation
 
 SHARDINGS = ("ddp", "fsdp")
 

@@ -12,7 +12,7 @@ Both algorithms are "outer SGD on a pseudo-gradient" over the level's backup:
 Every level owns its backup tensor and its momentum buffer (invariant I2: they are
 never the model's parameters and never another level's tensors).
 
-Placement (core/device.py): the backup and the momentum live in host memory, pinned
+Placement (core/runtime/device.py): the backup and the momentum live in host memory, pinned
 when the model is on CUDA, whatever device the model is on; they cost no device memory.
 :meth:`Level.pseudo_grad` computes ``backup - live`` on ``live``'s device (the
 collective's tensor), :meth:`Level.stage` the update on the host.
@@ -30,9 +30,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hier_localsgd.core.device import host_copy, wants_pinned
-from hier_localsgd.core.flat_params import checksum_int
-from hier_localsgd.core.fragments import Ranges, gather, scatter_
+from hier_localsgd.core.runtime.device import host_copy, wants_pinned
+from hier_localsgd.core.tensors.flat_params import checksum_int
+from hier_localsgd.core.tensors.fragments import Ranges, gather, scatter_
 
 ALGORITHMS = ("localsgd", "diloco")
 
@@ -127,7 +127,7 @@ class Level:
     def pseudo_grad(self, live: torch.Tensor, ranges: Optional[Ranges] = None, base: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``backup - live`` on ``live``'s device: a fresh tensor (safe to all-reduce in place).
         From pinned host memory the backup's copy to the device is non-blocking.
-        ``ranges``: only those elements, gathered (an outer fragment, core/fragments.py).
+        ``ranges``: only those elements, gathered (an outer fragment, core/tensors/fragments.py).
         ``base``: measured from it instead of the backup (an older model of the same shape)."""
         backup = self.backup if base is None else base
         if ranges is not None:

@@ -20,7 +20,7 @@ One home for the device concepts the issue (#15) names:
   device memory. On CPU "pinned" is a no-op: a plain CPU tensor (pinning needs a CUDA
   build and would only cost page-locked memory).
 
-A Gloo group can be handed device tensors: :class:`hier_localsgd.core.link.LinkProcessGroup`
+A Gloo group can be handed device tensors: :class:`hier_localsgd.core.links.link.LinkProcessGroup`
 copies them to pinned host buffers and back (:func:`comm_device`), and an NCCL group
 handed host tensors stages them on the device the same way.
 """

@@ -14,13 +14,13 @@ replica group of several ranks, rank 0 publishes its store's address under
 
 Failure semantics:
 
-* :func:`~hier_localsgd.core.addresses.probe_lighthouse` retries a refused connection (a lighthouse that launchers
+* :func:`~hier_localsgd.core.runtime.addresses.probe_lighthouse` retries a refused connection (a lighthouse that launchers
   like TorchX start alongside the replica groups) and fails, naming the config field
   and address, when the lighthouse does not accept a connection within
   ``timeouts.connect``.
 * :meth:`LevelManager.start_quorum` raises :class:`QuorumFailed` when no quorum
   forms in time although the lighthouse answers, and
-  :class:`hier_localsgd.core.outage.LighthouseOutage` within one slice (the lighthouse's
+  :class:`hier_localsgd.core.ft.outage.LighthouseOutage` within one slice (the lighthouse's
   heartbeat timeout) when the lighthouse does not answer. A quorum that forms in the
   few milliseconds between two slices is missed by this replica (torchft's
   lighthouse answers the requests waiting at that instant only); its peers then
@@ -45,13 +45,13 @@ from torchft import Manager
 from torchft.checkpointing import HTTPTransport
 from torchft.coordination import LighthouseClient
 
-from hier_localsgd.core.addresses import probe_lighthouse
-from hier_localsgd.core.invariants import check_group_rank
-from hier_localsgd.core.link import LinkProcessGroup
-from hier_localsgd.core.outage import LighthouseHealth, LighthouseOutage
-from hier_localsgd.core.peers import await_heartbeats
-from hier_localsgd.core.presence import PresenceCheck, QuorumAbsent
-from hier_localsgd.core.timeouts import Timeouts, ran_into_deadline
+from hier_localsgd.core.runtime.addresses import probe_lighthouse
+from hier_localsgd.core.runtime.invariants import check_group_rank
+from hier_localsgd.core.links.link import LinkProcessGroup
+from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage
+from hier_localsgd.core.ft.peers import await_heartbeats
+from hier_localsgd.core.ft.presence import PresenceCheck, QuorumAbsent
+from hier_localsgd.core.runtime.timeouts import Timeouts, ran_into_deadline
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from hier_localsgd.core.phases import Transition
+from hier_localsgd.core.runtime.phases import Transition
 
 
 # The files of a run directory (written here and by the launcher; read by the experiments and the dashboard).
@@ -45,7 +45,7 @@ def replica_dir(run_dir: str | Path, cluster: int, replica: int, rank: int = 0) 
 
 
 def inbox_path(run_dir: str | Path, cluster: int, replica: int) -> Path:
-    """Where the chaos command hands a replica group a fault while it runs (core/faults.py,
+    """Where the chaos command hands a replica group a fault while it runs (core/runtime/faults.py,
     ``FaultPlan.from_inbox``; read by the group's rank 0 with ``run.fault_inbox``)."""
     return replica_dir(run_dir, cluster, replica) / "inbox.json"
 

@@ -4,7 +4,7 @@ The scheme is torchft's ``allreduce_quantized`` (torchft/collectives.py), on any
 device and without triton, with a per-block scale instead of a per-row one:
 
 1. each rank quantizes its (error-fed-back) tensor blockwise
-   (:mod:`hier_localsgd.core.compress`), padded so that it splits into ``W`` shards of
+   (:mod:`hier_localsgd.core.tensors.compress`), padded so that it splits into ``W`` shards of
    whole blocks; shard ``j`` is packed as ``[codes | fp32 scales]`` bytes;
 2. all-to-all: rank ``j`` receives every rank's quantized shard ``j``;
 3. rank ``j`` dequantizes the ``W`` versions of its shard, sums them in fp32 in
@@ -26,7 +26,7 @@ each rank's ``error_feedback`` (its whole tensor), the second by ``shard_feedbac
 the accumulated result stays within about one step of each quantizer of the true one.
 
 The two exchanges are the process group's ``alltoall_base`` and ``allgather``; the
-project's level group (core/link.py) runs them as concurrent point-to-point sends and
+project's level group (core/links/link.py) runs them as concurrent point-to-point sends and
 receives, which on a shaped link move their bytes at close to the link's rate where
 Gloo's own alltoall and allgather did not (docs/benchmarks.md). The packed bytes travel
 as uint8 because Gloo has no float8 type.
@@ -44,7 +44,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from hier_localsgd.core.compress import (
+from hier_localsgd.core.tensors.compress import (
     _CODE_DTYPE,
     DEFAULT_BLOCK,
     ErrorFeedback,
@@ -226,7 +226,7 @@ def compressed_allreduce(
             works on (CPU for Gloo). Every rank passes the same number of elements.
         pg: a c10d ``ProcessGroup`` (plain Gloo, or torchft's wrappers, which expose
             the same ``alltoall_base``/``allgather`` methods).
-        fmt, block: quantization format and block size (:mod:`hier_localsgd.core.compress`);
+        fmt, block: quantization format and block size (:mod:`hier_localsgd.core.tensors.compress`);
             every rank must pass the same ones.
         op: ``avg`` or ``sum``.
         timeout: bound of each of the two collectives (so the call returns or raises

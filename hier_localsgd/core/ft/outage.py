@@ -11,7 +11,7 @@ status page) must answer within ``probe_timeout``. A killed lighthouse refuses t
 connection at once; a stopped (SIGSTOP) or wedged one accepts the connection in the
 kernel but never answers, and the probe times out.
 
-Why a quorum call is cut into slices (:meth:`hier_localsgd.core.managers.LevelManager.start_quorum`):
+Why a quorum call is cut into slices (:meth:`hier_localsgd.core.ft.managers.LevelManager.start_quorum`):
 torchft 0.2.0's ManagerServer never answers a quorum request whose lighthouse call
 failed (manager.rs: "We don't broadcast in cases when this method returns an error,
 resulting in a hang"), so a request made with a whole phase's budget sits out that

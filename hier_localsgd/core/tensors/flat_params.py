@@ -16,7 +16,7 @@ import torch
 import xxhash
 from torch import nn
 
-from hier_localsgd.core.invariants import PARAMETERS_WRITTEN_IN_PLACE, InvariantViolation
+from hier_localsgd.core.runtime.invariants import PARAMETERS_WRITTEN_IN_PLACE, InvariantViolation
 
 
 class FlatParams:

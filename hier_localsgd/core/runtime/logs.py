@@ -57,7 +57,7 @@ def setup_logging(level: str, tag: str, log_file: Optional[str] = None) -> None:
     (tracebacks only with ``HIER_LOCALSGD_DEBUG=1``). When stderr already is a file (the
     local launcher and torchrun redirect it to the process's log), it gets everything.
     """
-    from hier_localsgd.core.runtime import LOG_TAG
+    from hier_localsgd.core.runtime.runtime import LOG_TAG
 
     LOG_TAG.tag = tag
     handler = logging.StreamHandler(sys.stderr)

@@ -9,11 +9,13 @@ TorchX start alongside the replica groups) and raises :class:`LighthouseUnreacha
 naming the field and address, when nothing accepts a connection within the timeout;
 :func:`probe_store` raises :class:`StoreUnreachable` at once when a quorum's store
 refuses connections (its host died after the quorum formed); :func:`connect_store` is
-the bounded client connect built on it.
+the bounded client connect built on it. :func:`quorum_tag` names one formed quorum in
+its store (presence.py's keys, the link's rendezvous prefix).
 """
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import time
@@ -151,3 +153,10 @@ def _connect_attempt(host: str, port: int, attempt_s: float, deadline: float) ->
     if t.is_alive():
         return None, None
     return out.get("store"), out.get("error")
+
+
+def quorum_tag(quorum: object) -> str:
+    """A short tag of one formed quorum, the same on every member (see presence.py's module doc)."""
+    ids = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
+    text = f"{getattr(quorum, 'quorum_id', '')}|{getattr(quorum, 'max_step', '')}|{ids}"
+    return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -9,7 +9,7 @@ most every ``poll``) and reports a member of *our* quorum (same quorum id) whose
 heartbeat is older than the lighthouse's heartbeat timeout, or a quorum newer than ours
 (a process that was itself stopped returns into a collective its peers abandoned long
 ago, and would otherwise wait to its deadline); the caller
-(:class:`hier_localsgd.core.comm.LevelComm`) then abandons the collective, reports the
+(:class:`hier_localsgd.core.ft.comm.LevelComm`) then abandons the collective, reports the
 error so the round's commit vote fails, and the round rolls back. Survivors lose at
 most the heartbeat timeout plus one poll (torchft#164 asks for the same upstream).
 

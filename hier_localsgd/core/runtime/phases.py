@@ -21,7 +21,7 @@ Invariants enforced here (docs/invariants.md):
   that follows the level's QUORUM phase in this round. This makes seed 004's
   "broadcast without a quorum" impossible: BROADCAST is reachable only from
   INNER_REDUCE or the outer phases, never from LOCAL.
-* Every phase has a deadline (:class:`hier_localsgd.core.timeouts.Timeouts`); waits
+* Every phase has a deadline (:class:`hier_localsgd.core.runtime.timeouts.Timeouts`); waits
   inside it use :meth:`PhaseTracker.remaining`.
 
 The tracker's :meth:`snapshot` is the state other components read (status file,
@@ -116,7 +116,7 @@ class _State:
 
 
 class PhaseBudgets(Protocol):
-    """Where a phase's deadline budget is named once (core/timeouts.py ``Timeouts``)."""
+    """Where a phase's deadline budget is named once (core/runtime/timeouts.py ``Timeouts``)."""
 
     def phase(self, phase: "Phase", leader: bool = True) -> timedelta: ...
 

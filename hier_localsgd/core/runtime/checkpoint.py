@@ -19,7 +19,7 @@ not load or whose checksum does not match, and falls back to the previous one. T
 ``checkpoint.keep`` checkpoints are kept.
 
 Devices: the snapshot holds host tensors only (sync.snapshot() serves from the host,
-core/device.py) and loading maps every tensor to the CPU (``map_location``); the state is
+core/runtime/device.py) and loading maps every tensor to the CPU (``map_location``); the state is
 then copied onto ``train.device``, so a checkpoint written on a GPU resumes on a CPU and
 back. The CUDA RNG states travel too (restored when the resuming process has as many GPUs).
 Each file records its layout (``ranks_per_replica``: one device per rank); a resume with

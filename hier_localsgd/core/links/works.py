@@ -1,4 +1,4 @@
-"""The works a link's collectives return (core/link.py): torch ``Work`` objects for a
+"""The works a link's collectives return (core/links/link.py): torch ``Work`` objects for a
 collective that already completed, one reported as failed, a set of point-to-point
 exchanges completed by a helper thread, and a collective chained to the copy back of its
 staged result."""

@@ -14,7 +14,7 @@ Every collective the hierarchy issues goes through :class:`LevelComm`:
    wait for its result is bounded the same way. An error or timeout is reported
    to the Manager, which makes the round's commit vote fail, and the call returns
    False. It never raises for a network failure;
-5. with a :class:`hier_localsgd.core.peers.QuorumWatch`, a wait whose peer stopped
+5. with a :class:`hier_localsgd.core.ft.peers.QuorumWatch`, a wait whose peer stopped
    heartbeating (a stopped process) is abandoned within the heartbeat timeout plus a
    poll instead of running to the deadline (peers.py says why that is safe), and the
    round's remaining collectives in the same quorum fail at once;
@@ -27,7 +27,7 @@ Every collective the hierarchy issues goes through :class:`LevelComm`:
    quorum requests (``LevelManager.rounds_started``).
 
 :meth:`LevelComm.compressed_allreduce_sum` keeps the same contract for the compressed
-outer reduce (an all-to-all then an all-gather, :mod:`hier_localsgd.core.compressed_allreduce`):
+outer reduce (an all-to-all then an all-gather, :mod:`hier_localsgd.core.tensors.compressed_allreduce`):
 one gate entry for both, each collective bounded by the phase's remaining time and
 watched like any other wait, and a failure of the first does not skip the second (peers
 are waiting in it).
@@ -53,14 +53,14 @@ from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOption
 from torchft.futures import future_timeout
 from torchft.utils import get_stream_context
 
-from hier_localsgd.core.compress import ErrorFeedback
-from hier_localsgd.core.compressed_allreduce import SUM, compressed_allreduce
-from hier_localsgd.core.invariants import CollectiveGate
-from hier_localsgd.core.link import LinkProcessGroup
-from hier_localsgd.core.managers import LevelManager
-from hier_localsgd.core.peers import QuorumWatch
-from hier_localsgd.core.phases import PhaseTracker
-from hier_localsgd.core.timeouts import ran_into_deadline
+from hier_localsgd.core.tensors.compress import ErrorFeedback
+from hier_localsgd.core.tensors.compressed_allreduce import SUM, compressed_allreduce
+from hier_localsgd.core.runtime.invariants import CollectiveGate
+from hier_localsgd.core.links.link import LinkProcessGroup
+from hier_localsgd.core.ft.managers import LevelManager
+from hier_localsgd.core.ft.peers import QuorumWatch
+from hier_localsgd.core.runtime.phases import PhaseTracker
+from hier_localsgd.core.runtime.timeouts import ran_into_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class PeerLapsed(RuntimeError):
 
 def is_timeout(err: object) -> bool:
     """Whether a failed wait ran into its deadline, as the clock decided where it failed
-    (:class:`hier_localsgd.core.managers.QuorumFailed` carries ``timed_out``). The error's text
+    (:class:`hier_localsgd.core.ft.managers.QuorumFailed` carries ``timed_out``). The error's text
     is not consulted."""
     return bool(getattr(err, "timed_out", False))
 

@@ -21,11 +21,11 @@ I2 SEPARATE_OPTIMIZERS
     (:func:`check_disjoint_tensors`).
 I3 QUORUM_BEFORE_COLLECTIVE
     A collective runs only inside its level's open quorum
-    (:meth:`hier_localsgd.core.phases.PhaseTracker.require`).
+    (:meth:`hier_localsgd.core.runtime.phases.PhaseTracker.require`).
 I4 PARAMETERS_WRITTEN_IN_PLACE
     Synchronisation reads and writes parameter *storage* under ``no_grad``; the
     model's Parameter objects (which the optimizer holds) are never replaced
-    (:class:`hier_localsgd.core.flat_params.FlatParams`).
+    (:class:`hier_localsgd.core.tensors.flat_params.FlatParams`).
 I5 COUNTERS_ADVANCE_EVERYWHERE
     The local-step counter is advanced by the training loop of every replica, not
     inside a leader-only code path; round counters are part of the replicated state.
@@ -35,7 +35,7 @@ I6 CONSISTENT_GROUP_RANKS
     (seed 004's "rank not found") (:func:`check_group_rank`).
 I7 FAILURE_STOPS_HEARTBEAT
     Every way a process fails ends with its Managers shut down (heartbeats
-    stopped) and the process exiting (:mod:`hier_localsgd.core.runtime`).
+    stopped) and the process exiting (:mod:`hier_localsgd.core.runtime.runtime`).
 """
 
 from __future__ import annotations
