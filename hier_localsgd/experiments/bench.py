@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hier_localsgd import costs
+from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.config import Config, ConfigError, load_config
 from hier_localsgd.errors import fail
 from hier_localsgd.launch.local import LocalJob, child_env
@@ -80,7 +81,7 @@ def flat_budget_every(C: int, R: int, period: int) -> int:
 def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
     w = WORKLOADS[cfg.bench.mode]
     h_in, h_out = cfg.bench.h_inner or w["h"][0], cfg.bench.h_outer or w["h"][1]
-    period = h_in * h_out
+    period = outer_period(h_in, h_out)
     C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
     budget = flat_budget_every(C, R, period)
     steps = w["steps"]

@@ -63,7 +63,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional
 
 import torch
 
-from hier_localsgd.core.tensors.fragments import FragmentSchedule
+from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 
 logger = logging.getLogger(__name__)
@@ -84,12 +84,6 @@ STAGE_TRANSITIONS: Dict[Phase, FrozenSet[Phase]] = {
 def merge_keep_local(global_model: torch.Tensor, snapshot: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
     """``θ_g + (θ_now − θ_s)``: the global result with the progress made since the snapshot."""
     return global_model + (now - snapshot)
-
-
-def outer_period(h_inner: int, h_outer: int, fragments: int = 1) -> int:
-    """Local steps between outer rounds: ``h_inner·h_outer``, or with ``F`` streaming
-    fragments (core/tensors/fragments.py) ``h_inner·h_outer/F`` — one fragment per outer round."""
-    return h_inner * FragmentSchedule(h_outer, fragments).interval
 
 
 def is_launch_round(step: int, h_inner: int, h_outer: int, fragments: int = 1) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
 from hier_localsgd.core.tensors.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
+from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.errors import fail
 from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
@@ -170,7 +171,7 @@ class SyncConfig:
     def outer_period(self) -> int:
         """Local steps between the hierarchy's outer rounds (the whole model; one fragment
         of ``outer.fragments`` every outer_period / fragments)."""
-        return self.inner.every * self.outer.every
+        return outer_period(self.inner.every, self.outer.every)
 
     def check(self, topology: TopologyConfig) -> None:
         t = topology

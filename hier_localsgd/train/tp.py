@@ -172,7 +172,7 @@ class TPGroup:
                 if not bool(lost.any()):
                     continue
                 if emu.spec.fill == "stale" and prev is not None and prev[j].shape == t.shape:
-                    for (rows, sl), (old, _) in zip(emu._rows(parts[j], per), emu._rows(prev[j], per)):
+                    for (rows, sl), (old, _) in zip(emu.packet_rows(parts[j], per), emu.packet_rows(prev[j], per)):
                         rows[lost[sl]] = old[lost[sl]]
                 else:
                     emu.zero_packets(parts[j], lost, per)

@@ -462,7 +462,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             if emu.spec.fill == "zero":
                 emu.zero_packets(t, lost_b, per)
             else:
-                for (rows, sl), (own_rows, _) in zip(emu._rows(t, per), emu._rows(own, per)):
+                for (rows, sl), (own_rows, _) in zip(emu.packet_rows(t, per), emu.packet_rows(own, per)):
                     rows[lost_b[sl]] = own_rows[lost_b[sl]]
         emu.payload_bytes_sent += t.numel() * t.element_size()
         emu.collectives += 1

@@ -300,7 +300,9 @@ class LinkEmulation:
     # masks never expand to the tensor's size and only affected packets are touched.
 
     @staticmethod
-    def _rows(t: torch.Tensor, per: int) -> List[Tuple[torch.Tensor, slice]]:
+    def packet_rows(t: torch.Tensor, per: int) -> List[Tuple[torch.Tensor, slice]]:
+        """``t`` as (packets x ``per`` values) views: the full packets, then a short last
+        one; each with its slice of the per-packet flags."""
         flat = t.view(-1)
         full = flat.numel() // per
         parts = [(flat[: full * per].view(full, per), slice(0, full))]
@@ -310,7 +312,7 @@ class LinkEmulation:
 
     def zero_packets(self, t: torch.Tensor, lost: torch.Tensor, per: int) -> None:
         """Zeroes the packets of ``t`` flagged in ``lost`` (one flag per packet)."""
-        for rows, sl in self._rows(t, per):
+        for rows, sl in self.packet_rows(t, per):
             idx = lost[sl].nonzero().view(-1)
             if idx.numel():
                 rows.index_fill_(0, idx, 0)
@@ -319,7 +321,7 @@ class LinkEmulation:
         """Copies of the packets that will miss a contribution (what a stale fill needs)."""
         if self.spec.fill != "stale":
             return []
-        return [rows[(n - arrived[sl]) > 0].clone() for rows, sl in self._rows(t, per)]
+        return [rows[(n - arrived[sl]) > 0].clone() for rows, sl in self.packet_rows(t, per)]
 
     def fill_per_sender(self, result: torch.Tensor, arrived: torch.Tensor, n: int, per: int, saved: List[torch.Tensor]) -> None:
         """``result`` holds the sum of arrived contributions; ``arrived`` the per-packet
@@ -328,7 +330,7 @@ class LinkEmulation:
         fill = self.spec.fill
         if fill == "zero":
             return
-        for i, (rows, sl) in enumerate(self._rows(result, per)):
+        for i, (rows, sl) in enumerate(self.packet_rows(result, per)):
             a = arrived[sl]
             hit = (n - a) > 0 if fill == "stale" else ((n - a) > 0) & (a > 0)
             idx = hit.nonzero().view(-1)

@@ -182,6 +182,14 @@ def fragment_parameters(model: nn.Module, fragment: Fragment) -> List[nn.Paramet
     return [params[n] for n in fragment.names]
 
 
+def outer_period(h_inner: int, h_outer: int, fragments: int = 1) -> int:
+    """Local steps between the hierarchy's outer rounds: ``h_inner·h_outer`` (the whole
+    model), or with ``F`` streaming fragments ``h_inner·h_outer/F`` (one fragment per outer
+    round). The one home of this formula: the sync, the config, the planner, the
+    simulator and the benchmarks all call it."""
+    return h_inner * FragmentSchedule(h_outer, fragments).interval
+
+
 @dataclass(frozen=True)
 class FragmentSchedule:
     """Which fragment syncs when: one every ``H/F`` inner rounds.

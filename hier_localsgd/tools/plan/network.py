@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict
 
 from hier_localsgd import costs
+from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.sync.sections import SyncConfig
@@ -65,7 +66,7 @@ def h_values(sync: SyncConfig) -> Dict[str, int]:
 
 def hier_sync_per_step(inner_s: float, outer_s: float, broadcast_s: float, h_inner: int, h_outer: int) -> float:
     """hier's exposed sync seconds per local step: ``inner/H_inner + (outer + broadcast)/(H_inner H_outer)``."""
-    return inner_s / h_inner + (outer_s + broadcast_s) / (h_inner * h_outer)
+    return inner_s / h_inner + (outer_s + broadcast_s) / outer_period(h_inner, h_outer)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def hier_variant_sync_per_step(st: SyncTimes, outer_s: float, step_s: float, h_i
     defaults (``D = 0``, no compression, ``F = 1``) this is :func:`hier_sync_per_step`."""
     exposed = max(0.0, outer_s - v.delay * (h_inner * step_s + st.inner_s))
     broadcasts = st.broadcast_s * (2 if v.compression != "none" else 1)
-    return st.inner_s / h_inner + v.fragments * (exposed + broadcasts) / (h_inner * h_outer)
+    return st.inner_s / h_inner + v.fragments * (exposed + broadcasts) / outer_period(h_inner, h_outer)
 
 
 def sync_per_step(st: SyncTimes, mode: str, h_inner: int, h_outer: int, h_flat_: int, ddp_overlap: float = 0.0) -> float:
@@ -157,7 +158,7 @@ def recommend_h(st: SyncTimes, step_s: float, target: float, inner_share: float)
         **out,
         "h_inner": h_in,
         "h_outer": h_out,
-        "outer_period_steps": h_in * h_out,
+        "outer_period_steps": outer_period(h_in, h_out),
         "hier_fraction": frac,
         "h_flat": hf,
         "flat_fraction": comm_fraction(step_s, st.flat_s / hf),

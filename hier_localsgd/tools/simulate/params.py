@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence, Tuple
 
 from hier_localsgd import costs
+from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.runtime.faults import ROLES
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.tools.deployment import check_shared, links
@@ -76,7 +77,7 @@ class SimParams:
     @property
     def period(self) -> int:
         """Local steps per commit that ends work (outer period; one round for flat/ddp)."""
-        return self.h_inner * self.h_outer if self.mode == "hier" else self.h_inner
+        return outer_period(self.h_inner, self.h_outer) if self.mode == "hier" else self.h_inner
 
     def no_failure_sync_per_step(self) -> float:
         """Exposed sync seconds per step without failures (the planner's formula, tools/plan/network.py)."""
