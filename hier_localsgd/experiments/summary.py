@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hier_localsgd.config import Config
-from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.costs import ring_allreduce_bytes
-from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
+from hier_localsgd.sync.compression import NONE as NO_COMPRESSION, payload_bytes
 from hier_localsgd.core.runtime.status import RESULT_FILE, read_events, read_json, replica_dir
 from hier_localsgd.launch.local import LocalJob
 from hier_localsgd.train.tp import consistent_checksums
@@ -54,8 +53,8 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
     expected_outer = ring_allreduce_bytes(model_bytes, C) * C if model_bytes else None
     comp = cfg.sync.outer.compression
     if model_bytes and comp != NO_COMPRESSION:
-        # the compressed outer reduce: all-to-all + all-gather of packed codes and scales
-        expected_outer = compressed_allreduce_bytes(model_bytes // 4, C, comp, cfg.sync.outer.compression_block) * C
+        # the compressed outer reduce: packed codes and scales (topk2: positions too)
+        expected_outer = payload_bytes(model_bytes // 4, C, comp, cfg.sync.outer.compression_block, cfg.sync.outer.topk) * C
     if expected_outer and cfg.sync.outer.fragments > 1:
         expected_outer = None  # streaming fragments: one fragment per round (the last the whole model), no single figure
     outer_payload = levels.get("outer", {}).get("payload")

@@ -123,6 +123,7 @@ def hier_settings(cfg: Config, identity: Identity, flat: FlatParams, model: torc
         final_step=cfg.train.steps,
         outer_compression=s.outer.compression,
         outer_compression_block=s.outer.compression_block,
+        outer_topk=s.outer.topk,
         outer_fragments=outer_fragment_ranges(model, flat, s.outer.fragments),
         early_quorum=s.inner.early_quorum,
         outer_max_staleness=s.outer.max_staleness,

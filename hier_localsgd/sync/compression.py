@@ -4,7 +4,11 @@ With ``int8`` or ``fp8`` the leaders' OUTER_REDUCE is
 :func:`hier_localsgd.core.tensors.compressed_allreduce.compressed_allreduce` (all-to-all of
 quantized shards, dequantize and sum, requantize, all-gather) instead of an fp32 ring
 all-reduce, so the slow links carry about a quarter of the bytes
-(docs/compression.md). Every cluster keeps one **error-feedback residual**
+(docs/compression.md). With ``topk2`` (issue #29) it is
+:func:`hier_localsgd.core.tensors.sparse.sparse_allreduce_sum`: each leader sends the
+``topk`` largest of every chunk of ``compression_block`` elements with 2-bit values
+(about 114× fewer bytes than fp32 at 4 of 256), the others' payloads are decoded and
+summed in rank order, so there is no second quantization to fold. Every cluster keeps one **error-feedback residual**
 (:class:`OuterCompression`), the part of its pseudo-gradients the quantizations have
 not delivered yet:
 
@@ -52,30 +56,37 @@ import torch
 from hier_localsgd.core.ft.comm import LevelComm
 from hier_localsgd.core.tensors.fragments import Ranges, gather, scatter_
 from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FORMATS, ErrorFeedback, check_format
+from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
+from hier_localsgd.core.tensors.sparse import DEFAULT_TOPK, TOPK2, check_sparse, sparse_allreduce_bytes
 from hier_localsgd.core.links.link import PAYLOAD
 
 logger = logging.getLogger(__name__)
 
 NONE = "none"
-COMPRESSIONS = (NONE, *FORMATS)
+COMPRESSIONS = (NONE, *FORMATS, TOPK2)
 
 
 class OuterCompression:
     """One cluster's compressed outer reduce and its committed error-feedback residual.
 
     Args:
-        fmt: ``int8`` or ``fp8``.
-        block: elements per quantization block.
+        fmt: ``int8``, ``fp8`` or ``topk2`` (sparse: the ``topk`` largest of every chunk of
+            ``block`` elements, 2-bit values; core/tensors/sparse.py).
+        block: elements per quantization block (``topk2``: per chunk).
         numel: elements of this rank's slice of the model.
+        topk: elements kept per chunk with ``topk2``.
 
     Raises:
-        ValueError: bad ``fmt``/``block``.
+        ValueError: bad ``fmt``/``block``/``topk``.
         FormatUnavailable: fp8 cannot be cast on this machine (checked once, here).
     """
 
-    def __init__(self, fmt: str, block: int, numel: int) -> None:
-        check_format(fmt, block)
-        self.fmt, self.block, self.numel = fmt, block, numel
+    def __init__(self, fmt: str, block: int, numel: int, topk: int = DEFAULT_TOPK) -> None:
+        if fmt == TOPK2:
+            check_sparse(block, topk)
+        else:
+            check_format(fmt, block)
+        self.fmt, self.block, self.numel, self.topk = fmt, block, numel, topk
         # committed; a stable tensor (the guard resyncs it in place)
         self.residual = torch.zeros(numel, dtype=torch.float32)
         self._ef = ErrorFeedback(fmt, block)
@@ -84,7 +95,7 @@ class OuterCompression:
 
     def copy(self) -> "OuterCompression":
         """An independent copy of the committed state (the overlapped stage's)."""
-        new = OuterCompression(self.fmt, self.block, self.numel)
+        new = OuterCompression(self.fmt, self.block, self.numel, self.topk)
         new.residual.copy_(self.residual)
         return new
 
@@ -101,6 +112,8 @@ class OuterCompression:
         self._total, self._ranges = total, ranges
         if weight == 0:
             grad.zero_()
+        if self.fmt == TOPK2:  # nothing to fold: the sum of the decoded payloads is exact
+            return comm.sparse_allreduce_sum(grad, PAYLOAD, self.block, self.topk, self._ef if weight != 0 else None)
         return comm.compressed_allreduce_sum(grad, PAYLOAD, self.fmt, self.block, self._ef if weight != 0 else None, self._ef)
 
     def commit(self) -> None:
@@ -140,9 +153,25 @@ class OuterCompression:
         self.load(torch.zeros(self.numel))
 
 
-def build(fmt: str, block: int, numel: int) -> Optional[OuterCompression]:
+def payload_bytes(numel: int, world: int, fmt: str, block: int, topk: int = DEFAULT_TOPK) -> int:
+    """Payload bytes one leader sends in one compressed outer reduce of ``numel`` elements
+    over ``world`` leaders (padding included): the one formula the summary's expected
+    figure and the planner use."""
+    if fmt == TOPK2:
+        return sparse_allreduce_bytes(numel, world, block, topk)
+    return compressed_allreduce_bytes(numel, world, fmt, block)
+
+
+def latency_hops(world: int, fmt: str) -> int:
+    """Sequential one-way trips of one compressed outer reduce: an all-to-all and an
+    all-gather (``int8``/``fp8``), or an all-gather alone (``topk2``), each ``world − 1``
+    hops in the planner's model."""
+    return (world - 1) * (1 if fmt == TOPK2 else 2)
+
+
+def build(fmt: str, block: int, numel: int, topk: int = DEFAULT_TOPK) -> Optional[OuterCompression]:
     """The cluster's compression state for ``sync.outer.compression`` (None for ``none``)."""
-    return None if fmt == NONE else OuterCompression(fmt, block, numel)
+    return None if fmt == NONE else OuterCompression(fmt, block, numel, topk)
 
 
-__all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NONE", "OuterCompression", "build"]
+__all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NONE", "OuterCompression", "build", "latency_hops", "payload_bytes"]

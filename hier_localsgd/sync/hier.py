@@ -192,7 +192,8 @@ class HierarchicalSync:
             job_done=job_done,
             inner=Level("inner", settings.inner, flat.data[part]),
             outer=Level("outer", settings.outer, flat.data[part]),
-            comp=build_compression(settings.outer_compression, settings.outer_compression_block, part.stop - part.start),
+            comp=build_compression(settings.outer_compression, settings.outer_compression_block, part.stop - part.start,
+                                   settings.outer_topk),
             snap=host_copy(flat.data[part]) if overlap else None,
             # Overlapped outer sync (overlap.py): the leader's inner and outer groups may each
             # have a collective in flight (they share no pair of processes, I1).

@@ -12,6 +12,7 @@ from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FormatUnavailable
 from hier_localsgd.core.tensors.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
 from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.errors import fail
+from hier_localsgd.core.tensors.sparse import DEFAULT_TOPK, MAX_CHUNK, TOPK2
 from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
 MODES = ("hier", "flat", "ddp")
@@ -67,6 +68,9 @@ class LevelConfig:
     # last commit if the healed state is at most max_staleness rounds of steps ahead of it.
     # 0: such work carries weight 0 and is lost.
     max_staleness: int = 0
+    # compression=topk2 (outer level): elements kept per chunk of compression_block
+    # (core/tensors/sparse.py; 4 of 256 keeps 1.6 %).
+    topk: int = DEFAULT_TOPK
 
     def check(self, path: str) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -111,7 +115,12 @@ class LevelConfig:
             fail(f"{path}.compression", f"{self.compression!r} — only the outer level's payload (sync.outer.compression) can be compressed")
         if isinstance(self.compression_block, bool) or self.compression_block < 1:
             fail(f"{path}.compression_block", f"{self.compression_block} — must be at least 1 element")
-        if self.compression != NONE:
+        if self.compression == TOPK2:
+            if self.compression_block > MAX_CHUNK:
+                fail(f"{path}.compression_block", f"{self.compression_block} — topk2 chunks hold at most {MAX_CHUNK} elements (a position is one byte)")
+            if isinstance(self.topk, bool) or not isinstance(self.topk, int) or not 1 <= self.topk <= self.compression_block:
+                fail(f"{path}.topk", f"{self.topk!r} — must be an integer between 1 and {path}.compression_block={self.compression_block}")
+        elif self.compression != NONE:
             try:
                 check_format(self.compression, self.compression_block)
             except FormatUnavailable as e:

@@ -88,6 +88,7 @@ class HierSettings:
     # Compressed outer reduce (compression.py): none | int8 | fp8, elements per block.
     outer_compression: str
     outer_compression_block: int
+    outer_topk: int  # elements kept per chunk with topk2 (core/tensors/sparse.py)
     # Streaming fragments (core/tensors/fragments.py): each fragment's ranges of the flat vector
     # (of this rank's shard with group_shards); one fragment per outer round, every
     # h_inner·h_outer/F steps.

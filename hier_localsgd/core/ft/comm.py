@@ -55,6 +55,7 @@ from torchft.utils import get_stream_context
 
 from hier_localsgd.core.tensors.compress import ErrorFeedback
 from hier_localsgd.core.tensors.compressed_allreduce import SUM, compressed_allreduce
+from hier_localsgd.core.tensors import sparse
 from hier_localsgd.core.runtime.invariants import CollectiveGate
 from hier_localsgd.core.links.link import LinkProcessGroup
 from hier_localsgd.core.ft.managers import LevelManager
@@ -209,6 +210,34 @@ class LevelComm:
             return True if res.ok else _FAILED
 
         return self._guarded("compressed_allreduce", kind, body)
+
+    def sparse_allreduce_sum(
+        self, tensor: torch.Tensor, kind: str, chunk: int, k: int, error_feedback: Optional[ErrorFeedback],
+    ) -> bool:
+        """Sums ``tensor`` in place across the level's quorum with sparse 2-bit payloads
+        (core/tensors/sparse.py; every member passes the same ``chunk`` and ``k``): an
+        all-gather of each member's payload, summed in rank order on every member.
+        ``error_feedback``: add this member's residual and stage the new one (None: send
+        ``tensor`` as it is, e.g. zeros at weight 0). On failure ``tensor`` is unchanged
+        and the call returns False (the Manager knows; the commit vote fails)."""
+
+        def codec(v: torch.Tensor) -> tuple:
+            return sparse.encode(v, chunk, k)
+
+        payload = codec(tensor)[0] if error_feedback is None else error_feedback.encode_with(tensor, codec)
+
+        def wait(work: object, what: str) -> bool:
+            self._check_lapsed(what)
+            return self._complete(work, what, self._tracker.remaining()) is not _FAILED  # type: ignore[arg-type]
+
+        def body(remaining: timedelta) -> object:
+            res = sparse.sparse_allreduce_sum(
+                tensor, self.link, chunk, k, payload, timeout=remaining, wait=wait, remaining=self._tracker.remaining,
+                rank=self.link.quorum_rank, world=self.link.quorum_size,
+            )
+            return True if res.ok else _FAILED
+
+        return self._guarded("sparse_allreduce", kind, body)
 
     def broadcast(self, tensor: torch.Tensor, root: int, kind: str) -> bool:
         """Broadcasts ``tensor`` from quorum rank ``root`` (in place on the receivers)."""

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+
+from hier_localsgd.core.tensors.sparse import TOPK2
 
 INT8 = "int8"
 FP8 = "fp8"
@@ -246,11 +248,13 @@ class ErrorFeedback:
     """
 
     def __init__(self, fmt: str, block: int = DEFAULT_BLOCK) -> None:
-        check_format(fmt, block)
+        if fmt != TOPK2:  # the sparse codec's chunk and k are checked where it is built (sparse.py)
+            check_format(fmt, block)
         self.fmt = fmt
         self.block = block
         self.residual: Optional[torch.Tensor] = None
         self._staged: Optional[torch.Tensor] = None
+        self._last: Optional[torch.Tensor] = None  # the input being encoded (residual added)
         # What the residual is the error of, where that can change under it: the
         # compressed all-reduce's shard residual is tagged (numel, world, rank) and reset
         # when the quorum gives this rank another shard. None for a whole-tensor residual.
@@ -262,17 +266,33 @@ class ErrorFeedback:
         Raises:
             ValueError: ``x`` has a different number of elements than the residual.
         """
+        q = quantize(self._with_residual(x), self.fmt, self.block)
+        self._stage(dequantize(q))
+        return q
+
+    def encode_with(self, x: torch.Tensor, codec: Callable[[torch.Tensor], Tuple[Any, torch.Tensor]]) -> Any:
+        """Like :meth:`encode` with another codec (``codec(v) -> (payload, decoded v)``,
+        e.g. the sparse one, sparse.py): encodes ``x + residual``, stages what the payload
+        does not deliver, returns the payload."""
+        payload, decoded = codec(self._with_residual(x))
+        self._stage(decoded)
+        return payload
+
+    def _with_residual(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1).to(torch.float32)
         if self.residual is not None and self.residual.numel() != flat.numel():
             raise ValueError(
                 f"ErrorFeedback: input has {flat.numel()} elements, residual {self.residual.numel()} "
                 "(the model changed? reset() first)"
             )
-        v = flat if self.residual is None else flat + self.residual.to(flat.device)
-        q = quantize(v, self.fmt, self.block)
-        staged = v - dequantize(q)
+        self._last = flat if self.residual is None else flat + self.residual.to(flat.device)
+        return self._last
+
+    def _stage(self, decoded: torch.Tensor) -> None:
+        assert self._last is not None
+        staged = self._last - decoded
         self._staged = torch.where(torch.isfinite(staged), staged, torch.zeros_like(staged))
-        return q
+        self._last = None
 
     def fold(self, start: int, error: torch.Tensor, numel: int) -> None:
         """Adds ``error`` to the staged residual at ``[start, start + len)`` (clipped to

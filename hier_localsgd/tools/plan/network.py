@@ -8,8 +8,9 @@ from typing import Any, Dict
 
 from hier_localsgd import costs
 from hier_localsgd.core.tensors.fragments import outer_period
-from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
+from hier_localsgd.core.tensors.sparse import DEFAULT_TOPK
 from hier_localsgd.core.links.lossy import LinkSpec
+from hier_localsgd.sync.compression import latency_hops, payload_bytes
 from hier_localsgd.sync.sections import SyncConfig
 
 
@@ -77,26 +78,29 @@ class OuterVariant:
     delay: int = 0
     compression: str = "none"
     block: int = 256
+    topk: int = DEFAULT_TOPK  # kept per chunk of ``block`` with topk2
     fragments: int = 1
     elem_bytes: int = 4  # bytes per element of the synced model (what is quantized per element)
 
     @classmethod
     def of(cls, sync: SyncConfig, elem_bytes: int = 4) -> "OuterVariant":
         o = sync.outer
-        return cls(delay=o.delay, compression=o.compression, block=o.compression_block, fragments=o.fragments, elem_bytes=elem_bytes)
+        return cls(delay=o.delay, compression=o.compression, block=o.compression_block, topk=o.topk, fragments=o.fragments,
+                   elem_bytes=elem_bytes)
 
 
 def outer_round_s(sync_bytes: float, clusters: int, wan: LinkSpec, v: OuterVariant, round_overhead_s: float) -> float:
     """One outer round's WAN collective (α–β) + ``round_overhead_s``: a fragment's bytes
     (``S/F``), as an fp32 ring all-reduce or (compressed) the all-to-all and all-gather of
-    quantized shards, ``2(C−1)`` latency hops and the bytes one leader sends."""
+    quantized shards (``topk2``: the all-gather of sparse payloads), the latency hops of
+    ``sync.compression.latency_hops`` and the bytes one leader sends."""
     if clusters <= 1:
         return round_overhead_s
     if v.compression == "none":
         return wan.allreduce_time(sync_bytes / v.fragments, clusters) + round_overhead_s
     sent = outer_round_bytes(sync_bytes, clusters, v)
     wire = sent / wan.bandwidth_Bps if wan.bandwidth_Bps > 0 else 0.0
-    return 2 * (clusters - 1) * wan.latency_s + wire + round_overhead_s
+    return latency_hops(clusters, v.compression) * wan.latency_s + wire + round_overhead_s
 
 
 def outer_round_bytes(sync_bytes: float, clusters: int, v: OuterVariant) -> float:
@@ -104,7 +108,7 @@ def outer_round_bytes(sync_bytes: float, clusters: int, v: OuterVariant) -> floa
     part = sync_bytes / v.fragments
     if v.compression == "none":
         return costs.ring_allreduce_bytes(part, clusters)
-    return float(compressed_allreduce_bytes(int(part // v.elem_bytes), clusters, v.compression, v.block)) if clusters > 1 else 0.0
+    return float(payload_bytes(int(part // v.elem_bytes), clusters, v.compression, v.block, v.topk)) if clusters > 1 else 0.0
 
 
 def hier_variant_sync_per_step(st: SyncTimes, outer_s: float, step_s: float, h_inner: int, h_outer: int, v: OuterVariant) -> float:
