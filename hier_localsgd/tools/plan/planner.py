@@ -209,12 +209,15 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
     h = h_values(cfg.sync)
     variant = OuterVariant.of(cfg.sync, int(dtype_bytes(cfg.plan.train.sync_dtype, "plan.train.sync_dtype")))
 
+    # hier's outer round as configured (compression, fragments): what one leader sends, and its time
+    outer_round = {"compression": variant.compression, "fragments": variant.fragments,
+                   "bytes": outer_round_bytes(st.sync_bytes, tp.clusters, variant),
+                   "s": outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)}
     modes: Dict[str, Any] = {}
     for mode in REPORT_ORDER:
         per_step = sync_per_step(st, mode, h["inner"], h["outer"], h["flat"], pc.hardware.ddp_overlap)
         if mode == "hier":  # overlap, compression and fragments of sync.outer (network.OuterVariant)
-            o = outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)
-            per_step = hier_variant_sync_per_step(st, o, step_s, h["inner"], h["outer"], variant)
+            per_step = hier_variant_sync_per_step(st, outer_round["s"], step_s, h["inner"], h["outer"], variant)
         modes[mode] = {
             "sync_per_step_s": per_step,
             "comm_fraction": comm_fraction(step_s, per_step),
@@ -246,6 +249,7 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
         "step_time_s": step_s,
         "step_time_source": "measured (plan.hardware.step_time_s)" if pc.hardware.step_time_s > 0 else "FLOPs / (peak x MFU)",
         "sync": asdict(st),
+        "outer_round": outer_round,
         "unlimited_links": [k for k, spec in (("links.inner", lan), ("links.outer", wan)) if unlimited(spec)],
         "h": h,
         "modes": modes,

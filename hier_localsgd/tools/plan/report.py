@@ -116,7 +116,9 @@ def _sync_lines(p: Dict[str, Any]) -> List[str]:
             ["sync", "ranks", "link", "bytes sent per rank", "time", "every (steps)"],
             [
                 ["inner all-reduce", r, "lan", fmt_bytes(st["inner_bytes"]), fmt_time(st["inner_s"]), h["inner"]],
-                ["outer all-reduce", c, "wan", fmt_bytes(st["outer_bytes"]), fmt_time(st["outer_allreduce_s"]), h["inner"] * h["outer"]],
+                ["outer all-reduce" if p["outer_round"]["compression"] == "none" else f"outer reduce ({p['outer_round']['compression']})",
+                 c, "wan", fmt_bytes(p["outer_round"]["bytes"]), fmt_time(p["outer_round"]["s"]),
+                 h["inner"] * h["outer"] // p["outer_round"]["fragments"]],
                 ["broadcast in cluster", r, "lan", fmt_bytes(st["broadcast_bytes"]), fmt_time(st["broadcast_s"]), h["inner"] * h["outer"]],
                 ["flat all-reduce", c * r, st["wide_link"], fmt_bytes(st["flat_bytes"]), fmt_time(st["flat_s"]), h["flat"]],
                 ["ddp all-reduce", c * r, st["wide_link"], fmt_bytes(st["ddp_bytes"]), fmt_time(st["ddp_s"]), 1],
