@@ -46,3 +46,17 @@ def test_the_int8_all_reduce_on_a_shaped_link_sends_its_compressed_count():
     assert min(kernel.times_s) >= floor, (kernel.times_s, kernel.bound_s)
     for sent in kernel.tx_bytes:
         assert kernel.analytic_bytes <= sent <= 1.12 * kernel.analytic_bytes, (sent, kernel.analytic_bytes)
+
+
+def test_the_sparse_topk2_reduce_on_a_shaped_link_sends_its_sparse_count():
+    """The sparse 2-bit outer reduce (an all-gather of 9 bytes per 256 elements per sender,
+    core/tensors/sparse.py) on a kernel-shaped link: the uplink carries that payload plus
+    headers and acknowledgements (about 1/114 of an fp32 ring all-reduce of the same
+    tensor), and not faster than the rate allows."""
+    nbytes = 32 * 1024 * 1024  # a payload of ~295 kB: several tbf buckets
+    (kernel,) = linkcheck.measure(clusters=2, rate_mbit=40, nbytes=nbytes, reps=2, modes=("kernel",), op="topk2")
+    print(linkcheck.report([kernel]))
+    assert kernel.analytic_bytes == 9 * (nbytes // 4) // 256
+    assert min(kernel.times_s) >= kernel.bound_s, (kernel.times_s, kernel.bound_s)
+    for sent in kernel.tx_bytes:
+        assert kernel.analytic_bytes <= sent <= 1.12 * kernel.analytic_bytes, (sent, kernel.analytic_bytes)

@@ -22,7 +22,9 @@ Three figures, each measured against something it was not derived from:
 
 ``op="int8"`` times the outer level's compressed all-reduce instead
 (core/tensors/compressed_allreduce.py: all-to-all of int8 shards, dequantize and sum, requantize,
-all-gather); its bound and analytic bytes are those of its compressed payload. ``busy=N``
+all-gather), ``op="topk2"`` the sparse 2-bit one (core/tensors/sparse.py: an all-gather of
+sparse payloads, 4 of every 256 elements kept); the bound and the analytic bytes are those
+of the compressed payload. ``busy=N``
 runs N processes spinning on the CPU alongside (as training does next to an overlapped
 outer round), to separate the link's cost from CPU contention.
 
@@ -123,6 +125,12 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
         def payload(x: torch.Tensor) -> None:
             compressed_allreduce(x, pg, "int8", timeout=timeout, rank=rank, world=world)
+    elif spec.get("op") == "topk2":
+        from hier_localsgd.core.tensors import sparse
+
+        def payload(x: torch.Tensor) -> None:
+            enc, _ = sparse.encode(x, sparse.MAX_CHUNK, sparse.DEFAULT_TOPK)
+            sparse.sparse_allreduce_sum(x, pg, sparse.MAX_CHUNK, sparse.DEFAULT_TOPK, enc, timeout=timeout, rank=rank, world=world)
     else:
         payload = allreduce
 
@@ -162,10 +170,14 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
 
         sent = compressed_allreduce_bytes(nbytes // 4, clusters, "int8")  # per rank, both collectives
         analytic = float(sent)
+    elif op == "topk2":
+        from hier_localsgd.core.tensors import sparse
+
+        analytic = float(sparse.sparse_allreduce_bytes(nbytes // 4, clusters, sparse.MAX_CHUNK, sparse.DEFAULT_TOPK))
     elif op == "allreduce":
         analytic = costs.ring_allreduce_bytes(nbytes, clusters)
     else:
-        raise ValueError(f"linkcheck: op {op!r} — expected allreduce or int8")
+        raise ValueError(f"linkcheck: op {op!r} — expected allreduce, int8 or topk2")
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
         return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, analytic, burst_bytes)
