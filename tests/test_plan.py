@@ -511,3 +511,28 @@ def test_planner_predicts_another_model_size_from_an_overhead_fitted_on_the_smal
     for r in held:
         assert "predicted_s" in r and abs(r["error"]) <= 0.15, r
     assert len(ddp) == 1 and ddp[0]["error"] > 0  # over-predicted: no per-step round overhead in ddp
+
+
+def _picked(*overrides: str) -> dict:
+    return plan_planner.make_plan(load_config(["model=llama3_debugmodel", "plan.hardware.step_time_s=0.2", *overrides], validate_for="plan"))
+
+
+def test_the_outer_pick_costs_every_variant_and_takes_the_least_stale_one_that_hides():
+    """tools/plan/pick.py against hand arithmetic on the planner's own model: with a 10
+    Mbit/s WAN and 0.2 s steps (H 10/3) the fp32 round (23.5 MiB, ~19.7 s) and the int8
+    one (~5 s) cannot hide even behind one inner round (2 s), a blocking topk2 round
+    (~0.19 s every 30 steps = 6.4 ms per step) exposes more than 1 % of the step, and an
+    overlapped one (D = 1) hides; with an unlimited WAN the blocking fp32 round hides."""
+    slow = _picked("links.outer.bandwidth_gbps=0.01", "links.outer.latency_ms=20")["outer_pick"]
+    assert slow["overrides"] == ["sync.outer.compression=topk2", "sync.outer.delay=1", "sync.outer.fragments=1"]
+    rows = {(r["compression"], r["delay"], r["fragments"]): r for r in slow["rows"]}
+    assert len(rows) == 12  # F in {1, 3}; D < 3 (F = 1) or D = 0 (F = 3); 3 payloads
+    assert not rows[("none", 2, 1)]["hides"] and not rows[("int8", 2, 1)]["hides"]
+    assert rows[("topk2", 0, 1)]["outer_exposed_per_step_s"] == pytest.approx(rows[("topk2", 0, 1)]["outer_round_s"] / 30)
+    assert not rows[("topk2", 0, 1)]["hides"] and rows[("topk2", 1, 1)]["hides"]
+    fast = _picked()["outer_pick"]  # no bandwidth given: latency only
+    assert fast["overrides"] == ["sync.outer.compression=none", "sync.outer.delay=0", "sync.outer.fragments=1"]
+    # every variant it may print is one the hierarchy accepts
+    for r in slow["rows"]:
+        load_config(["model=llama3_debugmodel", f"sync.outer.compression={r['compression']}", f"sync.outer.delay={r['delay']}",
+                     f"sync.outer.fragments={r['fragments']}"], validate_for="plan")

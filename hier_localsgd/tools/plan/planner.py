@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any, Dict
 from hier_localsgd.tools.deployment import check_shared, links, unlimited
 from hier_localsgd.tools.plan.config import PlanConfig, REPORT_ORDER, SHARDINGS, ScalingConfig
 from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model, shard_factor
+from hier_localsgd.tools.plan.pick import pick_outer
 from hier_localsgd.tools.plan.network import (
     OuterVariant, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes, outer_round_s, recommend_h,
     sync_per_step, sync_times,
@@ -250,6 +251,7 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
         "step_time_source": "measured (plan.hardware.step_time_s)" if pc.hardware.step_time_s > 0 else "FLOPs / (peak x MFU)",
         "sync": asdict(st),
         "outer_round": outer_round,
+        "outer_pick": pick_outer(st, step_s, tp.clusters, wan, pc.round_overhead_s, h["inner"], h["outer"], variant),
         "unlimited_links": [k for k, spec in (("links.inner", lan), ("links.outer", wan)) if unlimited(spec)],
         "h": h,
         "modes": modes,

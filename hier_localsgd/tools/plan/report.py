@@ -151,6 +151,17 @@ def _recommendation_lines(p: Dict[str, Any]) -> List[str]:
             f"(outer every {rec['outer_period_steps']} steps, {rec['hier_fraction']:.2%}); flat sync.flat.every={rec['h_flat']} ({rec['flat_fraction']:.2%}); "
             f"ddp {'meets' if rec['ddp_meets_target'] else 'cannot meet'} it ({p['modes']['ddp']['comm_fraction']:.1%})",
         ]
+    pk = p.get("outer_pick")
+    if pk:
+        b = pk["pick"]
+        hides = "hides behind compute" if b["hides"] else "does not hide: the least exposed"
+        out += [
+            "",
+            f"Outer configuration for this link at sync.inner.every={p['h']['inner']}, sync.outer.every={p['h']['outer']} "
+            f"({len(pk['rows'])} variants costed: payload x delay x fragments; tools/plan/pick.py): {' '.join(pk['overrides'])} "
+            f"— {fmt_bytes(b['bytes_per_round'])} per outer round in {fmt_time(b['outer_round_s'])}, {hides} "
+            f"({fmt_time(b['outer_exposed_per_step_s'])} exposed per step)",
+        ]
     sc = p["scaling"]
     k = sc["constants"]
     out += [
