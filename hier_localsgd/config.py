@@ -30,6 +30,7 @@ from hier_localsgd.core.links.lossy import LinkSpec, LinksConfig
 from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig, TPSweepConfig, check_tp_sweep
 from hier_localsgd.launch.lighthouse import LighthouseConfig
 from hier_localsgd.errors import ConfigError, fail
+from hier_localsgd.core.tensors.sparse import TOPK2
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 from hier_localsgd.sync.sections import SyncConfig, TopologyConfig
 from hier_localsgd.tools.dashboard.config import DashboardConfig
@@ -272,7 +273,13 @@ def validate(cfg: Config, command: str = "train") -> None:
 
     # The compressed outer reduce moves packed bytes (codes and block scales): a lost
     # packet can only arrive as zeros (core/links/link.py), so no stale or rescale fill.
-    if s.mode == "hier" and s.outer.compression != NO_COMPRESSION and cfg.link_spec("outer").model.enabled and cfg.links.outer.fill != "zero":
+    lossy_outer = s.mode == "hier" and cfg.link_spec("outer").model.enabled
+    # topk2's payload is positions, codes and scales in separate arrays: a zeroed code
+    # decodes to -s (not 0) and zeroed positions collide, so no lost packet is harmless.
+    if lossy_outer and s.outer.compression == TOPK2:
+        fail("links.outer.loss", f"{cfg.links.outer.loss!r} — sync.outer.compression=topk2 needs a loss-free outer link "
+             "(a lost packet of its sparse payload decodes to wrong values); use int8 or fp8 over a lossy link")
+    if lossy_outer and s.outer.compression != NO_COMPRESSION and cfg.links.outer.fill != "zero":
         fail("links.outer.fill", f"{cfg.links.outer.fill!r} — with sync.outer.compression={s.outer.compression} lost packets of the compressed payload can only be zero-filled (links.outer.fill=zero)")
 
 

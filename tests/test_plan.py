@@ -536,3 +536,13 @@ def test_the_outer_pick_costs_every_variant_and_takes_the_least_stale_one_that_h
     for r in slow["rows"]:
         load_config(["model=llama3_debugmodel", f"sync.outer.compression={r['compression']}", f"sync.outer.delay={r['delay']}",
                      f"sync.outer.fragments={r['fragments']}"], validate_for="plan")
+
+
+def test_the_pick_plans_an_int8_config_whose_block_topk2_cannot_take():
+    """compression_block 1024 is legal for int8 but not for topk2's one-byte positions: the
+    pick costs topk2 at its largest chunk and says so in its overrides (a review finding:
+    make_plan raised)."""
+    p = _picked("sync.outer.compression=int8", "sync.outer.compression_block=1024", "links.outer.bandwidth_gbps=0.01")
+    assert p["outer_pick"]["overrides"][:1] == ["sync.outer.compression=topk2"]
+    assert "sync.outer.compression_block=256" in p["outer_pick"]["overrides"]
+    load_config(["model=llama3_debugmodel", *p["outer_pick"]["overrides"]], validate_for="plan")

@@ -58,6 +58,20 @@ def test_odd_chunks_and_k_round_trip(chunk, k):
         assert int(kept.sum()) >= 1001 - chunk
 
 
+def test_kept_zeros_alternate_between_the_two_middle_levels_by_position():
+    """A chunk with fewer than k non-zeros keeps some exact zeros; each sits halfway between
+    −s/3 and s/3, and the encoder alternates by position (even: −s/3, odd: +s/3), so such
+    chunks carry no one-sided bias (error feedback takes the s/3 back)."""
+    x = torch.zeros(256)
+    x[255] = 3.0
+    payload, dec = sparse.encode(x, CHUNK, 9)
+    assert dec[255] == 3.0
+    zeros_kept = [i for i in range(255) if dec[i] != 0]
+    assert len(zeros_kept) == 8
+    for i in zeros_kept:
+        assert float(dec[i]) == pytest.approx(-1.0 if i % 2 == 0 else 1.0), (i, float(dec[i]))
+
+
 def test_non_finite_input_decodes_to_nan_in_its_chunk_only_and_bad_sizes_are_refused():
     x = torch.randn(1024)
     x[5] = float("nan")
@@ -193,6 +207,9 @@ def test_overlapped_topk2_outer_rounds_stay_consistent_and_keep_the_identity():
         (["sync.outer.compression=topk2", "sync.outer.topk=300"], "sync.outer.topk", "between 1 and"),
         (["sync.outer.compression=topk2", "sync.outer.compression_block=512"], "sync.outer.compression_block", "at most 256"),
         (["sync.inner.compression=topk2"], "sync.inner.compression", "only the outer level"),
+        # a lost packet of the sparse payload decodes to wrong values (a zeroed code is -s)
+        (["sync.outer.compression=topk2", "links.outer.loss=bernoulli", "links.outer.p=0.01", "links.outer.fill=zero"],
+         "links.outer.loss", "loss-free outer link"),
     ],
 )
 def test_bad_topk2_settings_name_the_field(overrides, field, words):

@@ -39,6 +39,12 @@ from hier_localsgd.sync.state import SyncState, consistency, fault_point, lighth
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
 
+# What dropping a stage still in flight may take after its wait ends: collect's last poll
+# (0.5 s), the cluster Manager's shutdown (2.5 s seen) and abandon's join of the stage
+# thread (at most 5 s). The final round's wait for a stage ends this much before its
+# OUTER_QUORUM deadline, so the members' final_broadcast_wait covers the leader's worst case.
+STAGE_DROP_S = 10.0
+
 
 class OuterLevel:
     """The leader's outer level and the broadcast of its result (module doc).
@@ -118,7 +124,8 @@ class OuterLevel:
             # flight on it has ended (await_stage); OUTER_QUORUM is then re-armed for the
             # quorum itself.
             tr.enter(Phase.OUTER_QUORUM, st.timeouts.outer_level)
-            self.await_stage(end=tr.deadline() or time.time() + st.timeouts.outer_level.total_seconds())
+            deadline = tr.deadline() or time.time() + st.timeouts.outer_level.total_seconds()
+            self.await_stage(end=deadline - STAGE_DROP_S)  # a drop, if any, also ends inside the budget
         joined = self.quorum(tr, cur_round, cur_step)
         if tr is st.tracker and st.vote.active:  # a blocking round: the group's ranks agree (group_vote.py)
             v = st.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None,

@@ -224,13 +224,13 @@ class LevelComm:
         def codec(v: torch.Tensor) -> tuple:
             return sparse.encode(v, chunk, k)
 
-        payload = codec(tensor)[0] if error_feedback is None else error_feedback.encode_with(tensor, codec)
-
         def wait(work: object, what: str) -> bool:
             self._check_lapsed(what)
             return self._complete(work, what, self._tracker.remaining()) is not _FAILED  # type: ignore[arg-type]
 
         def body(remaining: timedelta) -> object:
+            # encoded here, under the contract: an encoder error is this member's failure, returned as False
+            payload = codec(tensor)[0] if error_feedback is None else error_feedback.encode_with(tensor, codec)
             res = sparse.sparse_allreduce_sum(
                 tensor, self.link, chunk, k, payload, timeout=remaining, wait=wait, remaining=self._tracker.remaining,
                 rank=self.link.quorum_rank, world=self.link.quorum_size,

@@ -103,6 +103,12 @@ def encode(x: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Ten
     scale = kept.abs().amax(dim=1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
     codes = torch.round((kept / safe + 1.0) * (_LEVELS / 2)).clamp_(0, _LEVELS).to(torch.uint8)
+    # A kept exact 0 (a chunk with fewer than k non-zeros) sits halfway between −s/3 and
+    # s/3: alternate by position so such chunks carry no one-sided bias (error feedback
+    # takes the s/3 back either way).
+    zero = kept == 0
+    if bool(zero.any()):
+        codes[zero] = torch.where(idx[zero] % 2 == 0, 1, 2).to(torch.uint8)
     payload = _pack(idx.to(torch.uint8), codes, scale, lay)
     return payload, decode(payload, flat.numel(), chunk, k)
 

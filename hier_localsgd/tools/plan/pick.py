@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from typing import Any, Dict, List
 
 from hier_localsgd.core.links.lossy import LinkSpec
+from hier_localsgd.core.tensors.sparse import MAX_CHUNK, TOPK2
 from hier_localsgd.tools.plan.network import OuterVariant, SyncTimes, hier_variant_sync_per_step, outer_round_bytes, outer_round_s
 
 PAYLOADS = ("none", "int8", "topk2")  # in the order of the loss they cost (docs/benchmarks.md)
@@ -32,11 +33,15 @@ HIDE_FRACTION = 0.01  # exposed outer seconds per step at most this share of the
 def variants(h_outer: int, base: OuterVariant) -> List[OuterVariant]:
     """Every (payload, D, F) the hierarchy accepts for this H_outer (sections.py's checks:
     F divides H_outer, D below the inner rounds between fragment syncs)."""
+    # topk2's chunk holds at most MAX_CHUNK elements and keeps at most all of them: a
+    # compression_block or topk that is legal for int8 (or unused) is clamped for it
+    chunk = min(base.block, MAX_CHUNK)
+    sparse = {"block": chunk, "topk": min(base.topk, chunk)}
     out = []
     for f in (f for f in range(1, h_outer + 1) if h_outer % f == 0):
         for d in range(h_outer // f):
             for comp in PAYLOADS:
-                out.append(replace(base, compression=comp, delay=d, fragments=f))
+                out.append(replace(base, compression=comp, delay=d, fragments=f, **(sparse if comp == TOPK2 else {})))
     return out
 
 
@@ -50,7 +55,7 @@ def pick_outer(st: SyncTimes, step_s: float, clusters: int, wan: LinkSpec, round
         per_step = hier_variant_sync_per_step(st, o, step_s, h_inner, h_outer, v)
         exposed = max(0.0, per_step - inner_share)
         rows.append({
-            "compression": v.compression, "delay": v.delay, "fragments": v.fragments,
+            "compression": v.compression, "delay": v.delay, "fragments": v.fragments, "block": v.block, "topk": v.topk,
             "outer_round_s": o, "bytes_per_round": outer_round_bytes(st.sync_bytes, clusters, v),
             "outer_exposed_per_step_s": exposed, "hides": exposed <= hide_fraction * step_s,
             "sync_per_step_s": per_step,
@@ -65,4 +70,6 @@ def pick_outer(st: SyncTimes, step_s: float, clusters: int, wan: LinkSpec, round
     best = rows[0]
     overrides = [f"sync.outer.compression={best['compression']}", f"sync.outer.delay={best['delay']}",
                  f"sync.outer.fragments={best['fragments']}"]
+    if best["compression"] == TOPK2 and (best["block"], best["topk"]) != (base.block, base.topk):
+        overrides += [f"sync.outer.compression_block={best['block']}", f"sync.outer.topk={best['topk']}"]
     return {"pick": best, "overrides": overrides, "hide_fraction": hide_fraction, "base": asdict(base), "rows": rows}
