@@ -254,7 +254,6 @@ class ErrorFeedback:
         self.block = block
         self.residual: Optional[torch.Tensor] = None
         self._staged: Optional[torch.Tensor] = None
-        self._last: Optional[torch.Tensor] = None  # the input being encoded (residual added)
         # What the residual is the error of, where that can change under it: the
         # compressed all-reduce's shard residual is tagged (numel, world, rank) and reset
         # when the quorum gives this rank another shard. None for a whole-tensor residual.
@@ -266,16 +265,18 @@ class ErrorFeedback:
         Raises:
             ValueError: ``x`` has a different number of elements than the residual.
         """
-        q = quantize(self._with_residual(x), self.fmt, self.block)
-        self._stage(dequantize(q))
+        v = self._with_residual(x)
+        q = quantize(v, self.fmt, self.block)
+        self._stage(v, dequantize(q))
         return q
 
     def encode_with(self, x: torch.Tensor, codec: Callable[[torch.Tensor], Tuple[Any, torch.Tensor]]) -> Any:
         """Like :meth:`encode` with another codec (``codec(v) -> (payload, decoded v)``,
         e.g. the sparse one, sparse.py): encodes ``x + residual``, stages what the payload
         does not deliver, returns the payload."""
-        payload, decoded = codec(self._with_residual(x))
-        self._stage(decoded)
+        v = self._with_residual(x)
+        payload, decoded = codec(v)
+        self._stage(v, decoded)
         return payload
 
     def _with_residual(self, x: torch.Tensor) -> torch.Tensor:
@@ -285,14 +286,12 @@ class ErrorFeedback:
                 f"ErrorFeedback: input has {flat.numel()} elements, residual {self.residual.numel()} "
                 "(the model changed? reset() first)"
             )
-        self._last = flat if self.residual is None else flat + self.residual.to(flat.device)
-        return self._last
+        return flat if self.residual is None else flat + self.residual.to(flat.device)
 
-    def _stage(self, decoded: torch.Tensor) -> None:
-        assert self._last is not None
-        staged = self._last - decoded
+    def _stage(self, v: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Stages what the payload of ``v`` (input plus residual) does not deliver."""
+        staged = v - decoded
         self._staged = torch.where(torch.isfinite(staged), staged, torch.zeros_like(staged))
-        self._last = None
 
     def fold(self, start: int, error: torch.Tensor, numel: int) -> None:
         """Adds ``error`` to the staged residual at ``[start, start + len)`` (clipped to
