@@ -323,15 +323,28 @@ def test_a_lossy_link_loses_packets_of_the_compressed_bytes_and_counts_them(wher
 # A whole job as real processes (the trainer's wiring of the setting).
 
 
+def _sparse_bytes(numel: int) -> int:
+    from hier_localsgd.core.tensors import sparse
+
+    return sparse.sparse_allreduce_bytes(numel, C, 256, sparse.DEFAULT_TOPK)
+
+
 @pytest.mark.slow
-def test_a_real_int8_job_is_consistent_and_its_slow_link_carries_the_compressed_bytes(tmp_path):
+@pytest.mark.parametrize(
+    "compression, per_leader, ceiling",
+    [
+        ("int8", lambda numel: compressed_allreduce_bytes(numel, C, "int8", 256), 0.27),
+        ("topk2", _sparse_bytes, 1 / 100),  # the sparse 2-bit codec (core/tensors/sparse.py, tests/test_sparse.py)
+    ],
+)
+def test_a_real_compressed_job_is_consistent_and_its_slow_link_carries_the_compressed_bytes(tmp_path, compression, per_leader, ceiling):
     from harness import logs_tail, run_job
 
-    run = run_job(tmp_path, ["sync.outer.compression=int8", "train.steps=40", "sync.inner.every=5", "sync.outer.every=2"])
+    run = run_job(tmp_path, [f"sync.outer.compression={compression}", "train.steps=40", "sync.inner.every=5", "sync.outer.every=2"])
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     s = run.summary
     assert s["consistent"] is True and s["outer_rounds_committed"] == 4, s
     numel = s["model_bytes"] // 4
-    assert s["slow_link_payload_bytes_per_outer_round"] == C * compressed_allreduce_bytes(numel, C, "int8", 256)
+    assert s["slow_link_payload_bytes_per_outer_round"] == C * per_leader(numel)
     assert s["slow_link_payload_bytes_per_outer_round_expected"] == s["slow_link_payload_bytes_per_outer_round"]
-    assert s["slow_link_payload_bytes_per_outer_round"] < 0.27 * C * ring_allreduce_bytes(s["model_bytes"], C)
+    assert s["slow_link_payload_bytes_per_outer_round"] < ceiling * C * ring_allreduce_bytes(s["model_bytes"], C)
