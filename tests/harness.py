@@ -77,6 +77,7 @@ class ThreadedHier:
         inner_link: Optional[LinkSpec] = None,
         outer_link: Optional[LinkSpec] = None,
         outer_delay: int = 0,
+        outer_eager: bool = False,
         final_step: int = 0,
         outer_compression: str = "none",
         compression_block: int = 256,
@@ -93,7 +94,7 @@ class ThreadedHier:
         self.outer_max_staleness, self.inner_max_staleness = outer_max_staleness, inner_max_staleness
         self.C, self.R = clusters, replicas
         self.outer_compression, self.compression_block = outer_compression, compression_block
-        self.outer_delay, self.final_step = outer_delay, final_step
+        self.outer_delay, self.outer_eager, self.final_step = outer_delay, outer_eager, final_step
         kw = dict(join_timeout_ms=join_timeout_ms, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms)
         self.global_lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters or clusters, **kw)
         self.cluster_lh = [LighthouseServer(bind="127.0.0.1:0", min_replicas=1, **kw) for _ in range(clusters)]
@@ -122,7 +123,7 @@ class ThreadedHier:
             "lighthouse.cluster_addrs=[" + ",".join(f"'{lh.address()}'" for lh in self.cluster_lh) + "]",
             f"lighthouse.heartbeat_timeout_ms={heartbeat_timeout_ms}", "run.hostname=127.0.0.1",
             "sync.min_replicas=1", f"sync.min_clusters={self.min_clusters}", "sync.max_quorum_failures=3", "sync.max_commit_failures=5",
-            f"sync.outer.delay={self.outer_delay}", f"sync.outer.compression={self.outer_compression}",
+            f"sync.outer.delay={self.outer_delay}", f"sync.outer.eager={self.outer_eager}", f"sync.outer.compression={self.outer_compression}",
             f"sync.outer.compression_block={self.compression_block}", f"sync.inner.early_quorum={self.early_quorum}",
             f"sync.failed_round={'keep_local' if self.keep_local else 'rollback'}",
             f"sync.outer.max_staleness={self.outer_max_staleness}", f"sync.inner.max_staleness={self.inner_max_staleness}",

@@ -46,6 +46,9 @@ from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, probe_li
         (["sync.mode=hier", "sync.flat.every=30", "sync.flat.fragments=3"], "sync.flat.fragments", "needs sync.mode=flat"),
         (["sync.mode=flat", "model=tiny", "sync.flat.every=40", "sync.flat.fragments=4", "train.steps=400"], "sync.flat.fragments", "4 > 3 units"),
         (["sync.outer.early_quorum=true"], "sync.outer.early_quorum", "only the inner level"),
+        # eager updates (#29 §2): an overlapped outer level only
+        (["sync.outer.eager=true"], "sync.outer.eager", "sync.outer.delay > 0"),
+        (["sync.inner.eager=true"], "sync.inner.eager", "sync.outer.delay > 0"),
         # what a failed inner round keeps
         (["sync.failed_round=forget"], "sync.failed_round", "unknown policy 'forget'"),
         (["sync.mode=flat", "sync.failed_round=keep_local"], "sync.failed_round", "needs sync.mode=hier"),

@@ -25,12 +25,16 @@ def nesterov(p, buf, g, lr=0.7, mu=0.9):
     return p - lr * (g + mu * buf), buf
 
 
-def reference(steps: int, final_step: int, keep_delta: bool = True):
+def reference(steps: int, final_step: int, keep_delta: bool = True, eager: bool = False):
     """Two-level DiLoCo with the outer round launched at steps 2, 4, ... and applied D inner
-    rounds later as θ_g + (θ_now − θ_snapshot); the round at ``final_step`` blocks."""
+    rounds later as θ_g + (θ_now − θ_snapshot); the round at ``final_step`` blocks (one
+    still in flight then is folded into it). ``eager``: at the launch each cluster steps
+    from θ_g with its own pseudo-gradient and the global momentum (θ_e), and the apply
+    round merges against θ_e; the final round contributes the model without that step."""
     z = torch.zeros(3, dtype=torch.float64)
     theta_g, gbuf = z.clone(), z.clone()
     theta_c, cbuf, snap = [z.clone() for _ in range(C)], [z.clone() for _ in range(C)], [z.clone() for _ in range(C)]
+    stand_in = [z.clone() for _ in range(C)]  # θ_s − θ_e while one is pending
     pending = None
     traj: List[List[torch.Tensor]] = []
     for k in range(steps):
@@ -38,27 +42,33 @@ def reference(steps: int, final_step: int, keep_delta: bool = True):
         for c in range(C):
             avg = -sum(update(c, r, k).double() for r in range(R)) / R
             theta_c[c], cbuf[c] = nesterov(theta_c[c], cbuf[c], avg)
-        if is_apply_round(step, H_IN, H_OUT, D) and pending is not None:
+        final = step == final_step
+        if not final and is_apply_round(step, H_IN, H_OUT, D) and pending is not None:
             theta_g, gbuf = pending
-            theta_c = [theta_g + (theta_c[c] - snap[c]) if keep_delta else theta_g.clone() for c in range(C)]
+            theta_c = [theta_g + (theta_c[c] + stand_in[c] - snap[c]) if keep_delta else theta_g.clone() for c in range(C)]
+            stand_in = [z.clone() for _ in range(C)]
             pending = None
-        if step % (H_IN * H_OUT) == 0:
+        if final:  # blocking: adopted at once
+            d = sum(theta_g - (theta_c[c] + stand_in[c]) for c in range(C)) / C
+            theta_g, gbuf = nesterov(theta_g, gbuf, d)
+            theta_c = [theta_g.clone() for _ in range(C)]
+            pending = None
+        elif step % (H_IN * H_OUT) == 0:
             d = sum(theta_g - theta_c[c] for c in range(C)) / C
-            new = nesterov(theta_g, gbuf, d)
-            if step == final_step:  # blocking: adopted at once
-                theta_g, gbuf = new
-                theta_c = [theta_g.clone() for _ in range(C)]
-            else:
-                snap = [t.clone() for t in theta_c]
-                pending = new
+            snap = [t.clone() for t in theta_c]
+            pending = nesterov(theta_g, gbuf, d)
+            if eager:
+                for c in range(C):
+                    theta_e, _ = nesterov(theta_g, gbuf, theta_g - snap[c])
+                    stand_in[c], theta_c[c] = snap[c] - theta_e, theta_e
         traj.append([t.clone() for t in theta_c])
     return traj, theta_g
 
 
-def run(steps: int, final_step: int, faults=()) -> Tuple[Dict, Dict]:
+def run(steps: int, final_step: int, faults=(), eager: bool = False) -> Tuple[Dict, Dict]:
     seen: Dict[Tuple[int, int], List[torch.Tensor]] = {}
     reps = {}
-    h = ThreadedHier(C, R, H_IN, H_OUT, outer_delay=D, final_step=final_step, faults=list(faults))
+    h = ThreadedHier(C, R, H_IN, H_OUT, outer_delay=D, outer_eager=eager, final_step=final_step, faults=list(faults))
     try:
         def body(rep):
             reps[rep.key] = rep
@@ -93,6 +103,50 @@ def test_overlapped_outer_rounds_merge_as_hand_computed_and_the_last_one_blocks(
     # (work since the snapshot dropped) gives another model after step 3.
     dropped, _ = reference(steps, final_step=steps, keep_delta=False)
     assert not torch.allclose(dropped[2][0], expected[2][0], atol=1e-3)
+
+
+@pytest.mark.parametrize("final_step", [6, 5], ids=["final-on-schedule", "final-with-a-stand-in-pending"])
+def test_eager_updates_step_at_the_launch_and_correct_at_the_apply_round_as_hand_computed(final_step):
+    """Eager updates (overlap.py): at steps 2 and 4 every member steps with its cluster's
+    own pseudo-gradient; at steps 3 and 5 the global step replaces it. With the run ending
+    at step 5 the stand-in of step 4 is still pending at the final (blocking) round, which
+    must contribute the model without it. Every member's model after every step is
+    compared with the hand computation (reference), which tells eager from non-eager."""
+    steps = final_step
+    expected, theta_g = reference(steps, final_step=final_step, eager=True)
+    seen, reps = run(steps, final_step=final_step, eager=True)
+    for key, traj in seen.items():
+        for k, got in enumerate(traj):
+            torch.testing.assert_close(got.double(), expected[k][key[0]], rtol=0, atol=1e-5, msg=f"{key} after step {k + 1}")
+        torch.testing.assert_close(traj[-1].double(), theta_g, rtol=0, atol=1e-5)
+    for rep in reps.values():
+        assert not rep.kinds("rollback"), rep.kinds("rollback")
+        assert [e["step"] for e in rep.kinds("eager_step")] == [2, 4], rep.kinds("eager_step")
+        assert not bool(rep.sync.st.stand_in.any())  # nothing pending once the run ended
+    plain, _ = reference(steps, final_step=final_step)
+    # Eager moved the model at the launches (steps 2 and 4). After an apply round the two
+    # agree here: these updates do not depend on the model they start from, so the local
+    # progress is the same and the correction removes exactly the stand-in.
+    for k in (1, 3):
+        assert not torch.allclose(plain[k][0], expected[k][0], atol=1e-3)
+    torch.testing.assert_close(plain[2][0], expected[2][0], rtol=0, atol=1e-9)
+
+
+def test_eager_updates_with_a_failed_outer_round_take_the_stand_in_out():
+    """Cluster 0's background outer round launched at step 2 fails (as below): at step 3 its
+    members take their stand-in out, so from then on cluster 0's model is exactly what it
+    is without eager updates; the job ends consistent."""
+    fault = [Fault(cluster=0, replica=0, step=2, action="fail", phase="OUTER_REDUCE")]
+    seen, reps = run(6, final_step=6, faults=fault, eager=True)
+    plain, _ = run(6, final_step=6, faults=fault)
+    for key in [(0, 0), (0, 1)]:
+        assert not torch.allclose(seen[key][1], plain[key][1], atol=1e-3)  # stepped eagerly at step 2
+        torch.testing.assert_close(seen[key][2], plain[key][2], rtol=0, atol=1e-5)  # taken out at step 3
+    for rep in reps.values():
+        assert not rep.kinds("rollback", level="inner"), rep.kinds("rollback", level="inner")
+    finals = [traj[-1] for traj in seen.values()]
+    for f in finals[1:]:
+        torch.testing.assert_close(f, finals[0], rtol=0, atol=0)
 
 
 def test_a_failed_background_outer_round_costs_only_the_outer_stage():
@@ -140,14 +194,18 @@ JOB = ["train.min_step_time_s=0.05", "sync.inner.every=5", "sync.outer.every=2",
 
 
 @pytest.mark.slow
-def test_a_leader_dying_with_its_outer_round_in_flight_hands_over_and_the_job_ends_consistent(tmp_path):
+@pytest.mark.parametrize("eager", [False, True], ids=["plain", "eager"])
+def test_a_leader_dying_with_its_outer_round_in_flight_hands_over_and_the_job_ends_consistent(tmp_path, eager):
     """c0r0 (cluster 0's leader) exits inside the background OUTER_REDUCE of the round
     launched at step 10. c0r1 leads at the apply round (step 15): it has no result, so
     cluster 0 merges nothing there and trains on; the restarted c0r0 heals; the outer
     rounds after it include cluster 0 again; every group that finishes ends on the same
     model. (The restarted c0r0 rejoins, or, on a slow machine, finds the job finished and
-    exits 0 without a result: both are correct, so only finished groups are compared.)"""
-    run = run_job(tmp_path, [*JOB, "faults=[{cluster:0,replica:0,step:10,action:exit,phase:OUTER_REDUCE}]"], restart=True)
+    exits 0 without a result: both are correct, so only finished groups are compared.)
+    Eager updates: c0r1 took its stand-in step at step 10 and takes it out at step 15 (no
+    result); the restarted c0r0 heals with the cluster's stand-in and outer momentum."""
+    run = run_job(tmp_path, [*JOB, f"sync.outer.eager={eager}", "faults=[{cluster:0,replica:0,step:10,action:exit,phase:OUTER_REDUCE}]"],
+                  restart=True)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     sums = run.summary["checksums"]
     assert {"c0r1", "c1r0", "c1r1"} <= set(sums) and len(set(sums.values())) == 1, sums
@@ -157,5 +215,7 @@ def test_a_leader_dying_with_its_outer_round_in_flight_hands_over_and_the_job_en
     assert run.kinds((0, 1), "leader", leader=True), "c0r1 must have taken over"
     assert [e for e in run.kinds((0, 1), "commit", level="inner") if e["outer"] and e["step"] > 15], "cluster 0 must merge a later outer round"
     assert not run.kinds((1, 0), "rollback", level="inner") and not run.kinds((1, 1), "rollback", level="inner")
+    if eager:
+        assert 10 in [e["step"] for e in run.kinds((0, 1), "eager_step")]
     launches = [e["step"] for k in run.job.keys() for e in run.kinds(k, "outer_launch")]
     assert 10 in launches and 30 in launches and 40 not in launches  # the last outer round blocks

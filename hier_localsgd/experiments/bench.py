@@ -106,6 +106,8 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         # torchft's streaming DiLoCo: three fragments in turn, one every period/3 steps, each overlapped
         "flat_overlap_frag3": ["sync.mode=flat", f"sync.flat.every={period}", f"sync.flat.delay={h_in}", "sync.flat.fragments=3"],
         "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],
+        # eager updates (sync/overlap.py): the cluster's own outer step stands in until the global one arrives
+        "hier_overlap_eager": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.eager=true"],
         "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
         "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],
         # streaming fragments (core/tensors/fragments.py): half the model per outer round, twice as often

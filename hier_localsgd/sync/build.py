@@ -120,6 +120,7 @@ def hier_settings(cfg: Config, identity: Identity, flat: FlatParams, model: torc
         outage_limit=timedelta(seconds=s.outage_limit_s),
         final_wait=timedelta(seconds=s.final_wait_s),
         outer_delay=s.outer.delay,
+        outer_eager=s.outer.eager,
         final_step=cfg.train.steps,
         outer_compression=s.outer.compression,
         outer_compression_block=s.outer.compression_block,

@@ -87,11 +87,14 @@ class CommittedState:
             if outer_final:
                 # The outer commit is final even though our cluster's round failed.
                 assert result is not None and result.params is not None
+                self.take_out_stand_in()
                 adopt(result, st.inner.backup)
             self.rollback("inner commit vote failed")
             return False
 
         st.inner.commit(staged)
+        if result is not None:  # the cluster model meets the outer level: no stand-in past here (overlap.py)
+            self.take_out_stand_in()
         st.inner.norm_ref = guard.accepted_median(plan.fingerprints, plan.weights) or st.inner.norm_ref
         self.kept_sent = False
         if plan.weights and plan.weights[min(rank, len(plan.weights) - 1)] == 0:
@@ -242,14 +245,33 @@ class CommittedState:
             return None
         return live.to(st.flat.data.device), base, behind
 
+    @torch.no_grad()
+    def take_out_stand_in(self) -> bool:
+        """Eager updates (overlap.py): the committed cluster model without the pending
+        stand-in step (``θ + U``, ``U`` zeroed). Returns whether one was pending; the caller
+        publishes the model unless a commit that follows does."""
+        u = self.st.stand_in
+        if u is None or not bool(u.any()):
+            return False
+        self.st.inner.set_backup(self.st.inner.backup + u)
+        u.zero_()
+        return True
+
+    def without_stand_in(self, model: torch.Tensor) -> torch.Tensor:
+        """``model`` (a cluster model) with the pending stand-in step taken out: what it
+        contributes to a blocking outer round."""
+        u = self.st.stand_in
+        return model if u is None else model + u
+
     def inner_hash(self) -> int:
         return checksum_int(*self.inner_tensors())
 
     def inner_tensors(self) -> List[torch.Tensor]:
         """The cluster's replicated committed tensors (the inner guard compares and resyncs them)."""
         st = self.st
+        eager = [] if st.stand_in is None else [st.stand_in] + ([] if st.outer.momentum is None else [st.outer.momentum])
         return (st.inner.state_tensors() + [st.outer.backup] + ([st.snap] if st.snap is not None else [])
-                + ([st.comp.residual] if st.comp is not None else []))
+                + ([st.comp.residual] if st.comp is not None else []) + eager)
 
     def state_dict(self) -> Dict[str, object]:
         """What a donor serves a healing peer of its cluster: committed state only."""
@@ -266,6 +288,9 @@ class CommittedState:
             "counters": {"step": step, "inner_round": c.inner_round, "outer_round": c.outer_round},
             "outer_snapshot": None if st.snap is None else {"model": st.snap.clone(), "step": st.snap_step},
             "outer_compression": None if st.comp is None else st.comp.state_dict(),
+            # Eager updates: the pending stand-in and the outer momentum it is computed with.
+            "eager": None if st.stand_in is None else {
+                "stand_in": st.stand_in.clone(), "momentum": None if st.outer.momentum is None else st.outer.momentum.clone()},
             "user": st.user.served(),
         }
 
@@ -301,11 +326,25 @@ class CommittedState:
             st.snap_step = int(snap["step"])
         if st.comp is not None:
             st.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
+        if st.stand_in is not None:
+            self._load_eager(sd.get("eager"))
         st.user.load(sd.get("user"), "the healing donor or checkpoint")  # type: ignore[arg-type]
         self.model.copy_(sd["model"])  # type: ignore[arg-type]
         st.flat.load_(self.model)
         st.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
         logger.info("%s healed from a peer of its cluster: %s", st.id, counters)
+
+    def _load_eager(self, eager: object) -> None:
+        """A heal's or checkpoint's eager state; one without it (written with eager updates
+        off) has no stand-in pending, and the outer momentum stays as it is."""
+        st = self.st
+        assert st.stand_in is not None
+        if not isinstance(eager, dict):
+            st.stand_in.zero_()
+            return
+        st.stand_in.copy_(eager["stand_in"])
+        if eager.get("momentum") is not None:
+            st.outer.set_momentum(eager["momentum"])
 
     def snapshot(self) -> Dict[str, object]:
         """The committed state for a durable checkpoint (clones; call right after a commit)."""

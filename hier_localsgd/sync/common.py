@@ -80,6 +80,7 @@ class OuterResult:
     cluster_weight: float = 1.0  # 0: the outer level did not use this cluster's work
     merge: bool = False  # overlapped: params is the global model, merged with the progress since the snapshot
     residual: Optional[torch.Tensor] = None  # compressed: the leader's committed residual, as received
+    momentum: Optional[torch.Tensor] = None  # eager updates: the leader's committed outer momentum, as received
     fragment: Optional[int] = None  # streaming fragments: the one this round synced (None: the whole model)
 
     def header(self) -> torch.Tensor:

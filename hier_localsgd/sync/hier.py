@@ -195,6 +195,7 @@ class HierarchicalSync:
             comp=build_compression(settings.outer_compression, settings.outer_compression_block, part.stop - part.start,
                                    settings.outer_topk),
             snap=host_copy(flat.data[part]) if overlap else None,
+            stand_in=torch.zeros_like(host_copy(flat.data[part])) if settings.outer_eager else None,
             # Overlapped outer sync (overlap.py): the leader's inner and outer groups may each
             # have a collective in flight (they share no pair of processes, I1).
             gate=CollectiveGate(concurrent=[("inner", "outer")] if overlap else ()),
@@ -219,7 +220,8 @@ class HierarchicalSync:
             ]
         )
         if st.snap is not None:
-            check_disjoint_tensors([("model parameters (inner optimizer)", [flat.data]), ("outer stage snapshot", [st.snap])])
+            check_disjoint_tensors([("model parameters (inner optimizer)", [flat.data]), ("outer stage snapshot", [st.snap]),
+                                    ("eager stand-in", [] if st.stand_in is None else [st.stand_in])])
         self._last_quorum_size = 0
         self._last_rank = 0
         self._last_healed = False
@@ -442,7 +444,8 @@ class HierarchicalSync:
                     ol.drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid (a join: nothing).
-                result = ol.run(staged.backup, contribute=inner_ok and not outer_join, inner_ok=inner_ok, after_stage=after_stage)
+                result = ol.run(cs.without_stand_in(staged.backup), contribute=inner_ok and not outer_join, inner_ok=inner_ok,
+                                after_stage=after_stage)
             if after_stage and not st.leader:
                 tr.enter(Phase.BROADCAST, st.timeouts.final_broadcast_wait, leader=False)
             else:

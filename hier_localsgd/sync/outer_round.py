@@ -34,7 +34,7 @@ from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status, outer_progress
 from hier_localsgd.sync.compression import OuterCompression
-from hier_localsgd.sync.overlap import OuterStage, merge_keep_local
+from hier_localsgd.sync.overlap import OuterStage, eager_stand_in, merge_keep_local
 from hier_localsgd.sync.state import SyncState, consistency, fault_point, lighthouse_ok, manager, outage, reduce, screen_norm
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
@@ -275,11 +275,27 @@ class OuterLevel:
         st = self.st
         assert st.snap is not None and self.stage is not None
         c = st.counters
+        if self.committed.take_out_stand_in() and not contribute:  # one never resolved (its apply round's commit failed)
+            self.committed.publish()
         st.snap.copy_(st.inner.backup)
         st.snap_step = c.step
         self.snap_since_outer = st.since_outer
-        if not st.leader:
-            return
+        if st.leader:
+            self._launch_stage(contribute)
+        if st.stand_in is not None and contribute:
+            # Eager updates (overlap.py): every member steps with its cluster's own
+            # pseudo-gradient (identical inputs on every member: identical results).
+            fragment = self.schedule.fragment_for_sync(c.outer_round) if st.settings.outer_fragments else None
+            st.stand_in.copy_(eager_stand_in(st.outer, st.snap, self.fragment_ranges(fragment)))
+            st.inner.set_backup(st.snap - st.stand_in)
+            self.committed.publish()
+            st.events("eager_step", step=c.step, outer_round=c.outer_round, fragment=fragment)
+
+    def _launch_stage(self, contribute: bool) -> None:
+        """The leader starts the launched outer round on its stage thread."""
+        st = self.st
+        c = st.counters
+        assert st.snap is not None and self.stage is not None
         self.drop_stage("a new outer round")  # one never applied (its apply round was skipped)
         lvl = Level("outer", st.settings.outer, st.outer.backup)
         lvl.load_state_dict(st.outer.state_dict())
@@ -393,9 +409,10 @@ class OuterLevel:
         assert params is not None
         params_ok = st.inner_comm.broadcast(params, 0, PAYLOAD)
         residual = self._broadcast_residual()  # issued whenever the model broadcast is
-        if not (header_ok and params_ok) or status is None or (st.comp is not None and residual is None):
+        momentum, momentum_ok = self._broadcast_momentum(st.outer)
+        if not (header_ok and params_ok and momentum_ok) or status is None or (st.comp is not None and residual is None):
             return OuterResult(Status.ABORT, None, st.counters.outer_round, st.counters.step)
-        return OuterResult.from_header(header, params, residual=residual)
+        return OuterResult.from_header(header, params, residual=residual, momentum=momentum)
 
     def broadcast_global(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
         """BROADCAST at an apply round: a header, then the global model only if the
@@ -416,9 +433,10 @@ class OuterLevel:
         assert params is not None
         params_ok = st.inner_comm.broadcast(params, 0, PAYLOAD)
         residual = self._broadcast_residual(self._stage_comp)  # issued even if the model's failed (matched collectives)
-        if not params_ok or (st.comp is not None and residual is None):
+        momentum, momentum_ok = self._broadcast_momentum(self._stage_outer)
+        if not (params_ok and momentum_ok) or (st.comp is not None and residual is None):
             return OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        return OuterResult.from_header(header, params, merge=True, residual=residual)
+        return OuterResult.from_header(header, params, merge=True, residual=residual, momentum=momentum)
 
     def _broadcast_residual(self, stage: Optional[OuterCompression] = None) -> Optional[torch.Tensor]:
         """Compressed outer reduce: the leader sends the cluster's committed residual
@@ -433,6 +451,21 @@ class OuterLevel:
         else:
             buf = torch.empty_like(st.comp.residual)
         return buf if st.inner_comm.broadcast(buf, 0, CONTROL) else None
+
+    def _broadcast_momentum(self, source: Optional[Level]) -> tuple[Optional[torch.Tensor], bool]:
+        """Eager updates: the leader sends ``source``'s committed outer momentum after the
+        model (every member computes its stand-in with it, overlap.py). Returns (what this
+        member received, whether the broadcast succeeded); (None, True) when there is none."""
+        st = self.st
+        if st.stand_in is None or st.outer.momentum is None:
+            return None, True
+        if st.leader:
+            mom = (source.momentum if source is not None and source.momentum is not None else st.outer.momentum)
+            buf = mom.clone()
+        else:
+            buf = torch.empty_like(st.outer.momentum)
+        ok = st.inner_comm.broadcast(buf, 0, CONTROL)
+        return (buf if ok else None), ok
 
     def join_wanted(self, join: bool, q: QuorumView, plan: guard.GuardPlan) -> bool:
         """Whether this join round also takes the global model: a cluster restarted whole.
@@ -483,10 +516,13 @@ class OuterLevel:
         c = st.counters
         if self.stage is not None and self.stage.busy:
             return  # the cluster's own outer round is still in flight
-        result = self.run(host_copy(st.flat.data[st.part]), contribute=True, inner_ok=True)
+        live = self.committed.without_stand_in(host_copy(st.flat.data[st.part]))
+        result = self.run(live, contribute=True, inner_ok=True)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
-        self.adopt_into_inner(result.params, result.fragment, base=host_copy(st.flat.data[st.part]))
+        if st.stand_in is not None:
+            st.stand_in.zero_()  # taken out of `live`, which the global model now replaces
+        self.adopt_into_inner(result.params, result.fragment, base=live)
         c.outer_round, c.step = result.outer_round, result.step
         # The leader's steps since its last inner commit reached the global model.
         st.work["steps_since_commit"] = 0
@@ -515,6 +551,8 @@ class OuterLevel:
             self._stage_outer, self._stage_comp = None, None
         else:
             self.adopt_into_inner(result.params, result.fragment, base=now)
+        if result.momentum is not None and not st.leader:
+            st.outer.set_momentum(result.momentum)  # eager updates: in step with the leader's
         st.outer.set_backup(result.params)  # the whole global model: other fragments' entries are unchanged in it
         c.outer_round, c.step = result.outer_round, result.step
 

@@ -26,6 +26,32 @@ accounting stays exact: the steps since the snapshot are counted with the next o
 round), needs no new hyper-parameter, and with ``D = 0`` it reduces to adopting
 ``θ_g`` exactly, so results at ``D = 0`` are unchanged.
 
+Eager updates (``sync.outer.eager``; Kale et al., arXiv 2502.12996): with the rule above
+the D inner rounds between launch and apply train from ``θ_s``, without the outer step
+(lr 0.7, Nesterov momentum 0.9) that the global round will bring; the step arrives D
+rounds late, a weaker optimizer step. Eager updates apply an outer step at the launch,
+with the cluster's own pseudo-gradient ``Δ_c = θ_p − θ_s`` standing in for the quorum's
+average ``Δ̄`` (``θ_p``: the outer backup, the last global model; ``m``: the outer
+momentum, which every member keeps in step with its leader's, broadcast with each
+global model), and correct it when the global step arrives:
+
+    launch:  θ_e = θ_p − u(Δ_c; m)        the cluster trains on from θ_e
+    apply:   θ ← θ_g + (θ_now − θ_e),     θ_g = θ_p − u(Δ̄; m)
+
+where ``u(Δ; m) = lr·(Δ + μ(μm + Δ))`` is the outer step (Nesterov). Since ``u`` is
+affine in ``Δ`` with the same ``m`` on both sides, the apply round's correction is
+``θ_g − θ_e = −lr(1+μ)(Δ̄ − Δ_c)``: only the clusters' disagreement, and no step's
+momentum arrives late. The cluster holds the *stand-in* ``U = θ_s − θ_e`` (replicated
+like the snapshot, in heals and checkpoints); the code takes it out first and then merges
+as without eager updates (``θ_now + U`` is the model without the stand-in, and
+``θ_g + (θ_now + U − θ_s)`` is the formula above). The stand-in is taken out, and only
+then, whenever the cluster model next meets the outer level: the apply round (committed:
+merged; the outer round failed: ``θ ← θ_now + U``, the run goes on as if the launch had
+not stepped), a blocking round (the final one: the leader contributes ``θ + U``), or a
+launch that finds one never resolved (its apply round's inner commit failed). With
+streaming fragments the stand-in covers the fragment the launched round syncs. With
+``D = 0`` there is nothing to stand in for: eager needs ``sync.outer.delay > 0``.
+
 Fault semantics:
 
 * A failure of the background round (quorum, reduce, commit vote, a deadline) costs
@@ -63,7 +89,8 @@ from typing import Any, Callable, Dict, FrozenSet, Optional
 
 import torch
 
-from hier_localsgd.core.tensors.fragments import outer_period
+from hier_localsgd.core.tensors.fragments import Ranges, gather, outer_period, scatter_
+from hier_localsgd.core.tensors.level import Level
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 
 logger = logging.getLogger(__name__)
@@ -84,6 +111,19 @@ STAGE_TRANSITIONS: Dict[Phase, FrozenSet[Phase]] = {
 def merge_keep_local(global_model: torch.Tensor, snapshot: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
     """``θ_g + (θ_now − θ_s)``: the global result with the progress made since the snapshot."""
     return global_model + (now - snapshot)
+
+
+@torch.no_grad()
+def eager_stand_in(outer: Level, snap: torch.Tensor, ranges: Optional[Ranges]) -> torch.Tensor:
+    """``U = θ_s − θ_e``: the outer step this cluster's own pseudo-gradient ``θ_p − θ_s``
+    would take from the outer backup ``θ_p`` with the committed momentum (``ranges``:
+    only those elements; zero elsewhere). Pure: the level's state is not touched."""
+    staged = outer.stage(outer.pseudo_grad(snap, ranges), ranges)
+    if ranges is None:
+        return snap - staged.backup
+    out = torch.zeros_like(snap)
+    scatter_(out, ranges, gather(snap, ranges) - gather(staged.backup, ranges))
+    return out
 
 
 def is_launch_round(step: int, h_inner: int, h_outer: int, fragments: int = 1) -> bool:

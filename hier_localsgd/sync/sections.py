@@ -59,6 +59,10 @@ class LevelConfig:
     fragments: int = 1
     # inner only: ask for a round's quorum during its last local step (sync/early.py)
     early_quorum: bool = False
+    # outer only, with delay > 0: eager updates (overlap.py): at the launch every member
+    # applies the outer step with its own cluster's pseudo-gradient in place of the global
+    # one, and the apply round corrects it to the global step.
+    eager: bool = False
     # A stale update (as in asynchronous Local SGD; docs/architecture.md): work measured
     # from the model it started from and applied to the newest one, instead of weight 0.
     # outer: a cluster whose global model is behind the quorum's by 1..max_staleness outer
@@ -88,6 +92,8 @@ class LevelConfig:
         self._check_fragments(path)
         if self.early_quorum and path != "sync.inner":
             fail(f"{path}.early_quorum", "only the inner level asks for its quorum early (sync.inner.early_quorum)")
+        if self.eager and (path != "sync.outer" or self.delay == 0):
+            fail(f"{path}.eager", "eager updates need an overlapped outer level (sync.outer.delay > 0)")
         rounds = self.every // self.fragments  # inner rounds between (fragment) outer rounds
         if not 0 <= self.delay < rounds:
             per = f"{path}.every/{path}.fragments={rounds}" if self.fragments > 1 else f"{path}.every={self.every}"

@@ -84,6 +84,8 @@ class HierSettings:
     # the application of its result; 0 = blocking. The outer round at final_step (the run's
     # last step, 0 = unknown) always blocks, so a run ends on a synced model.
     outer_delay: int
+    # Eager updates (overlap.py): the local outer step stands in until the global one arrives.
+    outer_eager: bool
     final_step: int
     # Compressed outer reduce (compression.py): none | int8 | fp8, elements per block.
     outer_compression: str
@@ -149,6 +151,10 @@ class SyncState:
     # Every member, overlapped (overlap.py): the committed model the last launched outer
     # round started from (θ_s), and its step.
     snap: Optional[torch.Tensor]
+    # Every member, eager updates (overlap.py): the stand-in step ``U = θ_s − θ_e`` the
+    # cluster model holds since the launch (zero when none is pending), and the outer
+    # momentum every member keeps in step with its leader's to compute it.
+    stand_in: Optional[torch.Tensor]
     gate: CollectiveGate
     health: Dict[str, LighthouseHealth]
     # HierarchicalSync's handlers, which the outer level's quorum and outages share.

@@ -173,6 +173,16 @@ class Level:
     def set_backup(self, value: torch.Tensor) -> None:
         self.backup.copy_(value)
 
+    @property
+    def momentum(self) -> Optional[torch.Tensor]:
+        """The committed momentum buffer (None without momentum)."""
+        return self.opt.buf
+
+    @torch.no_grad()
+    def set_momentum(self, value: torch.Tensor) -> None:
+        if self.opt.buf is not None:
+            self.opt.buf.copy_(value)
+
     # -- replication ---------------------------------------------------------
     def state_tensors(self) -> List[torch.Tensor]:
         """The committed tensors, in a fixed order (resync broadcasts pack these)."""
