@@ -49,6 +49,8 @@ from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, probe_li
         # eager updates (#29 §2): an overlapped outer level only
         (["sync.outer.eager=true"], "sync.outer.eager", "sync.outer.delay > 0"),
         (["sync.inner.eager=true"], "sync.inner.eager", "sync.outer.delay > 0"),
+        (["sync.inner.auto=true"], "sync.inner.auto", "only the outer level"),
+        (["sync.mode=flat", "sync.outer.auto=true"], "sync.outer.auto", "needs sync.mode=hier"),
         # what a failed inner round keeps
         (["sync.failed_round=forget"], "sync.failed_round", "unknown policy 'forget'"),
         (["sync.mode=flat", "sync.failed_round=keep_local"], "sync.failed_round", "needs sync.mode=hier"),

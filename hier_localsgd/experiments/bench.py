@@ -108,6 +108,8 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],
         # eager updates (sync/overlap.py): the cluster's own outer step stands in until the global one arrives
         "hier_overlap_eager": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.eager=true"],
+        # the outer configuration picked for the measured link and step (experiments/auto.py)
+        "hier_auto": ["sync.mode=hier", "sync.outer.auto=true"],
         "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
         "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],
         # streaming fragments (core/tensors/fragments.py): half the model per outer round, twice as often
@@ -259,10 +261,19 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
     job = LocalJob(cfg, overrides, free_ports=True, run_dir_override=run_dir)
     t0 = time.time()
     wire: Optional[Dict[str, Any]] = None
+    auto_pick: Optional[List[str]] = None
     try:
         if wan_bps and job.netns is not None:
             for c in range(C):
                 job.netns.shape(c, wan_bps)
+        if cfg.sync.outer.auto:  # measured on the arm's own (shaped) network (auto.py)
+            from hier_localsgd.experiments.auto import resolve
+
+            auto_pick = resolve(cfg, job)
+            picked = [*overrides, *auto_pick]
+            cfg = load_config(picked, validate_for="demo")
+            job.overrides = [*picked, *sync_eval(cfg)]  # evaluated at the picked configuration's merges
+        if wan_bps and job.netns is not None:
             before = job.netns.uplink_bytes()
         job.start_lighthouses()
         job.start_all()
@@ -296,6 +307,7 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         "arm": name,
         "mode": mode,
         "sync_every": {"hier": [cfg.sync.inner.every, cfg.sync.outer.every], "flat": [cfg.sync.flat.every], "ddp": [1]}[mode],
+        "outer_auto": auto_pick,  # sync.outer.auto: the overrides it picked (auto.json in the arm's run dir)
         "wall_s": max(r["wall_s"] for r in results),
         "job_wall_s": time.time() - t0,
         "slow_link_bytes": slow,

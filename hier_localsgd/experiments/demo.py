@@ -86,6 +86,10 @@ def run_demo(cfg: Config, overrides: List[str]) -> int:
     progress = Progress(job, cfg.train.steps, cfg.demo.progress)
     stop_dashboard = start_dashboard(cfg, job) if cfg.demo.dashboard else None
     try:
+        if cfg.sync.outer.auto:  # measure the WAN and the step, pick the outer configuration (auto.py)
+            from hier_localsgd.experiments.auto import resolve
+
+            job.overrides = [*job.overrides, *resolve(cfg, job)]
         job.start_lighthouses()
         job.start_all()
         # With kill buttons on, a killed replica group is restarted and heals, as it would be under launch/replica.sh.

@@ -108,7 +108,8 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     rank, world = spec["rank"], spec["world"]
     timeout = timedelta(seconds=spec["timeout_s"])
     store = TCPStore(spec["host"], STORE_PORT, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    emu = LinkSpec(bandwidth_Bps=spec["emulate_Bps"]) if spec["emulate_Bps"] else None
+    lat = spec.get("emulate_latency_s", 0.0)
+    emu = LinkSpec(bandwidth_Bps=spec["emulate_Bps"], latency_s=lat) if spec["emulate_Bps"] or lat else None
     pg = LinkProcessGroup("outer", timeout, emulation=emu)
     pg.configure(f"{spec['host']}:{STORE_PORT}/linkcheck", f"linkcheck_{rank}", rank, world)
     t = torch.randn(spec["nbytes"] // 4, generator=torch.Generator().manual_seed(rank))
@@ -205,7 +206,7 @@ def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: in
             kernel = mode == "kernel"
             bound = tbf_transfer_s(analytic, rate, burst) if kernel else analytic / (rate / 8)
             m = Measurement(clusters, rate_mbit, nbytes, mode, op, busy, burst if kernel else None, bound_s=bound, analytic_bytes=analytic)
-            results = _run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0, op)
+            results = run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0, op)
             for i in range(reps):
                 m.times_s.append(max(r["times_s"][i] for r in results))
                 m.tx_bytes.append(sum(r["tx_bytes"][i] for r in results) / len(results))
@@ -213,11 +214,15 @@ def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: in
     return out
 
 
-def _run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: float, op: str = "allreduce") -> List[Dict[str, Any]]:
+def run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: float, op: str = "allreduce",
+                 emulate_latency_s: float = 0.0) -> List[Dict[str, Any]]:
+    """One worker per cluster on ``net`` (a :class:`~hier_localsgd.launch.netns.ClusterNetwork`,
+    or anything with its ``address``, ``cluster_iface`` and ``wrap``); their results."""
     procs = []
     for c in range(clusters):
         spec = {"rank": c, "world": clusters, "host": net.address(0), "nbytes": nbytes, "reps": reps, "op": op,
-                "emulate_Bps": emulate_Bps, "iface": net.cluster_iface(c), "timeout_s": WORKER_TIMEOUT.total_seconds() / 2}
+                "emulate_Bps": emulate_Bps, "emulate_latency_s": emulate_latency_s, "iface": net.cluster_iface(c),
+                "timeout_s": WORKER_TIMEOUT.total_seconds() / 2}
         argv = net.wrap([sys.executable, "-m", "hier_localsgd.experiments.linkcheck", json.dumps(spec)], where=c)
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []

@@ -63,6 +63,9 @@ class LevelConfig:
     # applies the outer step with its own cluster's pseudo-gradient in place of the global
     # one, and the apply round corrects it to the global step.
     eager: bool = False
+    # outer only: the launcher measures the WAN and the step and picks compression, delay
+    # and fragments with the planner's model (experiments/auto.py; local jobs: demo, bench)
+    auto: bool = False
     # A stale update (as in asynchronous Local SGD; docs/architecture.md): work measured
     # from the model it started from and applied to the newest one, instead of weight 0.
     # outer: a cluster whose global model is behind the quorum's by 1..max_staleness outer
@@ -92,8 +95,10 @@ class LevelConfig:
         self._check_fragments(path)
         if self.early_quorum and path != "sync.inner":
             fail(f"{path}.early_quorum", "only the inner level asks for its quorum early (sync.inner.early_quorum)")
-        if self.eager and (path != "sync.outer" or self.delay == 0):
-            fail(f"{path}.eager", "eager updates need an overlapped outer level (sync.outer.delay > 0)")
+        if self.auto and path != "sync.outer":
+            fail(f"{path}.auto", "only the outer level's configuration picks itself (sync.outer.auto)")
+        if self.eager and (path != "sync.outer" or (self.delay == 0 and not self.auto)):
+            fail(f"{path}.eager", "eager updates need an overlapped outer level (sync.outer.delay > 0, or sync.outer.auto)")
         rounds = self.every // self.fragments  # inner rounds between (fragment) outer rounds
         if not 0 <= self.delay < rounds:
             per = f"{path}.every/{path}.fragments={rounds}" if self.fragments > 1 else f"{path}.every={self.every}"
@@ -195,6 +200,8 @@ class SyncConfig:
             fail("sync.mode", f"unknown mode {self.mode!r} (expected one of {MODES})")
         for name in ("inner", "outer", "flat"):
             getattr(self, name).check(f"sync.{name}")
+        if self.mode != "hier" and self.outer.auto:
+            fail("sync.outer.auto", f"picks the hierarchy's outer configuration; needs sync.mode=hier (got {self.mode!r})")
         if self.mode != "hier" and self.outer.compression != NONE:
             fail("sync.outer.compression", f"{self.outer.compression!r} — compresses the hierarchy's outer reduce; needs sync.mode=hier (got {self.mode!r})")
         if not 1 <= self.min_replicas <= t.replicas_per_cluster:

@@ -46,7 +46,8 @@ def bare_loop(cfg: Config) -> Dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return {"step_s": trimmed_mean(times), "steps": len(times), "device": str(device), **memory_stats(device)}
+    return {"step_s": trimmed_mean(times), "steps": len(times), "device": str(device), "params": sum(p.numel() for p in model.parameters()),
+            **memory_stats(device)}
 
 
 def pilot_loop(cfg: Config, groups: int) -> Dict[str, Any]:

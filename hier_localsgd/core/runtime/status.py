@@ -36,6 +36,7 @@ STATUS_FILE = "status.json"  # per replica group: its current state
 EVENTS_FILE = "events.jsonl"  # per replica group: what happened
 RESULT_FILE = "result.json"  # per replica group: written at the end
 JOB_EVENTS_FILE = "job_events.jsonl"  # <run.dir>/: the launcher's starts, exits, restarts, kills
+AUTO_FILE = "auto.json"  # <run.dir>/: sync.outer.auto's measured inputs and pick (experiments/auto.py)
 
 
 def replica_dir(run_dir: str | Path, cluster: int, replica: int, rank: int = 0) -> Path:

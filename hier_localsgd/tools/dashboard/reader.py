@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from hier_localsgd.core.runtime.status import EVENTS_FILE, STATUS_FILE
+from hier_localsgd.core.runtime.status import AUTO_FILE, EVENTS_FILE, STATUS_FILE
 from hier_localsgd.tools.dashboard.config import DASHBOARD_EVENTS, JOB_EVENTS, Key, SKIPPED_EVENT_KINDS
 
 
@@ -82,6 +82,7 @@ class RunFiles:
     events: Dict[Key, List[Dict[str, Any]]] = field(default_factory=dict)
     job_events: List[Dict[str, Any]] = field(default_factory=list)
     dashboard_events: List[Dict[str, Any]] = field(default_factory=list)
+    auto: Optional[Dict[str, Any]] = None  # sync.outer.auto's record (<run.dir>/auto.json), if any
 
 
 class RunReader:
@@ -119,6 +120,7 @@ class RunReader:
                 out.events[key] = list(tail.read())
             out.job_events = list(self._job.read())
             out.dashboard_events = list(self._dash.read())
+            out.auto = _read_json(self.run_dir / AUTO_FILE)
             return out
 
     def _read_status(self, key: Key, path: Path) -> Optional[Dict[str, Any]]:
@@ -160,3 +162,10 @@ def name_of(key: Key) -> str:
     return f"c{key[0]}r{key[1]}"
 
 
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    """A small JSON object file, or None (absent, partial or not an object)."""
+    try:
+        v = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return v if isinstance(v, dict) else None

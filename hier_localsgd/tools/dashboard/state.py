@@ -217,7 +217,7 @@ def build_state(files: RunFiles, now: Optional[float] = None, *, allow_kill: boo
         "now": now,
         "run_dir": files.run_dir,
         "config": {"allow_kill": allow_kill, "refresh_ms": refresh_ms, "stale_after_s": stale_after_s},
-        "run": _run_view(st, replicas, alive, C, R, floor, now),
+        "run": {**_run_view(st, replicas, alive, C, R, floor, now), "outer_auto": _auto_view(files.auto)},
         "global": {"address": global_addr, **g},
         "clusters": clusters,
         "losses": {
@@ -293,6 +293,26 @@ def _run_view(st: Dict[Key, Dict[str, Any]], replicas: Dict[Key, Dict[str, Any]]
         "entropy_floor": floor,
         "model_params": next((s.get("model_params") for s in st.values() if s.get("model_params")), None),
         "started_at": min((number(s.get("started_at")) or now for s in st.values()), default=None),
+    }
+
+
+def _auto_view(rec: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """sync.outer.auto's pick and the measured inputs it was chosen from (None without one)."""
+    if not rec or not isinstance(rec.get("inputs"), dict):
+        return None
+    inp, pick = rec["inputs"], rec.get("pick") or {}
+
+    def scaled(v: Any, k: float) -> Optional[float]:
+        n = number(v)
+        return None if n is None else n * k
+
+    return {
+        "overrides": rec.get("overrides") or [],
+        "wan_mbit": scaled(inp.get("wan_bandwidth_Bps"), 8e-6),
+        "wan_latency_ms": scaled(inp.get("wan_latency_s"), 1e3),
+        "step_ms": scaled(inp.get("step_s"), 1e3),
+        "hides": pick.get("hides"),
+        "outer_round_s": number(pick.get("outer_round_s")),
     }
 
 

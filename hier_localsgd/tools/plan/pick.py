@@ -12,9 +12,9 @@ the least loss (fp32, then int8, then topk2: docs/benchmarks.md measured topk2's
 loss at about twice fp32's on the demo workload). If no variant hides, the one with the
 least exposed time.
 
-What this is not: it does not measure the link or the step (it takes the configured
-``links.outer`` and the planner's step time), and nothing applies the pick at run time;
-``sync.outer.auto`` (measure at start, choose, log, show) is not built.
+Here (``hier-localsgd plan``) it takes the configured ``links.outer`` and the planner's step
+time; ``sync.outer.auto`` (experiments/auto.py) calls the same :func:`pick_outer` at a local
+job's start with the WAN and the step measured, and applies the pick to every process.
 """
 
 from __future__ import annotations

@@ -96,6 +96,15 @@ function setConn(ok, s, err) {
   }
 }
 
+// sync.outer.auto: what it measured and what it picked (experiments/auto.py)
+function autoLine(a) {
+  if (!a) return "";
+  const f = (v, d) => (v === null || v === undefined) ? "?" : Number(v).toFixed(d);
+  return '<br><span id="outer-auto">outer auto: WAN ' + f(a.wan_mbit, 1) + " Mbit/s " + f(a.wan_latency_ms, 1) +
+    " ms, step " + f(a.step_ms, 0) + " ms → " + esc(a.overrides.join(" ")) +
+    (a.hides === true ? " (hides)" : a.hides === false ? " (does not hide)" : "") + "</span>";
+}
+
 // ---------------------------------------------------------------------------- render
 function render(s) {
   const r = s.run;
@@ -103,7 +112,8 @@ function render(s) {
     "<b>" + esc(s.run_dir) + "</b>" +
     (r.mode ? " · mode " + esc(r.mode) : "") +
     " · " + r.clusters + " cluster" + (r.clusters === 1 ? "" : "s") + " × " + r.replicas_per_cluster + " replica groups" +
-    (r.model_params ? " · " + (r.model_params / 1e6).toFixed(r.model_params < 1e6 ? 3 : 2) + " M params" : "");
+    (r.model_params ? " · " + (r.model_params / 1e6).toFixed(r.model_params < 1e6 ? 3 : 2) + " M params" : "") +
+    autoLine(r.outer_auto);
   renderSummary(s);
   renderTree(s);
   renderCharts(s);

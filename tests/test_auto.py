@@ -1,0 +1,82 @@
+"""sync.outer.auto (experiments/auto.py, issue #29 §3): the link fit, the choice as a function
+of the logged inputs, and a real demo that measures, picks, logs, applies and shows it."""
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, replace
+
+import pytest
+
+from hier_localsgd import costs
+from hier_localsgd.experiments.auto import AutoInputs, choose, fit_link, replay
+from hier_localsgd.tools.dashboard.state import read_state
+from hier_localsgd.tools.plan.network import OuterVariant
+
+
+@pytest.mark.parametrize("clusters", [2, 4])
+def test_the_link_fit_recovers_rate_and_latency_of_the_ring_model(clusters):
+    rate, lat = 12.5e6, 0.02  # 100 Mbit/s, 20 ms one way
+    small, large = 4096, 8 << 20
+    t = [costs.allreduce_time(s, clusters, lat, rate) for s in (small, large)]
+    got_rate, got_lat = fit_link((small, t[0]), (large, t[1]), clusters)
+    assert got_rate == pytest.approx(rate, rel=1e-9)
+    assert got_lat == pytest.approx(lat, rel=1e-9)
+    with pytest.raises(ValueError, match="not slower"):
+        fit_link((small, t[1]), (large, t[0]), clusters)
+
+
+# The debugmodel's fp32 model (24.65 MB), 2 clusters x 2 groups, H 10/3, a 100 ms step.
+BASE = AutoInputs(clusters=2, replicas=2, h_inner=10, h_outer=3, sync_bytes=24.65e6, step_s=0.1,
+                  wan_bandwidth_Bps=0.0, wan_latency_s=0.02, lan_bandwidth_Bps=1.25e9, lan_latency_s=1e-4,
+                  round_overhead_s=0.0, base=asdict(OuterVariant()))
+
+
+@pytest.mark.parametrize("mbit, latency_s, expect, hides", [
+    (100_000, 0.001, ("none", 0, 1), True),  # the fp32 round takes ~4 ms: blocking hides
+    (1000, 0.02, ("none", 1, 1), True),  # ~0.24 s: hidden behind one inner round (1 s of compute)
+    # fp32 (~20 s) and int8 (~5 s) outlast even 2 inner rounds; topk2's ~0.2 s hides behind one,
+    # but no compressed variant "hides" by the 1 % rule: its residual's LAN broadcast alone is
+    # 1.3 ms per step. Then the least exposed variant is the pick.
+    (10, 0.02, ("topk2", 1, 1), False),
+])
+def test_the_choice_follows_the_link_as_the_planners_model_says(mbit, latency_s, expect, hides):
+    got = choose(replace(BASE, wan_bandwidth_Bps=mbit * 1e6 / 8, wan_latency_s=latency_s))
+    p = got["pick"]
+    assert (p["compression"], p["delay"], p["fragments"]) == expect, p
+    assert p["hides"] is hides
+    if not hides:
+        assert p["outer_exposed_per_step_s"] == min(r["outer_exposed_per_step_s"] for r in got["rows"])
+    assert got["overrides"][:3] == [f"sync.outer.compression={expect[0]}", f"sync.outer.delay={expect[1]}",
+                                    f"sync.outer.fragments={expect[2]}"]
+
+
+@pytest.mark.slow
+def test_a_demo_with_auto_measures_picks_logs_applies_and_shows_the_choice(tmp_path):
+    """The real launcher: probes over the emulated 10 Mbit/s 20 ms WAN and bare loops, picks,
+    writes auto.json, passes the pick to every process; the choice replays from the log."""
+    run_dir = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "hier_localsgd", "demo", "model=tiny", "train.steps=40", "sync.outer.auto=true",
+         "sync.outer.every=2", "sync.inner.every=5", "demo.dashboard=false", "links.outer.bandwidth_gbps=0.01",
+         "links.outer.latency_ms=20", f"run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rec = json.loads((run_dir / "auto.json").read_text())
+    inp = rec["inputs"]
+    # Measured on the job's path: the emulated WAN's rate and latency within the collective's overhead.
+    assert inp["wan_bandwidth_Bps"] == pytest.approx(0.01e9 / 8, rel=0.25), rec["wan_probe"]
+    assert inp["wan_latency_s"] == pytest.approx(0.02, abs=0.01), rec["wan_probe"]
+    assert inp["step_s"] > 0 and inp["sync_bytes"] > 0
+    assert [line for line in p.stdout.splitlines() if line.startswith("auto: ")], p.stdout[-2000:]
+    assert replay(run_dir / "auto.json")["overrides"] == rec["overrides"]
+    # Every process ran the pick: an overlapped pick launches outer rounds in the background.
+    delay = next(int(o.split("=")[1]) for o in rec["overrides"] if o.startswith("sync.outer.delay="))
+    for c in range(2):
+        events = [json.loads(line) for line in (run_dir / "replicas" / f"c{c}r0" / "events.jsonl").read_text().splitlines()]
+        launches = [e for e in events if e.get("kind") == "outer_launch"]
+        assert bool(launches) == (delay > 0), (delay, len(launches))
+    assert json.loads((run_dir / "summary.json").read_text())["consistent"]
+    shown = read_state(run_dir)["run"]["outer_auto"]
+    assert shown["overrides"] == rec["overrides"]
+    assert shown["wan_mbit"] == pytest.approx(inp["wan_bandwidth_Bps"] * 8e-6)
