@@ -23,6 +23,9 @@ REPORT_ORDER = tuple(reversed(MODES))
 # the shapes): published count 6,738,415,616 parameters.
 PRESETS: Dict[str, Dict[str, Any]] = {
     "llama_7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000),
+    # Llama-3.2-1B's shapes (published 1.24 B parameters with the output tied to the
+    # embeddings; counted untied here, as the planner counts every model: 1.50 B).
+    "llama_1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
 }
 
 HEADER = "hier-localsgd plan"
@@ -32,7 +35,7 @@ HEADER = "hier-localsgd plan"
 @dataclass
 class PlanModelConfig:
     """The model. ``flavor`` names a torchtitan Llama3 flavor (``debugmodel``, ``8B``,
-    ``70B``, ``405B``; a ``llama3_`` prefix is accepted) or a preset (``llama_7b``);
+    ``70B``, ``405B``; a ``llama3_`` prefix is accepted) or a preset (``llama_7b``, ``llama_1b``);
     "" means explicit dims only. Any non-zero field overrides the flavor's value."""
 
     flavor: str = "debugmodel"

@@ -54,11 +54,13 @@ def pick_outer(st: SyncTimes, step_s: float, clusters: int, wan: LinkSpec, round
         o = outer_round_s(st.sync_bytes, clusters, wan, v, round_overhead_s)
         per_step = hier_variant_sync_per_step(st, o, step_s, h_inner, h_outer, v)
         exposed = max(0.0, per_step - inner_share)
+        # The share of the outer round's WAN time that runs behind compute (the D inner rounds it overlaps).
+        behind = min(o, v.delay * (h_inner * step_s + st.inner_s))
         rows.append({
             "compression": v.compression, "delay": v.delay, "fragments": v.fragments, "block": v.block, "topk": v.topk,
             "outer_round_s": o, "bytes_per_round": outer_round_bytes(st.sync_bytes, clusters, v),
             "outer_exposed_per_step_s": exposed, "hides": exposed <= hide_fraction * step_s,
-            "sync_per_step_s": per_step,
+            "sync_per_step_s": per_step, "wan_hidden_fraction": behind / o if o > 0 else 1.0,
         })
 
     def rank(r: Dict[str, Any]) -> tuple:
