@@ -51,6 +51,18 @@ def test_the_choice_follows_the_link_as_the_planners_model_says(mbit, latency_s,
                                     f"sync.outer.fragments={expect[2]}"]
 
 
+def test_a_variant_the_config_refuses_is_never_picked_and_the_overrides_name_the_configuration():
+    free = choose(replace(BASE, wan_bandwidth_Bps=10e6 / 8))
+    assert free["pick"]["compression"] == "topk2"
+    # Over a lossy outer link the config refuses topk2: the next best is picked instead.
+    lossy = choose(replace(BASE, wan_bandwidth_Bps=10e6 / 8, refused=[["topk2", d, f] for d in range(3) for f in (1, 3)]))
+    assert lossy["pick"]["compression"] != "topk2"
+    assert all(r["compression"] != "topk2" for r in lossy["rows"])
+    assert lossy["overrides"][-1] == "sync.outer.auto=false"  # every process checks the picked configuration
+    blocking = choose(replace(BASE, wan_bandwidth_Bps=100e9 / 8, wan_latency_s=0.001, eager=True))
+    assert blocking["pick"]["delay"] == 0 and "sync.outer.eager=false" in blocking["overrides"]
+
+
 @pytest.mark.slow
 def test_a_demo_with_auto_measures_picks_logs_applies_and_shows_the_choice(tmp_path):
     """The real launcher: probes over the emulated 10 Mbit/s 20 ms WAN and bare loops, picks,
@@ -66,14 +78,16 @@ def test_a_demo_with_auto_measures_picks_logs_applies_and_shows_the_choice(tmp_p
     inp = rec["inputs"]
     # Measured on the job's path: the emulated WAN's rate and latency within the collective's overhead.
     assert inp["wan_bandwidth_Bps"] == pytest.approx(0.01e9 / 8, rel=0.25), rec["wan_probe"]
-    assert inp["wan_latency_s"] == pytest.approx(0.02, abs=0.01), rec["wan_probe"]
+    # The latency probe's 4 KiB all-reduce adds the collective's own time (more on a loaded machine).
+    assert 0.015 <= inp["wan_latency_s"] <= 0.05, rec["wan_probe"]
     assert inp["step_s"] > 0 and inp["sync_bytes"] > 0
     assert [line for line in p.stdout.splitlines() if line.startswith("auto: ")], p.stdout[-2000:]
     assert replay(run_dir / "auto.json")["overrides"] == rec["overrides"]
     # Every process ran the pick: an overlapped pick launches outer rounds in the background.
     delay = next(int(o.split("=")[1]) for o in rec["overrides"] if o.startswith("sync.outer.delay="))
-    for c in range(2):
-        events = [json.loads(line) for line in (run_dir / "replicas" / f"c{c}r0" / "events.jsonl").read_text().splitlines()]
+    for c in range(2):  # whichever group led the cluster launched them
+        events = [json.loads(line) for r in range(2)
+                  for line in (run_dir / "replicas" / f"c{c}r{r}" / "events.jsonl").read_text().splitlines()]
         launches = [e for e in events if e.get("kind") == "outer_launch"]
         assert bool(launches) == (delay > 0), (delay, len(launches))
     assert json.loads((run_dir / "summary.json").read_text())["consistent"]

@@ -51,6 +51,7 @@ from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, probe_li
         (["sync.inner.eager=true"], "sync.inner.eager", "sync.outer.delay > 0"),
         (["sync.inner.auto=true"], "sync.inner.auto", "only the outer level"),
         (["sync.mode=flat", "sync.outer.auto=true"], "sync.outer.auto", "needs sync.mode=hier"),
+        (["topology.clusters=1", "sync.min_clusters=1", "sync.outer.auto=true"], "sync.outer.auto", "topology.clusters >= 2"),
         # what a failed inner round keeps
         (["sync.failed_round=forget"], "sync.failed_round", "unknown policy 'forget'"),
         (["sync.mode=flat", "sync.failed_round=keep_local"], "sync.failed_round", "needs sync.mode=hier"),

@@ -20,7 +20,8 @@ starts, the launcher
    recomputes the choice from the logged inputs alone.
 
 What it replaces: ``sync.outer.compression``, ``delay`` and ``fragments`` (H_inner and
-H_outer stay as configured). What it does not do: re-measure and re-choose while the job
+H_outer stay as configured), among the variants the job's config accepts (a lossy outer
+link refuses topk2; a model with fewer layer units than fragments refuses F). What it does not do: re-measure and re-choose while the job
 runs (a changed link is met only at the next start), or choose for processes it does not
 launch (a user's own launcher runs ``replay`` or the ``plan`` command and passes the
 overrides to every process, so every process runs one configuration).
@@ -43,7 +44,7 @@ from hier_localsgd import costs
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.core.runtime.status import AUTO_FILE
 from hier_localsgd.tools.plan.network import OuterVariant, sync_times
-from hier_localsgd.tools.plan.pick import HIDE_FRACTION, pick_outer
+from hier_localsgd.tools.plan.pick import HIDE_FRACTION, overrides_of, pick_outer, variants
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -73,15 +74,39 @@ class AutoInputs:
     round_overhead_s: float  # plan.round_overhead_s
     base: Dict[str, Any] = field(default_factory=dict)  # the configured sync.outer (block, topk)
     hide_fraction: float = HIDE_FRACTION
+    eager: bool = False  # sync.outer.eager as configured (off again if the pick blocks)
+    # [compression, delay, fragments] the job's config refuses (a lossy outer link refuses
+    # topk2, a model with fewer layer units than fragments refuses F): never picked.
+    refused: List[List[Any]] = field(default_factory=list)
 
 
 def choose(inp: AutoInputs) -> Dict[str, Any]:
-    """The pick (tools/plan/pick.py) for ``inp``: ``{"pick", "overrides", "rows", ...}``."""
+    """The pick (tools/plan/pick.py) for ``inp``: ``{"pick", "overrides", "rows", ...}``. The
+    overrides name the picked configuration in full, ``sync.outer.auto=false`` included, so
+    every process checks and runs that configuration."""
     lan = LinkSpec(bandwidth_Bps=inp.lan_bandwidth_Bps, latency_s=inp.lan_latency_s)
     wan = LinkSpec(bandwidth_Bps=inp.wan_bandwidth_Bps, latency_s=inp.wan_latency_s)
     st = sync_times(inp.sync_bytes, inp.clusters, inp.replicas, lan, wan, inp.round_overhead_s)
-    return pick_outer(st, inp.step_s, inp.clusters, wan, inp.round_overhead_s, inp.h_inner, inp.h_outer,
-                      OuterVariant(**inp.base), inp.hide_fraction)
+    got = pick_outer(st, inp.step_s, inp.clusters, wan, inp.round_overhead_s, inp.h_inner, inp.h_outer,
+                     OuterVariant(**inp.base), inp.hide_fraction, refused={tuple(r) for r in inp.refused})
+    if inp.eager and got["pick"]["delay"] == 0:
+        got["overrides"].append("sync.outer.eager=false")  # nothing to stand in for in a blocking round
+    got["overrides"].append("sync.outer.auto=false")
+    return got
+
+
+def refused_variants(overrides: Sequence[str], h_outer: int, base: OuterVariant) -> List[List[Any]]:
+    """The variants the job's config refuses (its own checks: load_config), as [compression,
+    delay, fragments]."""
+    from hier_localsgd.config import ConfigError, load_config
+
+    out = []
+    for v in variants(h_outer, base):
+        try:
+            load_config([*overrides, *overrides_of(v, base), "sync.outer.auto=false", "sync.outer.eager=false"], validate_for="demo")
+        except ConfigError:
+            out.append([v.compression, v.delay, v.fragments])
+    return out
 
 
 def fit_link(small: tuple[float, float], large: tuple[float, float], clusters: int) -> tuple[float, float]:
@@ -114,12 +139,17 @@ def probe_wan(job: "LocalJob", cfg: "Config") -> Dict[str, Any]:
     network; returns the fitted link and every timing."""
     from hier_localsgd.experiments.linkcheck import run_workers
 
+    from hier_localsgd.experiments.linkcheck import STORE_PORT
+    from hier_localsgd.launch.local import free_port
+
     C = cfg.topology.clusters
     net = job.netns if job.netns is not None else Loopback()
-    emu = cfg.link_spec("outer") if job.netns is None else LinkSpec()
+    # The job's user-space emulation (kernel-shaped jobs set no rate there, but may keep a latency).
+    emu = cfg.link_spec("outer")
+    port = STORE_PORT if job.netns is not None else free_port()  # loopback is shared with whatever else runs here
 
     def timed(nbytes: int) -> float:
-        res = run_workers(net, C, nbytes, PROBE_REPS, emu.bandwidth_Bps, emulate_latency_s=emu.latency_s)
+        res = run_workers(net, C, nbytes, PROBE_REPS, emu.bandwidth_Bps, emulate_latency_s=emu.latency_s, port=port)
         return statistics.median(max(r["times_s"][i] for r in res) for i in range(PROBE_REPS))
 
     t_small = timed(SMALL_BYTES)
@@ -145,16 +175,21 @@ def probe_step(cfg: "Config", overrides: List[str], out: Path) -> tuple[float, i
     return step, int(json.loads(first.read_text())["params"])
 
 
-def inputs_for(cfg: "Config", step_s: float, params: int, wan: Dict[str, Any]) -> AutoInputs:
+def inputs_for(cfg: "Config", overrides: Sequence[str], step_s: float, params: int, wan: Dict[str, Any]) -> AutoInputs:
     """The choice's inputs: the measured step and WAN, the rest from ``cfg``."""
+    from hier_localsgd.core.runtime.device import DTYPES
+
     lan = cfg.link_spec("inner")
     o = cfg.sync.outer
+    base = OuterVariant(block=o.compression_block, topk=o.topk)
+    # What one rank syncs: its slice (1/G of the model) in the parameters' dtype.
+    elem = DTYPES[cfg.train.param_dtype].itemsize
     return AutoInputs(
         clusters=cfg.topology.clusters, replicas=cfg.topology.replicas_per_cluster,
-        h_inner=cfg.sync.inner.every, h_outer=o.every, sync_bytes=4.0 * params,
+        h_inner=cfg.sync.inner.every, h_outer=o.every, sync_bytes=float(params * elem) / cfg.topology.ranks_per_replica,
         step_s=step_s, wan_bandwidth_Bps=wan["bandwidth_Bps"], wan_latency_s=wan["latency_s"],
         lan_bandwidth_Bps=lan.bandwidth_Bps, lan_latency_s=lan.latency_s, round_overhead_s=cfg.plan.round_overhead_s,
-        base=asdict(OuterVariant(block=o.compression_block, topk=o.topk)),
+        base=asdict(base), eager=o.eager, refused=refused_variants(overrides, o.every, base),
     )
 
 
@@ -163,10 +198,8 @@ def resolve(cfg: "Config", job: "LocalJob") -> List[str]:
     run_dir = Path(job.run_dir)
     wan = probe_wan(job, cfg)
     step_s, params = probe_step(cfg, list(job.overrides), run_dir / "auto_probe")
-    inp = inputs_for(cfg, step_s, params, wan)
+    inp = inputs_for(cfg, list(job.overrides), step_s, params, wan)
     choice = choose(inp)
-    if cfg.sync.outer.eager and choice["pick"]["delay"] == 0:
-        choice["overrides"].append("sync.outer.eager=false")  # nothing to stand in for in a blocking round
     record = {"inputs": asdict(inp), "wan_probe": wan, "pick": choice["pick"], "overrides": choice["overrides"]}
     (run_dir / AUTO_FILE).write_text(json.dumps(record, indent=2))
     p = choice["pick"]

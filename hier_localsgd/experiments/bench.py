@@ -269,9 +269,13 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         if cfg.sync.outer.auto:  # measured on the arm's own (shaped) network (auto.py)
             from hier_localsgd.experiments.auto import resolve
 
-            auto_pick = resolve(cfg, job)
-            picked = [*overrides, *auto_pick]
-            cfg = load_config(picked, validate_for="demo")
+            try:
+                auto_pick = resolve(cfg, job)
+                picked = [*overrides, *auto_pick]
+                cfg = load_config(picked, validate_for="demo")
+            except Exception as e:  # a probe that failed costs this arm, not the bench
+                print(f"bench: {name}: sync.outer.auto failed: {e}", flush=True)
+                return {"arm": name, "failed": True, "error": f"sync.outer.auto: {e}", "exit_codes": {}, "run_dir": str(run_dir)}
             job.overrides = [*picked, *sync_eval(cfg)]  # evaluated at the picked configuration's merges
         if wan_bps and job.netns is not None:
             before = job.netns.uplink_bytes()

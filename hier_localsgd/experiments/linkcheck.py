@@ -107,11 +107,12 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     rank, world = spec["rank"], spec["world"]
     timeout = timedelta(seconds=spec["timeout_s"])
-    store = TCPStore(spec["host"], STORE_PORT, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    port = spec.get("port", STORE_PORT)
+    store = TCPStore(spec["host"], port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     lat = spec.get("emulate_latency_s", 0.0)
     emu = LinkSpec(bandwidth_Bps=spec["emulate_Bps"], latency_s=lat) if spec["emulate_Bps"] or lat else None
     pg = LinkProcessGroup("outer", timeout, emulation=emu)
-    pg.configure(f"{spec['host']}:{STORE_PORT}/linkcheck", f"linkcheck_{rank}", rank, world)
+    pg.configure(f"{spec['host']}:{port}/linkcheck", f"linkcheck_{rank}", rank, world)
     t = torch.randn(spec["nbytes"] // 4, generator=torch.Generator().manual_seed(rank))
     small = torch.zeros(1)
 
@@ -215,12 +216,13 @@ def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: in
 
 
 def run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: float, op: str = "allreduce",
-                 emulate_latency_s: float = 0.0) -> List[Dict[str, Any]]:
+                 emulate_latency_s: float = 0.0, port: int = STORE_PORT) -> List[Dict[str, Any]]:
     """One worker per cluster on ``net`` (a :class:`~hier_localsgd.launch.netns.ClusterNetwork`,
-    or anything with its ``address``, ``cluster_iface`` and ``wrap``); their results."""
+    or anything with its ``address``, ``cluster_iface`` and ``wrap``); their results.
+    ``port``: the workers' store (a free one where the network is shared, as loopback is)."""
     procs = []
     for c in range(clusters):
-        spec = {"rank": c, "world": clusters, "host": net.address(0), "nbytes": nbytes, "reps": reps, "op": op,
+        spec = {"rank": c, "world": clusters, "host": net.address(0), "port": port, "nbytes": nbytes, "reps": reps, "op": op,
                 "emulate_Bps": emulate_Bps, "emulate_latency_s": emulate_latency_s, "iface": net.cluster_iface(c),
                 "timeout_s": WORKER_TIMEOUT.total_seconds() / 2}
         argv = net.wrap([sys.executable, "-m", "hier_localsgd.experiments.linkcheck", json.dumps(spec)], where=c)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 
 from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, parse_address, probe_lighthouse
 from hier_localsgd.core.runtime.runtime import OVERRIDES_ENV
-from hier_localsgd.core.runtime.status import JOB_EVENTS_FILE, read_json, replica_dir, stop_path
+from hier_localsgd.core.runtime.status import AUTO_FILE, JOB_EVENTS_FILE, read_json, replica_dir, stop_path
 from hier_localsgd.launch.lighthouse import port_in_use
 from hier_localsgd.errors import fail
 
@@ -74,7 +74,7 @@ class Proc:
     spare: str = ""  # a restart run in a spare: "ready" (it had finished its imports) or "started"
 
 
-RUN_OUTPUTS = ("replicas", "logs", "tensorboard", JOB_EVENTS_FILE, "summary.json")
+RUN_OUTPUTS = ("replicas", "logs", "tensorboard", JOB_EVENTS_FILE, "summary.json", AUTO_FILE, "auto_probe")
 
 
 def archive_previous_run(run_dir: Path) -> Optional[Path]:

@@ -257,6 +257,28 @@ class CommittedState:
         u.zero_()
         return True
 
+    @torch.no_grad()
+    def take_out_stand_in_live(self) -> None:
+        """A launch whose inner commit failed finds a stand-in still pending (its apply
+        round's commit failed too): take it out of the committed state *and* of the live
+        model. One rank per group: added to both (the live model may hold local steps that
+        ``sync.failed_round=keep_local`` kept). Several: the committed slice, then the
+        group's all-gather, which every rank runs whatever its slice holds (its fragment
+        may miss a rank's slice)."""
+        st = self.st
+        u = st.stand_in
+        if u is None:
+            return
+        if st.settings.group_world_size == 1 or st.settings.group_shards:
+            if bool(u.any()):
+                st.inner.set_backup(st.inner.backup + u)
+                self.model[st.part] += u.to(self.model.device)
+                st.flat.data[st.part] += u.to(st.flat.data.device)
+                u.zero_()
+            return
+        self.take_out_stand_in()
+        self.publish()
+
     def without_stand_in(self, model: torch.Tensor) -> torch.Tensor:
         """``model`` (a cluster model) with the pending stand-in step taken out: what it
         contributes to a blocking outer round."""
@@ -330,9 +352,26 @@ class CommittedState:
             self._load_eager(sd.get("eager"))
         st.user.load(sd.get("user"), "the healing donor or checkpoint")  # type: ignore[arg-type]
         self.model.copy_(sd["model"])  # type: ignore[arg-type]
+        if st.stand_in is None:
+            self._drop_foreign_stand_in(sd.get("eager"))
         st.flat.load_(self.model)
         st.tracker.set_counters(**{k: int(v) for k, v in counters.items()})
         logger.info("%s healed from a peer of its cluster: %s", st.id, counters)
+
+    @torch.no_grad()
+    def _drop_foreign_stand_in(self, eager: object) -> None:
+        """A checkpoint written with eager updates, resumed without: a pending stand-in is
+        taken out of the model it holds (else the model would keep that step for good)."""
+        u = eager.get("stand_in") if isinstance(eager, dict) else None
+        if not isinstance(u, torch.Tensor) or not bool(u.any()):
+            return
+        st = self.st
+        if st.settings.group_world_size > 1 and not st.settings.group_shards:
+            raise RuntimeError("the checkpoint holds a pending eager-update stand-in and this job runs without "
+                               "sync.outer.eager: resume it with sync.outer.eager=true (several ranks per group)")
+        st.inner.set_backup(st.inner.backup + u)
+        self.model[st.part] += u.to(self.model.device)
+        logger.warning("%s: the checkpoint's pending eager stand-in was taken out (sync.outer.eager is off)", st.id)
 
     def _load_eager(self, eager: object) -> None:
         """A heal's or checkpoint's eager state; one without it (written with eager updates

@@ -451,7 +451,7 @@ class HierarchicalSync:
             else:
                 tr.enter(Phase.BROADCAST, leader=st.leader)
             fault_point(st, Phase.BROADCAST)
-            result = ol.broadcast(result, prior=staged.backup)
+            result = ol.broadcast(result, prior=cs.without_stand_in(staged.backup))  # a lost packet's fill: as the leader's
         elif ol.overlap and self.is_apply_round():
             # Every member knows this round by its step: the header tells whether a global
             # model follows (overlap.py).

@@ -275,14 +275,16 @@ class OuterLevel:
         st = self.st
         assert st.snap is not None and self.stage is not None
         c = st.counters
-        if self.committed.take_out_stand_in() and not contribute:  # one never resolved (its apply round's commit failed)
-            self.committed.publish()
+        if contribute:  # one never resolved (its apply round's commit failed); this launch's eager step publishes
+            self.committed.take_out_stand_in()
+        else:
+            self.committed.take_out_stand_in_live()
         st.snap.copy_(st.inner.backup)
         st.snap_step = c.step
         self.snap_since_outer = st.since_outer
         if st.leader:
             self._launch_stage(contribute)
-        if st.stand_in is not None and contribute:
+        if st.stand_in is not None and contribute:  # the same condition on every rank of the group (publish)
             # Eager updates (overlap.py): every member steps with its cluster's own
             # pseudo-gradient (identical inputs on every member: identical results).
             fragment = self.schedule.fragment_for_sync(c.outer_round) if st.settings.outer_fragments else None

@@ -202,6 +202,8 @@ class SyncConfig:
             getattr(self, name).check(f"sync.{name}")
         if self.mode != "hier" and self.outer.auto:
             fail("sync.outer.auto", f"picks the hierarchy's outer configuration; needs sync.mode=hier (got {self.mode!r})")
+        if self.outer.auto and t.clusters < 2:
+            fail("sync.outer.auto", f"measures the WAN between clusters; needs topology.clusters >= 2 (got {t.clusters})")
         if self.mode != "hier" and self.outer.compression != NONE:
             fail("sync.outer.compression", f"{self.outer.compression!r} — compresses the hierarchy's outer reduce; needs sync.mode=hier (got {self.mode!r})")
         if not 1 <= self.min_replicas <= t.replicas_per_cluster:

@@ -20,7 +20,7 @@ job's start with the WAN and the step measured, and applies the pick to every pr
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from typing import Any, Dict, List
+from typing import Any, Collection, Dict, List, Tuple
 
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.core.tensors.sparse import MAX_CHUNK, TOPK2
@@ -46,11 +46,15 @@ def variants(h_outer: int, base: OuterVariant) -> List[OuterVariant]:
 
 
 def pick_outer(st: SyncTimes, step_s: float, clusters: int, wan: LinkSpec, round_overhead_s: float, h_inner: int, h_outer: int,
-               base: OuterVariant, hide_fraction: float = HIDE_FRACTION) -> Dict[str, Any]:
-    """The variant to run and the costed table it was chosen from (rows sorted as ranked)."""
+               base: OuterVariant, hide_fraction: float = HIDE_FRACTION, refused: Collection[Tuple[str, int, int]] = ()) -> Dict[str, Any]:
+    """The variant to run and the costed table it was chosen from (rows sorted as ranked).
+    ``refused``: ``(compression, delay, fragments)`` the job's config does not accept (a
+    lossy link, fewer layer units than fragments): left out."""
     rows = []
     inner_share = st.inner_s / h_inner
     for v in variants(h_outer, base):
+        if (v.compression, v.delay, v.fragments) in refused:
+            continue
         o = outer_round_s(st.sync_bytes, clusters, wan, v, round_overhead_s)
         per_step = hier_variant_sync_per_step(st, o, step_s, h_inner, h_outer, v)
         exposed = max(0.0, per_step - inner_share)
@@ -70,8 +74,14 @@ def pick_outer(st: SyncTimes, step_s: float, clusters: int, wan: LinkSpec, round
 
     rows.sort(key=rank)
     best = rows[0]
-    overrides = [f"sync.outer.compression={best['compression']}", f"sync.outer.delay={best['delay']}",
-                 f"sync.outer.fragments={best['fragments']}"]
-    if best["compression"] == TOPK2 and (best["block"], best["topk"]) != (base.block, base.topk):
-        overrides += [f"sync.outer.compression_block={best['block']}", f"sync.outer.topk={best['topk']}"]
-    return {"pick": best, "overrides": overrides, "hide_fraction": hide_fraction, "base": asdict(base), "rows": rows}
+    return {"pick": best, "overrides": overrides_of(best, base), "hide_fraction": hide_fraction, "base": asdict(base), "rows": rows}
+
+
+def overrides_of(v: Any, base: OuterVariant) -> List[str]:
+    """The ``sync.outer`` overrides that run variant ``v`` (a row of :func:`pick_outer`, or an
+    :class:`OuterVariant`) over the configured ``base``."""
+    get = (lambda k: v[k]) if isinstance(v, dict) else (lambda k: getattr(v, k))
+    out = [f"sync.outer.compression={get('compression')}", f"sync.outer.delay={get('delay')}", f"sync.outer.fragments={get('fragments')}"]
+    if get("compression") == TOPK2 and (get("block"), get("topk")) != (base.block, base.topk):
+        out += [f"sync.outer.compression_block={get('block')}", f"sync.outer.topk={get('topk')}"]
+    return out
