@@ -551,6 +551,27 @@ def dash_phases() -> set:
     return {p.value for p in Phase}
 
 
+def test_the_page_shows_what_outer_auto_measured_and_picked(tmp_path, browser):
+    """sync.outer.auto's record (<run.dir>/auto.json, experiments/auto.py) in the page's header."""
+    from playwright.sync_api import expect
+
+    rec = {"inputs": {"wan_bandwidth_Bps": 1.25e6, "wan_latency_s": 0.02, "step_s": 0.031},
+           "pick": {"hides": True, "outer_round_s": 0.11},
+           "overrides": ["sync.outer.compression=topk2", "sync.outer.delay=1", "sync.outer.fragments=1", "sync.outer.auto=false"]}
+    (tmp_path / "auto.json").write_text(json.dumps(rec))
+    url, stop = start_in_thread(DashboardConfig(run_dir=str(tmp_path), port=0, refresh_ms=500))
+    page, errors = open_page(browser, url)
+    try:
+        shown = page.locator("#outer-auto")
+        expect(shown).to_contain_text("WAN 10.0 Mbit/s 20.0 ms, step 31 ms", timeout=10_000)
+        expect(shown).to_contain_text("sync.outer.compression=topk2 sync.outer.delay=1")
+        expect(shown).to_contain_text("(hides)")
+        assert errors == []
+    finally:
+        page.close()
+        stop()
+
+
 @pytest.mark.slow
 def test_without_the_flag_there_is_no_kill(live_job, browser):
     url, stop = start_in_thread(DashboardConfig(run_dir=str(live_job.run_dir), port=0, refresh_ms=500))
