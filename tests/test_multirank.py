@@ -175,12 +175,16 @@ def test_ddp_inside_a_group_averages_gradients():
     torch.testing.assert_close(avg0, (own0 + own1) / 2, rtol=1e-5, atol=1e-7)
 
 
-def test_two_ranks_per_group_with_overlapped_int8_fragments_stay_consistent(tmp_path):
+@pytest.mark.parametrize("eager", [False, True], ids=["plain", "eager"])
+def test_two_ranks_per_group_with_overlapped_int8_fragments_stay_consistent(tmp_path, eager):
     """Every outer mechanism of #13 at once on groups of two ranks (each rank syncing its own
     slice of the model): streaming fragments (F = 2), overlap by one inner round, int8 with
     error feedback. Outer rounds at steps 10, 20, 30 sync fragments 0, 1, 0 (each rank the
-    part of the fragment inside its slice); the last one, at 40, syncs everything, blocking."""
-    frag = ["sync.outer.every=4", "sync.outer.fragments=2", "sync.outer.delay=1", "sync.outer.compression=int8"]
+    part of the fragment inside its slice); the last one, at 40, syncs everything, blocking.
+    Eager updates too (#29 §2): every rank steps its slice of the launched fragment (a rank
+    whose slice misses it steps nothing) and the group's all-gather runs on every rank."""
+    frag = ["sync.outer.every=4", "sync.outer.fragments=2", "sync.outer.delay=1", "sync.outer.compression=int8",
+            f"sync.outer.eager={eager}"]
     run = run_job(tmp_path, [*G2, *frag, "train.steps=40"])
     assert all(c == 0 for c in run.codes.values()), logs_tail(run)
     s = run.summary
@@ -194,6 +198,9 @@ def test_two_ranks_per_group_with_overlapped_int8_fragments_stay_consistent(tmp_
     r0 = read_json(replica_dir(run.job.run_dir, 1, 1) / "result.json")
     r1 = read_json(replica_dir(run.job.run_dir, 1, 1, 1) / "result.json")
     assert r0["checksum"] == r1["checksum"] and r0["train_loss"] != r1["train_loss"]
+    if eager:
+        for c in range(2):
+            assert [e["step"] for e in run.kinds((c, 1), "eager_step")] == [10, 20, 30], run.kinds((c, 1), "eager_step")
 
 
 def test_a_multi_rank_group_that_keeps_poisoning_stays_stopped_under_torchrun(tmp_path):
