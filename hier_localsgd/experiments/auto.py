@@ -165,7 +165,7 @@ def probe_wan(job: "LocalJob", cfg: "Config") -> Dict[str, Any]:
 def probe_step(cfg: "Config", overrides: List[str], out: Path) -> tuple[float, int]:
     """(a bare loop's mean step time, one per replica group, run concurrently; the model's
     parameter count)."""
-    from hier_localsgd.experiments.bench import run_bare
+    from hier_localsgd.experiments.bare_loops import run_bare
 
     over = [o for o in overrides if o != "run.netns=true"] + [f"train.steps={PROBE_STEPS}", "train.eval_every=0"]
     step = run_bare(over, cfg, out)

@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -56,7 +54,8 @@ from hier_localsgd import costs
 from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.config import Config, ConfigError, load_config
 from hier_localsgd.errors import fail
-from hier_localsgd.launch.local import LocalJob, child_env
+from hier_localsgd.launch.local import LocalJob
+from hier_localsgd.experiments.bare_loops import run_bare
 from hier_localsgd.launch.netns import tbf_transfer_s
 from hier_localsgd.core.links.link import sent_per_rank
 from hier_localsgd.core.runtime.status import read_events, replica_dir
@@ -326,22 +325,6 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         "local_step_s": sum(local) / len(local) if local else None,
         "run_dir": str(run_dir),
     }
-
-
-def run_bare(overrides: List[str], cfg: Config, out: Path) -> Optional[float]:
-    """Mean step time of bare loops, one per replica group, run concurrently."""
-    procs, files = [], []
-    (out / "bare").mkdir(parents=True, exist_ok=True)
-    for c in range(cfg.topology.clusters):
-        for r in range(cfg.topology.replicas_per_cluster):
-            f = out / "bare" / f"c{c}r{r}.json"
-            files.append(f)
-            procs.append(subprocess.Popen([sys.executable, "-m", "hier_localsgd.experiments.bare", *overrides, f"run.cluster={c}", f"run.replica={r}", f"bare.out={f}"],
-                                          env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    for p in procs:
-        p.wait(timeout=cfg.bench.timeout_s)
-    times = [json.loads(f.read_text())["step_s"] for f in files if f.exists()]
-    return sum(times) / len(times) if times else None
 
 
 def to_target(curve: List[Dict[str, float]], target: float) -> Tuple[Optional[float], Optional[float]]:

@@ -15,7 +15,7 @@ token budget (``train.steps`` x ``train.batch_size`` per replica group). What ma
   step (C·R x the batch) for the same steps, seed ``bench.pilot_seed`` (not one of the arms'
   seeds); target = its final eval loss + ``bench.target_margin``, or ``bench.target_loss`` (then no pilot runs).
 * **Compute bound per arm**: bare loops, one per replica group run concurrently on the same
-  cores (bench.py ``run_bare``), mean step time x the steps the arm needed to reach the
+  cores (bare_loops.py ``run_bare``), mean step time x the steps the arm needed to reach the
   target; and x the fewest steps any arm needed (the bound no arm can beat here).
 
 ``bench.links=kernel`` runs every point on kernel-shaped links (bench.py's docstring says
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hier_localsgd.config import Config, load_config
-from hier_localsgd.experiments.bench import KERNEL_NOTE, prepare, run_arm, run_bare
+from hier_localsgd.experiments.bare_loops import run_bare
+from hier_localsgd.experiments.bench import KERNEL_NOTE, prepare, run_arm
 from hier_localsgd.experiments.bench_chaos import run_chaos_arm
 from hier_localsgd.experiments.bench_chaos import table as chaos_table
 from hier_localsgd.launch.local import child_env
