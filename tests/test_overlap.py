@@ -82,6 +82,14 @@ def run(steps: int, final_step: int, faults=(), eager: bool = False, keep_local:
     return seen, reps
 
 
+def assert_as_computed(seen: Dict, expected: List[List[torch.Tensor]], theta_g: torch.Tensor) -> None:
+    """Every member's model after every step is its cluster's in ``expected``; the last is θ_g."""
+    for key, traj in seen.items():
+        for k, got in enumerate(traj):
+            torch.testing.assert_close(got.double(), expected[k][key[0]], rtol=0, atol=1e-5, msg=f"{key} after step {k + 1}")
+        torch.testing.assert_close(traj[-1].double(), theta_g, rtol=0, atol=1e-5)
+
+
 def test_the_merge_keeps_the_local_delta():
     g, s, now = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.5]), torch.tensor([0.75, 0.25])
     torch.testing.assert_close(merge_keep_local(g, s, now), torch.tensor([1.25, 1.75]))
@@ -91,10 +99,7 @@ def test_overlapped_outer_rounds_merge_as_hand_computed_and_the_last_one_blocks(
     steps = 6  # launches at 2 and 4 (applied at 3 and 5); the round at 6 is the run's last: blocking
     expected, theta_g = reference(steps, final_step=steps)
     seen, reps = run(steps, final_step=steps)
-    for key, traj in seen.items():
-        for k, got in enumerate(traj):
-            torch.testing.assert_close(got.double(), expected[k][key[0]], rtol=0, atol=1e-5, msg=f"{key} after step {k + 1}")
-        torch.testing.assert_close(traj[-1].double(), theta_g, rtol=0, atol=1e-5)
+    assert_as_computed(seen, expected, theta_g)
     for rep in reps.values():
         assert not rep.kinds("rollback"), rep.kinds("rollback")
         assert rep.sync.counters.outer_round == 3
@@ -116,10 +121,7 @@ def test_eager_updates_step_at_the_launch_and_correct_at_the_apply_round_as_hand
     steps = final_step
     expected, theta_g = reference(steps, final_step=final_step, eager=True)
     seen, reps = run(steps, final_step=final_step, eager=True)
-    for key, traj in seen.items():
-        for k, got in enumerate(traj):
-            torch.testing.assert_close(got.double(), expected[k][key[0]], rtol=0, atol=1e-5, msg=f"{key} after step {k + 1}")
-        torch.testing.assert_close(traj[-1].double(), theta_g, rtol=0, atol=1e-5)
+    assert_as_computed(seen, expected, theta_g)
     for rep in reps.values():
         assert not rep.kinds("rollback"), rep.kinds("rollback")
         assert [e["step"] for e in rep.kinds("eager_step")] == [2, 4], rep.kinds("eager_step")
