@@ -167,7 +167,7 @@ def probe_step(cfg: "Config", overrides: List[str], out: Path) -> tuple[float, i
     parameter count)."""
     from hier_localsgd.experiments.bare_loops import run_bare
 
-    over = [o for o in overrides if o != "run.netns=true"] + [f"train.steps={PROBE_STEPS}", "train.eval_every=0"]
+    over = [*overrides, f"train.steps={PROBE_STEPS}", "train.eval_every=0"]
     step = run_bare(over, cfg, out)
     first = out / "bare" / "c0r0.json"
     if step is None or not first.exists():

@@ -15,7 +15,9 @@ from hier_localsgd.launch.local import child_env
 
 
 def run_bare(overrides: List[str], cfg: Config, out: Path) -> Optional[float]:
-    """Mean step time of bare loops, one per replica group, run concurrently."""
+    """Mean step time of bare loops, one per replica group, run concurrently (no network:
+    ``run.netns=true`` in ``overrides`` is dropped)."""
+    overrides = [o for o in overrides if o != "run.netns=true"]
     procs, files = [], []
     (out / "bare").mkdir(parents=True, exist_ok=True)
     for c in range(cfg.topology.clusters):

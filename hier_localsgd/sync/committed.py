@@ -271,10 +271,9 @@ class CommittedState:
             return
         if st.settings.group_world_size == 1 or st.settings.group_shards:
             if bool(u.any()):
-                st.inner.set_backup(st.inner.backup + u)
                 self.model[st.part] += u.to(self.model.device)
                 st.flat.data[st.part] += u.to(st.flat.data.device)
-                u.zero_()
+                self.take_out_stand_in()
             return
         self.take_out_stand_in()
         self.publish()
