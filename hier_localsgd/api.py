@@ -48,7 +48,7 @@ from hier_localsgd.core.runtime.status import ReplicaPublisher, inbox_path
 from hier_localsgd.job import Topology, wait_for_gate, wait_for_lighthouse
 from hier_localsgd.sync.build import build_strategy
 from hier_localsgd.sync.common import JobFinished
-from hier_localsgd.sync.sections import SyncConfig
+from hier_localsgd.sync.sections import SyncConfig, padded_step_s
 from hier_localsgd.sync.user_state import Stateful, UserState
 
 logger = logging.getLogger("hier_localsgd.api")
@@ -150,10 +150,14 @@ class HierarchicalDiLoCo:
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step), inner_optimizer.register_step_post_hook(self._post_step)]
         self._loss = float("nan")
         self.steps_without_state = 0  # steps adopted from another cluster without user state
+        self._speed = self.config.topology.speed(ident.cluster)  # topology.cluster_speed: emulated heterogeneity
+        self._sync_s = 0.0  # seconds inside sync rounds since the loop began (_pace)
+        self.local_steps_run = 0  # optimizer steps this process ran in its loop
         self._step_start: Optional[float] = None
         self._forward_ready = False
         self.local_step_times: List[float] = []  # steps without a sync (overhead measurements)
         self._loop_start: Optional[tuple] = None
+        self._loop_end: Optional[float] = None  # after the last step (finish)
         self._finished = False
         self._published: Optional[Dict[str, Any]] = None
         self.extra_status: Dict[str, Any] = {}  # fields added to every progress status (the built-in trainer: TP stats)
@@ -207,17 +211,47 @@ class HierarchicalDiLoCo:
         """The step's training loss, for the status, log lines and TensorBoard (optional)."""
         self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
-    def record_eval(self, loss: float, floor: Optional[float] = None, eval_s: Optional[float] = None, step: Optional[int] = None) -> None:
+    def record_eval(self, loss: float, floor: Optional[float] = None, eval_s: Optional[float] = None, step: Optional[int] = None,
+                    model: str = "live") -> None:
         """An evaluation at ``step`` (default: the current step): an ``eval`` event (the bench
         and the dashboard read them), the status and TensorBoard. ``floor``: the data's
-        entropy floor, if known. Step 0 is the run's starting loss."""
+        entropy floor, if known. Step 0 is the run's starting loss. ``model="global"``: an
+        evaluation of :meth:`global_model`: an ``eval_global`` event (the bench's global curve),
+        its own status field and TensorBoard scalar."""
         step = self.counters.step if step is None else step
-        self.pub.event("eval", step=step, loss=loss, floor=floor, bytes={lv: st["sent_bytes_total"] for lv, st in self.strategy.link_stats().items()},
+        if model not in ("live", "global"):
+            raise ValueError(f"record_eval(model={model!r}): expected 'live' or 'global'")
+        sent = {lv: st["sent_bytes_total"] for lv, st in self.strategy.link_stats().items()}
+        self.pub.event("eval" if model == "live" else "eval_global", step=step, loss=loss, floor=floor, bytes=sent,
                        **({"eval_s": eval_s} if eval_s is not None else {}))
+        if model == "global":
+            self.pub.update(eval_loss_global=loss, eval_step_global=step)
+            self.tb.add(step, eval__global_loss=loss)
+            return
         if step == 0:
             self.pub.update(entropy_floor=floor, eval_loss_start=loss)
         self.pub.update(eval_loss=loss, eval_step=step)
         self.tb.add(step, eval__loss=loss, eval__excess=None if floor is None else loss - floor)
+
+    @contextlib.contextmanager
+    def global_model(self) -> Iterator[bool]:
+        """Inside, the model's parameters hold the last global model this process applied
+        (sync/hier.py ``global_model``) in place of the live one, which is back on exit, also
+        on an exception. With overlapped outer rounds (``sync.outer.delay``) every cluster's
+        live model is the global model plus its own progress since the round's launch, so
+        the clusters differ; this is the one model they share. Yields False, the live model
+        in place, where there is none apart from it (sync.mode flat/ddp; a replica group of
+        several unsharded ranks). Call it between steps, on the training thread."""
+        held = self.strategy.global_model()
+        if held is None:
+            yield False
+            return
+        live = self.flat.data.to("cpu", copy=True)  # in host memory: no second model on the accelerator
+        try:
+            self.flat.load_(held)  # load_, not data.copy_: FSDP's data is a fresh tensor each read
+            yield True
+        finally:
+            self.flat.load_(live)
 
     # -- step hooks --------------------------------------------------------------
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -235,33 +269,52 @@ class HierarchicalDiLoCo:
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         tr = self.config.train
-        if tr.min_step_time_s > 0 and self._step_start is not None:  # emulated compute: pad the step
-            time.sleep(max(0.0, tr.min_step_time_s - (time.perf_counter() - self._step_start)))
+        if (tr.min_step_time_s > 0 or self._speed < 1) and self._step_start is not None:  # emulated compute: pad the step
+            spent = time.perf_counter() - self._step_start
+            time.sleep(max(0.0, padded_step_s(spent, tr.min_step_time_s, self._speed) - spent))
         c = self.counters
         c.step += 1  # every replica advances its own step counter (I5)
+        self.local_steps_run += 1
+        t_sync = time.perf_counter()
         with self._count_steps_without_state():
             synced = self.strategy.after_optimizer_step()  # hier/flat: a sync round at round boundaries
+        self._sync_s += time.perf_counter() - t_sync
         if not synced and self._step_start is not None:
             if self.topology.device.type == "cuda":
                 torch.cuda.synchronize(self.topology.device)  # the step's kernels, not just their launch
             self.local_step_times.append(time.perf_counter() - self._step_start)
         ck = self.config.checkpoint
-        if self.ckpt is not None and ck.every and c.outer_round > self._last_ckpt_round and c.outer_round % ck.every == 0:
+        # A multiple of checkpoint.every crossed (the asynchronous outer level's versions jump).
+        if self.ckpt is not None and ck.every and c.outer_round // ck.every > self._last_ckpt_round // ck.every:
             self._last_ckpt_round = c.outer_round  # right after the outer round committed ...
             self._ckpt_due = True  # ... written at the loop boundary that follows (the user's state complete)
         # Every step: a killed process's last status says how much work it had done.
-        self.pub.update(step=c.step, loss=self._loss, loss_step=c.step, **self.strategy.work_counters())
+        self.pub.update(step=c.step, loss=self._loss, loss_step=c.step, **self.strategy.work_counters(), **self._pace())
         if c.step % tr.log_every == 0 or c.step == tr.steps:
             self._log_progress()
         self._step_start, self._forward_ready = None, False
 
+    def _pace(self) -> Dict[str, Any]:
+        """The loop's seconds so far (to its last step once finished), the steps it ran (a
+        heal's jump left out) and, for hier, the seconds inside sync rounds (waiting for
+        peers and communicating; the rest is the steps: flat's and ddp's sync runs inside
+        the optimizer step, so it is not split out). The dashboard shows a cluster's step
+        rate and its share of time in sync."""
+        if self._loop_start is None:
+            return {}
+        loop_s = self._loop_end - self._loop_start[0] if self._loop_end is not None else time.perf_counter() - self._loop_start[0]
+        return {"loop_s": loop_s, "loop_steps": self.local_steps_run, **({"sync_s": self._sync_s} if self.config.sync.mode == "hier" else {})}
+
     @contextlib.contextmanager
     def _count_steps_without_state(self) -> Iterator[None]:
-        """Steps the counter moved on by without the user's state arriving (user_state.py)."""
+        """Steps the counter moved on by without the user's state arriving (user_state.py):
+        since the last state received inside the call (a heal, then the broadcast of another
+        cluster's later global model in the same round), else since the call began."""
         before, loads = self.counters.step, self.user.loads
         yield
-        if self.counters.step > before and self.user.loads == loads:
-            self.steps_without_state += self.counters.step - before
+        since = self.user.loaded_step if self.user.loads != loads else before
+        if self.counters.step > since:
+            self.steps_without_state += self.counters.step - since
 
     def _save_due_checkpoint(self) -> None:
         if self._ckpt_due and self.ckpt is not None:
@@ -298,6 +351,7 @@ class HierarchicalDiLoCo:
         outage reconciles the cluster, at most ``sync.final_wait_s``). Idempotent."""
         if not self._finished:
             self._finished = True
+            self._loop_end = time.perf_counter()
             self.user.take()  # the loop is over: its state is complete
             self._save_due_checkpoint()
             with self._count_steps_without_state():
@@ -318,7 +372,7 @@ class HierarchicalDiLoCo:
             "user_state": {"names": sorted(self.user.objects), "loads": self.user.loads, "steps_without_state": self.steps_without_state},
             "local_step_s": trimmed_mean(self.local_step_times), "local_steps_timed": len(self.local_step_times),
             "step_s": getattr(self, "_loop_s", 0.0) / getattr(self, "_loop_steps", 1),  # mean over the loop, syncs included
-            "device": str(self.topology.device), **memory_stats(self.topology.device), "wall_s": time.time() - self._t0,
+            "device": str(self.topology.device), **memory_stats(self.topology.device), "wall_s": time.time() - self._t0, **self._pace(),
         }
 
     def publish_result(self, **extra: Any) -> Dict[str, Any]:

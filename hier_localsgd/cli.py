@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from hier_localsgd.core.runtime.logs import debug, setup_logging
@@ -47,20 +48,40 @@ COMMANDS = {
     "tp-sweep": "lossy tensor parallelism: final loss per loss rate x loss model x TP operation (tp_sweep.*)",
     "bench": "ddp vs flat DiLoCo vs hier on emulated LAN/WAN: bytes, time to target, sync time vs bound",
     "plan": "predict parameters, FLOPs, memory and sync time per level; compute-optimal N and D (topology, sync, links, train, plan.*)",
+    "tunnel": "this host's end of the WireGuard mesh across the WAN (tunnel.site, tunnel.sites; docs/security.md)",
     "simulate": "discrete-event simulation of a deployment with failures: goodput (topology, sync, links, timeouts, plan.*, simulate.*)",
 }
+
+KEYGEN = "write a fresh job secret to PATH (security.secret_file; docs/security.md)"
+
+
+def _keygen(path: str) -> int:
+    from hier_localsgd.core.security.secret import keygen
+    from hier_localsgd.errors import ConfigError
+
+    try:
+        keygen(path)
+    except ConfigError as e:
+        print(f"hier-localsgd keygen: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"wrote a job secret to {path} (mode 0600): every process of the job reads it (security.secret_file={path})")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     # torchft's Rust logger reads RUST_LOG at import; its INFO level is very chatty.
     os.environ.setdefault("RUST_LOG", "warn")
     parser = argparse.ArgumentParser(prog="hier-localsgd", description="Fault-tolerant hierarchical LocalSGD/DiLoCo on torchft.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join([*COMMANDS, "keygen"]) + "}")
     for name, text in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("overrides", nargs="*", help="hydra overrides, e.g. topology.clusters=3 model=tiny")
         p.add_argument("--print-config", action="store_true", help="print the composed config and exit")
+    kg = sub.add_parser("keygen", help=KEYGEN, description=KEYGEN)
+    kg.add_argument("path", help="the file to write (mode 0600; an existing file is never overwritten)")
     args = parser.parse_args(argv)
+    if args.command == "keygen":
+        return _keygen(args.path)
 
     if args.command == "train":
         # Before any other thread exists: signals go to the runtime's signal thread.
@@ -104,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 # Commands that write under run.dir (logs, status, results, reports): it is made before
 # anything starts, and a path that cannot be a directory is one configuration error.
-WRITES_RUN_DIR = ("train", "demo", "chaos", "sweep", "tp-sweep", "bench", "plan", "simulate")
+WRITES_RUN_DIR = ("train", "demo", "chaos", "sweep", "tp-sweep", "bench", "plan", "simulate", "tunnel")
 
 
 def _make_run_dir(path: str) -> Optional[str]:
@@ -155,6 +176,22 @@ def _lighthouse(cfg: "Config", overrides: List[str]) -> int:
     from hier_localsgd.launch import lighthouse
 
     return lighthouse.serve(cfg)
+
+
+def _tunnel(cfg: "Config") -> int:
+    import threading
+
+    from hier_localsgd.core.security.secret import load_secret
+    from hier_localsgd.launch.tunnel import TunnelError, serve
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        return serve(cfg.tunnel, load_secret(cfg.security), stop, Path(cfg.run.dir) / "wireguard.log")
+    except TunnelError as e:
+        print(f"hier-localsgd tunnel: {e}", file=sys.stderr)
+        return 1
 
 
 def _demo(cfg: "Config", overrides: List[str]) -> int:
@@ -237,6 +274,7 @@ HANDLERS: Dict[str, Callable[["Config", List[str]], int]] = {
     "bench": _bench,
     "plan": lambda cfg, overrides: _tool("plan", cfg),
     "simulate": lambda cfg, overrides: _tool("simulate", cfg),
+    "tunnel": lambda cfg, overrides: _tunnel(cfg),
 }
 assert HANDLERS.keys() == COMMANDS.keys(), "every command has one handler"
 

@@ -26,9 +26,11 @@ from hier_localsgd.core.runtime.checkpoint import CheckpointConfig
 from hier_localsgd.core.runtime.faults import Fault
 from hier_localsgd.core.runtime.runtime import RunConfig
 from hier_localsgd.core.runtime.timeouts import Timeouts, TimeoutsConfig
+from hier_localsgd.core.security.secret import SecurityConfig
 from hier_localsgd.core.links.lossy import LinkSpec, LinksConfig
 from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoConfig, SweepConfig, TPSweepConfig, check_tp_sweep
 from hier_localsgd.launch.lighthouse import LighthouseConfig
+from hier_localsgd.launch.tunnel import TunnelConfig
 from hier_localsgd.errors import ConfigError, fail
 from hier_localsgd.core.tensors.sparse import TOPK2
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
@@ -68,6 +70,8 @@ class Config:
     simulate: SimulateConfig = field(default_factory=SimulateConfig)  # `hier-localsgd simulate`'s own (tools/simulate/)
     tp_sweep: TPSweepConfig = field(default_factory=TPSweepConfig)  # `hier-localsgd tp-sweep` (experiments/tp_sweep.py)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    tunnel: TunnelConfig = field(default_factory=TunnelConfig)  # `hier-localsgd tunnel` (launch/tunnel.py)
     faults: List[Dict[str, Any]] = field(default_factory=list)
 
     # -- derived ---------------------------------------------------------------
@@ -204,6 +208,27 @@ def _check_fragments(cfg: Config, runs: bool, path: str = "sync.outer.fragments"
         fail(path, f"{F} — {e}")
 
 
+def _check_hostname(cfg: Config) -> None:
+    """Listeners bind the address ``run.hostname`` resolves to (docs/security.md): a name
+    that resolves to loopback (Debian maps the machine's name to 127.0.1.1) while a
+    lighthouse is on another host would leave peers on other hosts unable to connect."""
+    import socket
+    from urllib.parse import urlsplit
+
+    lh = cfg.lighthouse
+    remote = [a for a in [lh.global_addr, *lh.cluster_addrs] if (urlsplit(a).hostname or "") not in ("127.0.0.1", "localhost", "::1")]
+    if not remote or cfg.run.bind:
+        return
+    name = cfg.run.hostname or socket.gethostname()
+    try:
+        addr = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError) as e:
+        fail("run.hostname", f"{name!r} does not resolve: {e}")
+    if addr.startswith("127.") or addr == "::1":
+        fail("run.hostname", f"{name!r} resolves to {addr} (loopback) but {remote[0]} is on another host: its peers could not "
+             "reach this process; set run.hostname to this host's address (or run.bind behind NAT)")
+
+
 def validate(cfg: Config, command: str = "train") -> None:
     """Semantic checks; raises :class:`ConfigError` whose message starts with the field path.
 
@@ -231,6 +256,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     cfg.sweep.check()
     cfg.checkpoint.check(s.mode)
     cfg.bench.check()
+    cfg.security.check()
+    if command == "tunnel":
+        cfg.tunnel.check()
     cfg.group.check(t.ranks_per_replica, cfg.model.name, command, s.mode)
     try:
         check_tp_sweep(cfg.tp_sweep)
@@ -258,7 +286,16 @@ def validate(cfg: Config, command: str = "train") -> None:
         if reason is not None:
             fail("run.netns", f"network namespaces are unavailable here: {reason}")
 
+    if cfg.security.wan == "tunnel" and command in LAUNCHING_COMMANDS:
+        from hier_localsgd.launch.netns import available
+        from hier_localsgd.launch.tunnel import missing_tools
+
+        reason = available() or missing_tools()
+        if reason is not None:
+            fail("security.wan", f"tunnel: a local job builds its WireGuard mesh between network namespaces: {reason}")
+
     if command == "train":
+        _check_hostname(cfg)
         if not 0 <= cfg.run.cluster < t.clusters:
             fail("run.cluster", f"{cfg.run.cluster} — must be in [0, topology.clusters={t.clusters})")
         if not 0 <= cfg.run.replica < t.replicas_per_cluster:

@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hier_localsgd import ConfigError, OVERRIDES_ENV, config_from_env, load_config
+from hier_localsgd import ConfigError, HierarchicalDiLoCo, OVERRIDES_ENV, config_from_env, load_config
 from hier_localsgd.core.tensors.flat_params import FlatParams
 from hier_localsgd.sync.user_state import UserState
 from tests.harness import logs_tail, run_job
@@ -47,10 +48,53 @@ def test_user_state_is_served_as_taken_and_a_donor_without_it_is_named():
     us.take()
     c.n = 7
     assert us.served() == {"data": {"n": 5}}
-    us.load({"data": {"n": 9}}, "the donor")
-    assert c.n == 9
+    us.load({"data": {"n": 9}}, "the donor", step=12)
+    assert c.n == 9 and us.loads == 1 and us.loaded_step == 12
     with pytest.raises(ValueError, match=r"the donor holds no user state \['data'\]"):
-        us.load({"other": {}}, "the donor")
+        us.load({"other": {}}, "the donor", step=12)
+
+
+def _counting(step: int, user: UserState) -> SimpleNamespace:
+    return SimpleNamespace(counters=SimpleNamespace(step=step), user=user, steps_without_state=0)
+
+
+def test_the_global_model_is_in_the_parameters_inside_the_block_and_the_live_one_after_it():
+    model = torch.nn.Linear(3, 2)
+    flat = FlatParams(model)
+    live = flat.data.clone()
+    held = torch.arange(flat.numel, dtype=flat.data.dtype)
+    api = SimpleNamespace(flat=flat, strategy=SimpleNamespace(global_model=lambda: held))
+    with HierarchicalDiLoCo.global_model(api) as inside:
+        assert inside is True and torch.equal(flat.data, held)
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), held)  # the model's own views
+    assert torch.equal(flat.data, live)
+    with pytest.raises(RuntimeError, match="eval failed"):
+        with HierarchicalDiLoCo.global_model(api):
+            raise RuntimeError("eval failed")
+    assert torch.equal(flat.data, live)  # back after an exception too
+    api.strategy = SimpleNamespace(global_model=lambda: None)  # flat/ddp: none apart from the live model
+    with HierarchicalDiLoCo.global_model(api) as inside:
+        assert inside is False and torch.equal(flat.data, live)
+
+
+def test_steps_after_a_heal_without_state_are_counted_from_the_heal():
+    """A restarted group heals at step 30 (the user state comes with it) and, in the same
+    join round, adopts another cluster's global model of step 40 without state: 10 steps
+    without state (CI saw the whole jump counted as covered by the heal)."""
+    us = UserState({"data": Counter()})
+    api = _counting(0, us)
+    with HierarchicalDiLoCo._count_steps_without_state(api):
+        us.load({"data": {"n": 29}}, "the donor", step=30)
+        api.counters.step = 30
+        api.counters.step = 40  # the broadcast of the later global model
+    assert api.steps_without_state == 10
+    with HierarchicalDiLoCo._count_steps_without_state(api):  # a plain adoption: all of it
+        api.counters.step = 50
+    assert api.steps_without_state == 20
+    with HierarchicalDiLoCo._count_steps_without_state(api):  # a heal alone: none
+        us.load({"data": {"n": 59}}, "the donor", step=60)
+        api.counters.step = 60
+    assert api.steps_without_state == 20
 
 
 def test_the_launchers_overrides_come_first_and_a_bad_variable_is_one_line(monkeypatch):
@@ -165,7 +209,7 @@ def test_a_rollback_keeps_the_schedulers_lr_and_a_heal_brings_the_donors():
     donor = UserState({"scheduler": donor_sched}, optimizer=donor_opt)
     healed = UserState({"scheduler": sched}, optimizer=opt)
     opt.load_state_dict(backup)  # a heal loads the donor's committed optimizer first ...
-    healed.load(donor.served(), "the donor")  # ... then its state, lr included
+    healed.load(donor.served(), "the donor", step=0)  # ... then its state, lr included
     assert opt.param_groups[0]["lr"] == 0.5 ** 5 and sched.last_epoch == 5
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.5 ** 6

@@ -22,6 +22,24 @@ def test_flat_budget_matches_the_hierarchys_slow_link_bytes():
     assert flat_budget_every(1, 4, 30) == 30  # a single cluster has no WAN hops
 
 
+def test_the_asynchronous_arms_curve_is_in_training_time_with_the_slow_bytes_so_far():
+    """hier_async: clusters reach a step at different times; the curve is every evaluation
+    in the order of training time (its start and evaluations before it taken out), with the
+    job's slow bytes at each group's latest evaluation (by hand)."""
+    from hier_localsgd.experiments.bench import _time_curve, to_target
+
+    def ev(t, step, loss, outer, eval_s=1.0):
+        return {"t": t, "kind": "eval", "step": step, "loss": loss, "eval_s": eval_s, "bytes": {"inner": 0, "outer": outer}}
+
+    start = {"t": 100.0, "kind": "phase", "src": "START", "dst": "LOCAL"}
+    events = {(0, 0): [start, ev(100.0, 0, 5.0, 0), ev(111.0, 20, 3.0, 1000), ev(122.0, 40, 2.0, 2000)],  # fast: 10 s per 20 steps
+              (1, 0): [start, ev(100.0, 0, 5.0, 0), ev(121.5, 20, 2.5, 1000)]}  # half speed: about 20 s per 20 steps
+    curve = _time_curve("hier", events, 2, 1)
+    assert [(p["t"], p["step"], p["loss"], p["slow_bytes"]) for p in curve] == [
+        (0.0, 0, 5.0, 0.0), (0.0, 0, 5.0, 0.0), (9.0, 20, 3.0, 1000.0), (19.0, 40, 2.0, 2000.0), (19.5, 20, 2.5, 3000.0)]
+    assert to_target(curve, 2.5) == (19.0, 2000.0)  # cluster 0 got there first
+
+
 def test_quick_bench_runs_every_arm_and_writes_table_json_and_plots(tmp_path):
     p = subprocess.run([sys.executable, "-m", "hier_localsgd", "bench", f"run.dir={tmp_path}", "bench.mode=quick"],
                        capture_output=True, text=True, timeout=900)

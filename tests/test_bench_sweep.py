@@ -49,7 +49,8 @@ def test_each_arm_is_evaluated_at_its_own_sync_points():
         return sync_eval(load_config(["sync.inner.every=5", "sync.outer.every=2", "sync.flat.every=15", *over], validate_for="demo"))
 
     assert ev("sync.mode=hier") == ["train.eval_every=10", "train.eval_offset=0"]
-    assert ev("sync.mode=hier", "sync.outer.delay=1") == ["train.eval_every=10", "train.eval_offset=5"]  # the merge step
+    # the merge step, and the global model there too (the clusters' live models differ)
+    assert ev("sync.mode=hier", "sync.outer.delay=1") == ["train.eval_every=10", "train.eval_offset=5", "train.eval_global=true"]
     assert ev("sync.mode=flat", "sync.flat.delay=5") == ["train.eval_every=15", "train.eval_offset=0"]  # torchft merges at the sync step
     assert ev("sync.mode=ddp") == ["train.eval_every=10", "train.eval_offset=0"]
 

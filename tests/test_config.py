@@ -56,6 +56,12 @@ from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, probe_li
         (["sync.failed_round=forget"], "sync.failed_round", "unknown policy 'forget'"),
         (["sync.mode=flat", "sync.failed_round=keep_local"], "sync.failed_round", "needs sync.mode=hier"),
         (["topology.ranks_per_replica=2", "sync.failed_round=keep_local"], "sync.failed_round", "topology.ranks_per_replica=1"),
+        # heterogeneous clusters: one speed each, in (0, 1]
+        (["topology.cluster_speed=[1.0]"], "topology.cluster_speed", "one speed per cluster (topology.clusters=2)"),
+        (["topology.cluster_speed=[1.0,0]"], "topology.cluster_speed", "cluster 1's 0.0 must be a number in (0, 1]"),
+        (["topology.cluster_speed=[1.5,1.0]"], "topology.cluster_speed", "cluster 0's 1.5 must be a number in (0, 1]"),
+        (["topology.cluster_speed=[1.0,fast]"], "topology.cluster_speed[1]", "'fast' of type 'str' could not be converted to Float"),
+        (["topology.cluster_speed=[1.0,nan]"], "topology.cluster_speed", "cluster 1's nan must be"),
     ],
 )
 def test_bad_values_name_the_field(overrides, field, words):
@@ -72,7 +78,8 @@ def test_unknown_key_is_named():
 
 
 def test_every_value_can_be_overridden():
-    cfg = load_config(["model=tiny", "topology.clusters=3", "lighthouse.cluster_addrs=[http://h:1,http://h:2,http://h:3]", "sync.inner.every=7", "train.steps=63", "timeouts.broadcast=5"])
+    cfg = load_config(["model=tiny", "topology.clusters=3", "lighthouse.cluster_addrs=[http://h:1,http://h:2,http://h:3]", "sync.inner.every=7", "train.steps=63", "timeouts.broadcast=5",
+                       "run.hostname=10.0.0.5"])  # lighthouses on other hosts: this process's own address (config._check_hostname)
     assert (cfg.topology.clusters, cfg.sync.inner.every, cfg.train.steps) == (3, 7, 63)
     assert cfg.timeouts_obj().broadcast == timedelta(seconds=5)
     assert cfg.timeouts_obj().broadcast_wait == timedelta(seconds=cfg.timeouts.outer_quorum + cfg.timeouts.outer_reduce + cfg.timeouts.outer_commit + 5)

@@ -124,6 +124,32 @@ def test_state_has_the_tree_roles_phases_and_quorums(tmp_path):
     assert row(read_state(tmp_path, now=NOW, allow_kill=True), "c0r1")["kill"] is True
 
 
+def test_each_cluster_shows_its_step_rate_and_its_share_of_time_in_sync(tmp_path):
+    """api.py's pace fields (loop_s, loop_steps, sync_s) per group -> per-group and
+    per-cluster steps/s and share in sync (mean of the live groups)."""
+    sts = {(0, 0): status(0, 0, loop_s=10.0, loop_steps=100, sync_s=5.0), (0, 1): status(0, 1, loop_s=10.0, loop_steps=100, sync_s=4.0),
+           (1, 0): status(1, 0, loop_s=10.0, loop_steps=50, sync_s=0.5), (1, 1): status(1, 1)}  # (1, 1): no loop yet
+    s = read_state(write_run(tmp_path, sts), now=NOW)
+    assert row(s, "c0r1")["step_rate"] == 10.0 and row(s, "c0r1")["sync_share"] == 0.4
+    assert row(s, "c1r1")["step_rate"] is None and row(s, "c1r1")["sync_share"] is None
+    c0, c1 = s["clusters"]
+    assert c0["step_rate"] == 10.0 and c0["sync_share"] == pytest.approx(0.45)
+    assert c1["step_rate"] == 5.0 and c1["sync_share"] == 0.05
+
+
+def test_with_the_asynchronous_outer_level_each_cluster_shows_its_version_and_lag(tmp_path):
+    """sync.async_outer: outer_round counts global versions; a cluster's lag is the newest
+    version any cluster holds minus its own. Synchronous runs show no version or lag."""
+    sts = {(0, 0): status(0, 0, outer_round=9, asynchronous=True, version_lag=0), (0, 1): status(0, 1, outer_round=9, asynchronous=True),
+           (1, 0): status(1, 0, outer_round=6, asynchronous=True, version_lag=2), (1, 1): status(1, 1, outer_round=6, asynchronous=True)}
+    s = read_state(write_run(tmp_path, sts), now=NOW)
+    c0, c1 = s["clusters"]
+    assert (c0["version"], c0["version_lag"], c1["version"], c1["version_lag"]) == (9, 0, 6, 3)
+    assert row(s, "c1r0")["version_lag"] == 2 and row(s, "c1r0")["asynchronous"] is True
+    sync = read_state(write_run(tmp_path / "sync", all4()), now=NOW)
+    assert [(c["asynchronous"], c["version_lag"]) for c in sync["clusters"]] == [(False, None), (False, None)]
+
+
 def test_missing_replica_groups_still_have_a_slot(tmp_path):
     s = read_state(write_run(tmp_path, {(0, 0): status(0, 0)}, job=[{"t": NOW - 2, "kind": "start", "cluster": 1, "replica": 1, "pid": 77}]), now=NOW)
     assert [r["name"] for c in s["clusters"] for r in c["replicas"]] == ["c0r0", "c0r1", "c1r0", "c1r1"]
@@ -486,6 +512,7 @@ def test_live_page_shows_the_hierarchy_updates_and_kills(live_job, browser):
             expect(cluster.locator(".c-role .role-leader")).to_have_count(1)
             expect(cluster.locator(".c-role .role-member")).to_have_count(1)
             expect(cluster.locator(".cluster-head")).to_contain_text("quorum #")
+            expect(cluster.locator(".cluster-head .pace")).to_contain_text("in sync", timeout=30_000)  # hier: its pace
         phases = page.locator("tr.rg-row .c-phase .phase").all_inner_texts()
         assert len(phases) == 4 and all(p in dash_phases() for p in phases), phases
         expect(page.locator(".lh-global")).to_contain_text("quorum #")
@@ -572,6 +599,22 @@ def test_the_page_shows_what_outer_auto_measured_and_picked(tmp_path, browser):
         stop()
 
 
+def test_the_page_shows_each_clusters_steps_per_second_and_share_in_sync(tmp_path, browser):
+    from playwright.sync_api import expect
+
+    sts = {(0, 0): status(0, 0, loop_s=10.0, loop_steps=100, sync_s=5.0), (0, 1): status(0, 1, loop_s=10.0, loop_steps=100, sync_s=4.0),
+           (1, 0): status(1, 0, loop_s=10.0, loop_steps=50, sync_s=0.5), (1, 1): status(1, 1, loop_s=10.0, loop_steps=50, sync_s=0.5)}
+    url, stop = start_in_thread(DashboardConfig(run_dir=str(write_run(tmp_path, sts)), port=0, refresh_ms=500))
+    page, errors = open_page(browser, url)
+    try:
+        expect(page.locator('.cluster[data-cluster="0"] .cluster-head .pace')).to_have_text("steps/s 10.00 in sync 45%", timeout=10_000)
+        expect(page.locator('.cluster[data-cluster="1"] .cluster-head .pace')).to_have_text("steps/s 5.00 in sync 5%")
+        assert errors == []
+    finally:
+        page.close()
+        stop()
+
+
 @pytest.mark.slow
 def test_without_the_flag_there_is_no_kill(live_job, browser):
     url, stop = start_in_thread(DashboardConfig(run_dir=str(live_job.run_dir), port=0, refresh_ms=500))
@@ -590,3 +633,22 @@ def test_without_the_flag_there_is_no_kill(live_job, browser):
     finally:
         page.close()
         stop()
+
+
+def test_a_request_naming_another_host_is_refused_dns_rebinding(tmp_path, caplog):
+    """A page on evil.example whose name was rebound to 127.0.0.1 reaches the dashboard with
+    ``Host: evil.example``: refused (403, one log line), kills included; the dashboard's own
+    names, IP literals and dashboard.allowed_hosts pass."""
+    write_run(tmp_path, {(0, 0): status(0, 0, started_at=time.time() - 5, updated_at=time.time())})
+    app = dash_server.create_app(DashboardConfig(run_dir=str(tmp_path), allow_kill=True)).test_client()
+    with caplog.at_level("WARNING"):
+        for path in ("/", "/api/state"):
+            r = app.get(path, headers={"Host": "evil.example:8265"})
+            assert r.status_code == 403 and "not this dashboard" in r.get_json()["error"]
+        assert app.post("/api/replicas/0/0/kill", json={}, headers={"Host": "evil.example"}).status_code == 403
+    assert sum("refused" in r.getMessage() and "evil.example" in r.getMessage() for r in caplog.records) == 3
+    for host in ("127.0.0.1:8265", "localhost:8265", "[::1]:8265", "10.1.2.3"):
+        assert app.get("/api/state", headers={"Host": host}).status_code == 200, host
+    named = dash_server.create_app(DashboardConfig(run_dir=str(tmp_path), host="0.0.0.0", allowed_hosts=["dash.example"])).test_client()
+    assert named.get("/api/state", headers={"Host": "dash.example:8265"}).status_code == 200
+    assert named.get("/api/state", headers={"Host": "localhost:8265"}).status_code == 403  # not loopback-bound: names must be listed

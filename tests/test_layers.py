@@ -17,9 +17,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 PACKAGE = "hier_localsgd"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-# The core subpackages, lowest first: process plumbing, model-state numerics, a level's
+# The core subpackages, lowest first: process plumbing, the job secret and the no-code state format, model-state numerics, a level's
 # links (process group and link emulation), the torchft-facing pieces.
-CORE_ORDER: Tuple[str, ...] = ("runtime", "tensors", "links", "ft")
+CORE_ORDER: Tuple[str, ...] = ("runtime", "security", "tensors", "links", "ft")
 
 # Lowest first. experiments.sections (the experiments' config sections, dataclasses only)
 # and chaos_faults (the fault kinds they name) sit below the root config that composes

@@ -90,12 +90,13 @@ def test_a_restarted_lighthouse_reissuing_a_quorum_id_gets_a_fresh_group():
         lh = lighthouse(port)
         # torchft's own heartbeat reaches the new lighthouse only after its reconnect backoff
         # (up to ~10 s, longer on a loaded machine; the quorum waits for a heartbeat): beat
-        # directly while asking, as a returning member does (LevelManager._rejoin).
+        # directly while asking, as a returning member does (LevelManager._rejoin). 90 s: a
+        # fresh-clone CI run under full load once ran past 30 s here.
         asked = threading.Event()
         beater = threading.Thread(target=_beat_until, args=(addr, a.full_replica_id, asked), daemon=True)
         beater.start()
         try:
-            view = a.start_quorum(timedelta(seconds=30))
+            view = a.start_quorum(timedelta(seconds=90))
         finally:
             asked.set()
             beater.join(5)

@@ -251,3 +251,32 @@ def test_a_leader_dying_with_its_outer_round_in_flight_hands_over_and_the_job_en
         assert 10 in [e["step"] for e in run.kinds((0, 1), "eager_step")]
     launches = [e["step"] for k in run.job.keys() for e in run.kinds(k, "outer_launch")]
     assert 10 in launches and 30 in launches and 40 not in launches  # the last outer round blocks
+
+
+@pytest.mark.slow
+def test_the_global_model_evaluated_at_the_merges_is_one_model_in_every_group(tmp_path):
+    """``train.eval_global`` with overlapped outer rounds: at every merge (steps 15, 25, 35;
+    step 5 holds the initial model) each group evaluates the global model it applied, the
+    same in all four groups (equal losses bit for bit: one eval set), where their live
+    models differ (each cluster's own progress since the launch). (That the live model comes
+    back: tests/test_api.py, by hand.)"""
+    run = run_job(tmp_path, [*JOB, "train.eval_every=10", "train.eval_offset=5", "train.eval_global=true"])
+    assert all(code == 0 for code in run.codes.values()) and run.summary["consistent"], logs_tail(run)
+    keys = sorted(run.job.keys())
+    assert len(keys) == 4
+    glob = {k: {e["step"]: e["loss"] for e in run.kinds(k, "eval_global")} for k in keys}
+    live = {k: {e["step"]: e["loss"] for e in run.kinds(k, "eval") if e["step"] in (5, 15, 25, 35)} for k in keys}
+    for k in keys:
+        assert sorted(glob[k]) == [5, 15, 25, 35] and sorted(live[k]) == [5, 15, 25, 35], (k, glob[k], live[k])
+    for step in (5, 15, 25, 35):
+        assert len({glob[k][step] for k in keys}) == 1, (step, glob)
+    for step in (15, 25, 35):
+        assert len({live[k][step] for k in keys}) > 1, (step, live)  # the clusters' live models differ there
+        assert glob[keys[0]][step] not in {live[k][step] for k in keys}, (step, glob, live)
+
+
+def test_eval_global_needs_the_hierarchy():
+    from hier_localsgd import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"train\.eval_global: needs sync\.mode=hier \(sync\.mode=flat"):
+        load_config(["sync.mode=flat", "train.eval_global=true"], validate_for="demo")

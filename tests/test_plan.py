@@ -546,3 +546,17 @@ def test_the_pick_plans_an_int8_config_whose_block_topk2_cannot_take():
     assert p["outer_pick"]["overrides"][:1] == ["sync.outer.compression=topk2"]
     assert "sync.outer.compression_block=256" in p["outer_pick"]["overrides"]
     load_config(["model=llama3_debugmodel", *p["outer_pick"]["overrides"]], validate_for="plan")
+
+
+def test_the_asynchronous_outer_level_is_a_push_and_the_model_back_by_hand():
+    """sync.async_outer: one leader's exchange is two WAN transfers of S (up, and the model
+    back), 2 x (S/B + latency) + overhead; the slow links carry 2S per cluster per period."""
+    over = ["model=llama3_debugmodel", "links.outer.bandwidth_gbps=0.1", "links.outer.latency_ms=20", "plan.round_overhead_s=0.01"]
+    sync = plan_planner.make_plan(load_config(over, validate_for="plan"))
+    asy = plan_planner.make_plan(load_config([*over, "sync.async_outer.enabled=true"], validate_for="plan"))
+    s = sync["sync"]["sync_bytes"]
+    assert asy["outer_round"]["asynchronous"] is True and asy["outer_round"]["bytes"] == 2 * s
+    assert asy["outer_round"]["s"] == pytest.approx(2 * (s / (0.1e9 / 8) + 0.020) + 0.01)
+    period = sync["h"]["inner"] * sync["h"]["outer"]
+    assert asy["modes"]["hier"]["slow_link_bytes_per_step"] == pytest.approx(2 * 2 * s / period)  # 2 clusters, 1 rank each
+    assert "asynchronous" not in sync["outer_round"]

@@ -385,3 +385,36 @@ def test_kills_of_a_chaos_report_name_the_sync_phase_they_hit():
         {"targets": ["c0r0"], "step": {"c0r0": 57}},  # an older report: no phases
     ]}
     assert kills_of(report, replicas=2) == ["s109:0", "s240:1:1@BROADCAST", "s0:0:1", "s330:1:0@INNER_COMMIT", "s57:0:0"]
+
+
+def test_a_half_speed_cluster_holds_the_fast_one_at_the_outer_barrier_as_computed_by_hand():
+    """Free syncs, 1 s steps, H 10 x 3 (an outer round every 30 steps), 120 s. Cluster 1 at
+    half speed ends an outer period every 60 s; cluster 0 every 30 s, then waits 30 s at the
+    global lighthouse (a single joiner of two live leaders is no majority: it waits). So 60
+    steps in 2 outer rounds instead of 120 in 4; cluster 0's 2 groups compute 60 s and wait
+    60 s each: wait 120 replica-seconds, goodput (2 x 60 + 2 x 120) / 480 = 0.75."""
+    cfg = free_network()
+    cfg.simulate.duration_s = 120.0
+    even = one_run(cfg)
+    assert (even.final_step, even.outer_rounds, even.wait, even.goodput) == (120, 4, 0.0, 1.0)
+    cfg.topology.cluster_speed = [1.0, 0.5]
+    r = one_run(cfg)
+    assert (r.end_s, r.final_step, r.outer_rounds, r.inner_rounds) == (120.0, 60, 2, 12)
+    assert (r.compute, r.wait, r.goodput, r.expected_no_failure_goodput) == (360.0, 120.0, 0.75, 0.75)
+    assert r.balance_error < 1e-12
+    # The asynchronous outer level (sync.async_outer): nobody waits. Cluster 0 pushes at 30,
+    # 60, 90 and 120 s, cluster 1 at 60 and 120 s (2 versions behind: merged, within the
+    # bound of 4); 6 pushes, 120 steps for cluster 0, no wait, every second of compute kept.
+    cfg.sync.async_outer.enabled = True
+    a = one_run(cfg)
+    assert (a.end_s, a.final_step, a.outer_rounds, a.wait, a.goodput, a.expected_no_failure_goodput) == (120.0, 120, 6, 0.0, 1.0, 1.0)
+    assert a.lost == {} and a.balance_error < 1e-12
+    # Beyond the staleness bound: cluster 1 at a fifth of the speed pushes once, at 150 s,
+    # from version 0 when the model is at version 4 or 5 (bound 2): not merged, its 300
+    # replica-seconds are discarded; cluster 0's 300 are kept.
+    cfg.topology.cluster_speed, cfg.simulate.duration_s, cfg.sync.async_outer.max_staleness = [1.0, 0.2], 150.0, 2
+    b = one_run(cfg)
+    assert (b.end_s, b.goodput, b.lost, b.wait) == (150.0, 0.5, {"discarded": 300.0}, 0.0)
+    cfg.sync.async_outer.enabled = False
+    with pytest.raises(ConfigError, match=r"^topology\.cluster_speed: \[1\.0, 0\.5\] — clusters of different speeds need sync\.mode=hier"):
+        small("flat", "topology.cluster_speed=[1.0,0.5]")

@@ -124,7 +124,7 @@ def fit_link(small: tuple[float, float], large: tuple[float, float], clusters: i
 class Loopback:
     """Loopback as linkcheck's workers' network: every cluster on 127.0.0.1 (no namespaces)."""
 
-    def address(self, _where: Any) -> str:
+    def service_address(self, _where: Any) -> str:
         return "127.0.0.1"
 
     def cluster_iface(self, _cluster: int) -> str:

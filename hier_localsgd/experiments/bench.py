@@ -14,6 +14,9 @@ spec):
 * ``flat_overlap`` / ``hier_overlap`` (by ``bench.arms``) — ``flat_count`` with torchft's
   ``fragment_sync_delay`` = H_inner local steps, and ``hier`` with the outer round
   overlapped by one inner round (``sync.outer.delay=1``, overlap.py);
+* ``hier_async`` (by ``bench.arms``) — ``hier`` with the asynchronous outer level
+  (``sync.async_outer.enabled``): its curve is every group's evaluation at its outer rounds
+  in the order of training time (the clusters are at different steps at one time);
 * a bare training loop (no sync, no machinery) per replica group, run concurrently like
   the arms, for the per-step overhead of the hierarchy on steps without a sync.
 
@@ -109,6 +112,8 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         "hier_overlap_eager": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.eager=true"],
         # the outer configuration picked for the measured link and step (experiments/auto.py)
         "hier_auto": ["sync.mode=hier", "sync.outer.auto=true"],
+        # the asynchronous outer level (sync/global_server.py): no cluster waits for another
+        "hier_async": ["sync.mode=hier", "sync.async_outer.enabled=true"],
         "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
         "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],
         # streaming fragments (core/tensors/fragments.py): half the model per outer round, twice as often
@@ -131,10 +136,13 @@ def _split_bytes(mode: str, result: dict, C: int, R: int) -> Tuple[float, float]
     return slow, total - slow
 
 
-def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int) -> List[Dict[str, float]]:
-    """Per eval step: mean eval loss, the spread of the groups' losses (0 when every group
-    evaluated the same model: the eval set is shared), mean seconds since training started
-    less the evaluations before it, job-wide slow bytes."""
+EVAL_KINDS = ("eval", "eval_global")  # the live model's evaluations; the global model's (train.eval_global)
+
+
+def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int, kind: str = "eval") -> List[Dict[str, float]]:
+    """Per eval step of ``kind`` (EVAL_KINDS): mean eval loss, the spread of the groups'
+    losses (0 when every group evaluated the same model: the eval set is shared), mean
+    seconds since training started less every evaluation before it, job-wide slow bytes."""
     start = {}
     for k, evs in events.items():
         s = next((e["t"] for e in evs if e["kind"] == "phase" and e["src"] == "START"), None)
@@ -144,9 +152,10 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
     for k, evs in events.items():
         spent = 0.0  # evaluation seconds so far: not training time
         for e in evs:
-            if e["kind"] == "eval" and k in start:
+            if e["kind"] in EVAL_KINDS and k in start:
                 spent += e.get("eval_s", 0.0)
-                by_step.setdefault(e["step"], []).append((k, {**e, "t": e["t"] - spent}))
+                if e["kind"] == kind:
+                    by_step.setdefault(e["step"], []).append((k, {**e, "t": e["t"] - spent}))
     curve = []
     for step in sorted(by_step):
         pts = by_step[step]
@@ -160,6 +169,34 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int)
         t = sum(max(0.0, e["t"] - start[k]) for k, e in pts) / len(pts) if step > 0 else 0.0
         losses = [e["loss"] for _, e in pts]
         curve.append({"step": step, "loss": sum(losses) / len(losses), "spread": max(losses) - min(losses), "t": t, "slow_bytes": slow})
+    return curve
+
+
+def _time_curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int) -> List[Dict[str, float]]:
+    """The asynchronous outer level (clusters at different steps at the same time): every
+    group's evaluation of the global version it just adopted (at its outer rounds), in the
+    order of training time (seconds since its start less its evaluations before it), each
+    with the job-wide slow bytes so far. The first point at or under a target is the time
+    the job's model reached it."""
+    pts = []
+    for k, evs in events.items():
+        start = next((e["t"] for e in evs if e["kind"] == "phase" and e["src"] == "START"), None)
+        if start is None:
+            continue
+        spent = 0.0
+        for e in evs:
+            if e["kind"] in EVAL_KINDS:
+                spent += e.get("eval_s", 0.0)
+                if e["kind"] == "eval":
+                    pts.append({"step": e["step"], "loss": e["loss"], "spread": 0.0, "t": max(0.0, e["t"] - spent - start) if e["step"] > 0 else 0.0,
+                                "bytes": e.get("bytes") or {}, "key": k})
+    pts.sort(key=lambda p: p["t"])
+    latest: Dict[Tuple[int, int], float] = {}
+    curve = []
+    for p in pts:  # slow bytes: each group's counter at its latest evaluation so far
+        fake = {"link": {lv: {"sent_bytes_total": v} for lv, v in p.pop("bytes").items()}}
+        latest[p.pop("key")] = _split_bytes(mode, fake, C, R)[0]
+        curve.append({**p, "slow_bytes": sum(latest.values())})
     return curve
 
 
@@ -240,11 +277,12 @@ def sync_eval(cfg: Config) -> List[str]:
     period's grid. At these points the blocking arms' groups hold one model (the curve's
     ``spread`` shows it); an overlapped hier arm's clusters differ by their progress since
     the outer round's snapshot, and with streaming fragments by the fragments not synced
-    in that round."""
+    in that round; for those the global model is evaluated too (``curve_global``)."""
     s = cfg.sync
     period = s.outer_period
     if s.mode == "hier":
-        return [f"train.eval_every={period}", f"train.eval_offset={(s.outer.delay * s.inner.every) % period}"]
+        overlap = ["train.eval_global=true"] if s.outer.delay else []  # also the shared global model (its own curve)
+        return [f"train.eval_every={period}", f"train.eval_offset={(s.outer.delay * s.inner.every) % period}", *overlap]
     if s.mode == "flat":
         return [f"train.eval_every={s.flat.every}", "train.eval_offset=0"]
     return [f"train.eval_every={period}", "train.eval_offset=0"]
@@ -276,6 +314,7 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
                 print(f"bench: {name}: sync.outer.auto failed: {e}", flush=True)
                 return {"arm": name, "failed": True, "error": f"sync.outer.auto: {e}", "exit_codes": {}, "run_dir": str(run_dir)}
             job.overrides = [*picked, *sync_eval(cfg)]  # evaluated at the picked configuration's merges
+            cfg = load_config(job.overrides, validate_for="demo")  # with them (train.eval_global: the global curve)
         if wan_bps and job.netns is not None:
             before = job.netns.uplink_bytes()
         job.start_lighthouses()
@@ -319,7 +358,9 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         "entropy_floor": floor,
         "excess_loss": None if floor is None else final - floor,
         "consistent": len({r["checksum"] for r in results}) == 1,
-        "curve": _curve(mode, events, C, R),
+        "curve": _time_curve(mode, events, C, R) if cfg.sync.async_outer.enabled else _curve(mode, events, C, R),
+        # overlapped hier (train.eval_global): the global model at the merges, the one model the clusters share
+        "curve_global": _curve(mode, events, C, R, kind="eval_global") if cfg.train.eval_global else None,
         "sync": {lv: sync_ratio(results, lv, wan_n, through_tbf if wire and lv == wan_level else None) for lv in levels},
         "wire": None if wire is None else {**wire, "accounted_slow_bytes": slow, "wire_vs_accounted": wire["tx_bytes"] / slow if slow else None},
         "local_step_s": sum(local) / len(local) if local else None,

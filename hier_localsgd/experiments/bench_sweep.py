@@ -82,9 +82,12 @@ def summarize(runs: List[Dict[str, Any]], target: float, bare_s: Optional[float]
         ok = [r for r in rs if not r.get("failed")]
         hit = [r.get("reached") for r in ok]
         steps = stats([h["step"] if h else None for h in hit])
+        global_model = [r for r in ok if r.get("curve_global")]
         out.append({
             "wan_gbps": gbps, "arm": arm, "runs": len(rs), "failed": len(rs) - len(ok),
             "steps_to_target": steps,
+            # overlapped arms: the first merge where the global model (not the groups' live ones) reached it
+            "steps_to_target_global": stats([r["reached_global"]["step"] if r.get("reached_global") else None for r in global_model]) if global_model else None,
             "time_to_target_s": stats([h["t"] if h else None for h in hit]),
             "slow_bytes_to_target": stats([h["slow_bytes"] if h else None for h in hit]),
             "final_eval_loss": stats([r["final_eval_loss"] for r in ok]),
@@ -112,7 +115,8 @@ def table(points: List[Dict[str, Any]], target: float) -> str:
         ratio = "-" if not t or not b else f"{t['median'] / b:.2f}"
         spread = "-" if p["max_spread_at_evals"] is None else f"{p['max_spread_at_evals']:.2g}"
         wire = "-" if p["wire_vs_accounted"] is None else f"{p['wire_vs_accounted']['median']:.3f}"
-        lines.append(f"| {p['wan_gbps'] * 1e3:g} Mbit/s | {p['arm']} | {_s(p['steps_to_target'], '.0f')} | {_s(t, '.1f')} | "
+        steps = _s(p["steps_to_target"], ".0f") + ("" if not p.get("steps_to_target_global") else f"; global model {_s(p['steps_to_target_global'], '.0f')}")
+        lines.append(f"| {p['wan_gbps'] * 1e3:g} Mbit/s | {p['arm']} | {steps} | {_s(t, '.1f')} | "
                      f"{'-' if b is None else f'{b:.1f}'} | {ratio} | {_s(p['slow_bytes_to_target'], '.2f', 1e6)} | "
                      f"{_s(p['final_eval_loss'], '.4f')} | {spread} | {wire} | {p['failed']}/{p['runs']} |")
     return "\n".join(lines)
@@ -199,7 +203,8 @@ def run_sweep(cfg: Config, overrides: List[str]) -> int:
                 print(f"[{time.time() - t0:.0f}s] {label} ...", flush=True)
                 r = run_arm(label, [*base, *rate, *extra, f"train.seed={seed}", f"data.stream={seed}"], out, b.timeout_s,
                             gbps * 1e9 if b.links == "kernel" else 0.0)
-                r.update(arm=name, wan_gbps=gbps, seed=seed, seeds=list(b.seeds), reached=None if r.get("failed") else reach(r["curve"], target))
+                r.update(arm=name, wan_gbps=gbps, seed=seed, seeds=list(b.seeds), reached=None if r.get("failed") else reach(r["curve"], target),
+                         reached_global=None if r.get("failed") or not r.get("curve_global") else reach(r["curve_global"], target))
                 runs.append(r)
     points = summarize(runs, target, bare_s)
     chaos = None

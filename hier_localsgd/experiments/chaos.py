@@ -512,11 +512,12 @@ def _prepare(cfg: Config) -> Config:
 
 def flat_counterpart(overrides: List[str], extra: Sequence[str] = ()) -> List[str]:
     """The flat run's overrides for ``chaos.compare_flat``: the same with ``sync.mode=flat``,
-    less hier's outer compression and streaming fragments (``sync.outer.*`` is hier's; those
-    two are what a flat config refuses). Flat torchft DiLoCo sends fp32, whole, every
+    less hier's outer compression, streaming fragments and global-model evaluation (``sync.outer.*``
+    is hier's; those three are what a flat config refuses). Flat torchft DiLoCo sends fp32, whole, every
     ``sync.flat.every`` steps (its own streaming: ``sync.flat.fragments``). ``extra``: the
     caller's settings for the flat side only (the bench: flat's own evaluation points)."""
-    return [*overrides, "sync.mode=flat", f"sync.outer.compression={NO_COMPRESSION}", "sync.outer.fragments=1", *extra]
+    return [*overrides, "sync.mode=flat", f"sync.outer.compression={NO_COMPRESSION}", "sync.outer.fragments=1",
+            "train.eval_global=false", *extra]
 
 
 def run_chaos(cfg: Config, overrides: List[str], flat_extra: Sequence[str] = ()) -> int:

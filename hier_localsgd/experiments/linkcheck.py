@@ -78,6 +78,7 @@ class Measurement:
     tx_bytes: List[float] = field(default_factory=list)  # mean over ranks, per repetition
     bound_s: float = 0.0
     analytic_bytes: float = 0.0
+    tunnel: bool = False  # through the WireGuard mesh (security.wan=tunnel; launch/tunnel.py)
 
     @property
     def time_s(self) -> float:
@@ -157,10 +158,11 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 * 1024, reps: int = 3, modes: tuple = ("kernel", "emulated"),
-            op: str = "allreduce", busy: int = 0, burst_bytes: Optional[int] = None) -> List[Measurement]:
+            op: str = "allreduce", busy: int = 0, burst_bytes: Optional[int] = None, tunnel: bool = False) -> List[Measurement]:
     """Times ``reps`` all-reduces of ``nbytes`` among ``clusters`` processes (one per
     cluster namespace) for each mode, on a fresh cluster network removed afterwards
-    (``op``, ``busy``: the module's docstring).
+    (``op``, ``busy``: the module's docstring); ``tunnel``: inside the network's WireGuard
+    mesh (the shaped uplinks then carry WireGuard's packets, overhead included).
 
     Raises:
         LinkCheckError: a worker failed or timed out.
@@ -182,7 +184,7 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
         raise ValueError(f"linkcheck: op {op!r} — expected allreduce, int8 or topk2")
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, analytic, burst_bytes)
+        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, analytic, burst_bytes, tunnel)
     finally:
         for b in burners:
             b.kill()
@@ -190,13 +192,15 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
 
 
 def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: int, modes: tuple, op: str, busy: int,
-             analytic: float, burst_bytes: Optional[int] = None) -> List[Measurement]:
+             analytic: float, burst_bytes: Optional[int] = None, tunnel: bool = False) -> List[Measurement]:
+    import secrets
+
     from hier_localsgd.launch.netns import ClusterNetwork, tbf_burst_bytes, tbf_transfer_s
 
     burst = tbf_burst_bytes(rate) if burst_bytes is None else burst_bytes
 
     out = []
-    with ClusterNetwork(clusters) as net:
+    with ClusterNetwork(clusters, tunnel_secret=secrets.token_bytes(32) if tunnel else None) as net:
         for mode in modes:
             for c in range(clusters):
                 if mode == "kernel":
@@ -206,7 +210,8 @@ def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: in
             # The emulator sleeps up to the bound at the rate; tbf first lets its bucket through.
             kernel = mode == "kernel"
             bound = tbf_transfer_s(analytic, rate, burst) if kernel else analytic / (rate / 8)
-            m = Measurement(clusters, rate_mbit, nbytes, mode, op, busy, burst if kernel else None, bound_s=bound, analytic_bytes=analytic)
+            m = Measurement(clusters, rate_mbit, nbytes, mode, op, busy, burst if kernel else None, bound_s=bound, analytic_bytes=analytic,
+                            tunnel=tunnel)
             results = run_workers(net, clusters, nbytes, reps, rate / 8 if mode == "emulated" else 0.0, op)
             for i in range(reps):
                 m.times_s.append(max(r["times_s"][i] for r in results))
@@ -218,11 +223,11 @@ def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: in
 def run_workers(net: Any, clusters: int, nbytes: int, reps: int, emulate_Bps: float, op: str = "allreduce",
                  emulate_latency_s: float = 0.0, port: int = STORE_PORT) -> List[Dict[str, Any]]:
     """One worker per cluster on ``net`` (a :class:`~hier_localsgd.launch.netns.ClusterNetwork`,
-    or anything with its ``address``, ``cluster_iface`` and ``wrap``); their results.
+    or anything with its ``service_address``, ``cluster_iface`` and ``wrap``); their results.
     ``port``: the workers' store (a free one where the network is shared, as loopback is)."""
     procs = []
     for c in range(clusters):
-        spec = {"rank": c, "world": clusters, "host": net.address(0), "port": port, "nbytes": nbytes, "reps": reps, "op": op,
+        spec = {"rank": c, "world": clusters, "host": net.service_address(0), "port": port, "nbytes": nbytes, "reps": reps, "op": op,
                 "emulate_Bps": emulate_Bps, "emulate_latency_s": emulate_latency_s, "iface": net.cluster_iface(c),
                 "timeout_s": WORKER_TIMEOUT.total_seconds() / 2}
         argv = net.wrap([sys.executable, "-m", "hier_localsgd.experiments.linkcheck", json.dumps(spec)], where=c)

@@ -10,8 +10,9 @@ dead after ``lighthouse.heartbeat_timeout_ms`` without a heartbeat.
 
 ``hier-localsgd lighthouse`` serves ``lighthouse.serve``: ``all`` (single host:
 global + every cluster in one process), ``global``, or ``cluster`` (with
-``lighthouse.cluster``). Each binds the port of its configured address on all
-interfaces, or on loopback when the address is loopback. It prints one line per
+``lighthouse.cluster``). Each binds its configured address (the host resolved to an IP
+address), never every interface unless ``lighthouse.bind`` says so (a host behind NAT,
+whose advertised address is not one of its own; docs/security.md). It prints one line per
 lighthouse and runs until SIGTERM/SIGINT, or, with ``lighthouse.until_done``,
 until every replica group it serves has written its ``result.json`` under
 ``run.dir`` (a shared directory; results older than the lighthouse do not count).
@@ -56,6 +57,9 @@ class LighthouseConfig:
     # own address, after restart_delay_s; replica processes ride out the outage.
     supervise: bool = True
     restart_delay_s: float = 2.0
+    # The address the lighthouses bind: "" = the host of each one's configured address.
+    # "0.0.0.0" or "::" (every interface) only where that address is not local (NAT).
+    bind: str = ""
 
     def check(self, clusters: int, count_addresses: bool, serving: bool) -> None:
         """``count_addresses``: one cluster address per cluster (the launchers of a local
@@ -105,9 +109,25 @@ def specs(cfg: Config) -> List[LighthouseSpec]:
     return out
 
 
-def bind_address(field: str, addr: str) -> str:
+def bind_address(field: str, addr: str, bind: str = "") -> str:
+    """``ip:port`` (``[ip6]:port``) for a lighthouse at ``addr``: the host of ``addr``
+    (or ``bind``, the ``lighthouse.bind`` override) resolved to one IP address.
+
+    Raises:
+        LighthouseStartFailed: naming ``field`` when the host does not resolve.
+    """
+    import socket
+
     host, port = parse_address(field, addr)
-    return f"127.0.0.1:{port}" if host in _LOOPBACK else f"[::]:{port}"
+    host = (bind or host).strip("[]")
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        fam, _, _, _, sa = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, IndexError) as e:
+        where = f"lighthouse.bind={bind}" if bind else f"{field}={addr}"
+        raise LighthouseStartFailed(f"{where}: cannot resolve {host!r} to an address to bind: {e}", field, False) from None
+    return f"[{sa[0]}]:{port}" if fam == socket.AF_INET6 else f"{sa[0]}:{port}"
 
 
 def result_paths(cfg: Config) -> List[Path]:
@@ -133,8 +153,14 @@ def start(cfg: Config) -> list:
     servers = []
     for sp in specs(cfg):
         try:
+            bind = bind_address(sp.field, sp.addr, cfg.lighthouse.bind)
+        except LighthouseStartFailed:
+            for s in servers:
+                s.shutdown()
+            raise
+        try:
             server = LighthouseServer(
-                bind=bind_address(sp.field, sp.addr),
+                bind=bind,
                 min_replicas=sp.min_replicas,
                 join_timeout_ms=cfg.lighthouse.join_timeout_ms,
                 quorum_tick_ms=cfg.lighthouse.quorum_tick_ms,
@@ -143,12 +169,50 @@ def start(cfg: Config) -> list:
         except Exception as e:
             for s in servers:
                 s.shutdown()
-            in_use = port_in_use(sp.field, sp.addr)
-            why = f"port {parse_address(sp.field, sp.addr)[1]} is already in use (another process listens there)" if in_use else str(e)
+            in_use = port_in_use(sp.field, sp.addr, cfg.lighthouse.bind)
+            why = (f"port {parse_address(sp.field, sp.addr)[1]} is already in use (another process listens there)" if in_use
+                   else f"cannot bind {bind}: {e}")
             raise LighthouseStartFailed(f"{sp.field}={sp.addr}: cannot start the {sp.role} lighthouse: {why}", sp.field, in_use) from e
         servers.append(server)
         print(f"lighthouse {sp.role} serving {sp.addr} (min_replicas={sp.min_replicas})", flush=True)
+    a = cfg.sync.async_outer
+    if a.enabled and cfg.sync.mode == "hier" and cfg.lighthouse.serve in ("all", "global"):
+        try:
+            servers.append(_global_model_server(cfg))
+        except Exception:
+            for s in servers:
+                s.shutdown()
+            raise
+        print(f"global model server serving {a.addr} (grace {a.grace_s:g} s, max staleness {a.max_staleness})", flush=True)
     return servers
+
+
+def _global_model_server(cfg: Config):
+    """The asynchronous outer level's server (sync/global_server.py), next to the global
+    lighthouse: supervised and restarted with it."""
+    from hier_localsgd.core.security.secret import global_model_key
+    from hier_localsgd.core.tensors.level import LevelAlgorithm
+    from hier_localsgd.sync.global_server import GlobalModelServer
+
+    s, a, field = cfg.sync, cfg.sync.async_outer, "sync.async_outer.addr"
+    host, port = bind_address(field, a.addr, cfg.lighthouse.bind).rsplit(":", 1)
+    key = global_model_key(cfg.security)
+    import ipaddress
+
+    if key is None and not ipaddress.ip_address(host.strip("[]")).is_loopback:
+        # Heals without a secret only read; a push writes the global model: never open to anyone.
+        raise LighthouseStartFailed(f"{field}={a.addr}: the global model server on a non-loopback address needs a job secret "
+                                    "(security.secret_file or HIER_LOCALSGD_SECRET; `hier-localsgd keygen`)", field, False)
+    try:
+        return GlobalModelServer(
+            host.strip("[]"), int(port), LevelAlgorithm.build(s.outer.algorithm, s.outer.lr, s.outer.momentum, s.outer.nesterov),
+            full_tokens=cfg.topology.replicas_per_cluster * s.outer_period, max_staleness=a.max_staleness,
+            clusters=cfg.topology.clusters, grace_s=a.grace_s, min_clusters=a.min_clusters, final_wait_s=s.final_wait_s,
+            key=None if key is None else key.bytes())
+    except OSError as e:
+        in_use = port_in_use(field, a.addr, cfg.lighthouse.bind)
+        why = f"port {port} is already in use (another process listens there)" if in_use else f"cannot bind {host}:{port}: {e}"
+        raise LighthouseStartFailed(f"{field}={a.addr}: cannot start the global model server: {why}", field, in_use) from e
 
 
 class LighthouseStartFailed(RuntimeError):
@@ -160,18 +224,23 @@ class LighthouseStartFailed(RuntimeError):
         self.field, self.in_use = field, in_use
 
 
-def port_in_use(field: str, addr: str) -> bool:
-    """Whether something already listens at (or holds) the port ``addr`` binds (bind_address)."""
+def port_in_use(field: str, addr: str, bind: str = "") -> bool:
+    """Whether something already listens at (or holds) the port ``addr`` binds (bind_address);
+    False for any other bind error (an address that is not this host's, say)."""
+    import errno
     import socket
 
-    host, port = bind_address(field, addr).rsplit(":", 1)
+    try:
+        host, port = bind_address(field, addr, bind).rsplit(":", 1)
+    except LighthouseStartFailed:
+        return False
     fam = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
     with socket.socket(fam, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the lighthouse's own listener
         try:
             s.bind((host.strip("[]"), int(port)))
-        except OSError:
-            return True
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
     return False
 
 

@@ -50,6 +50,24 @@ SPARE_RESPAWN_S = 10.0  # after a restart took the spare, the next one starts th
 
 
 def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range: a port that bind(0) hands
+    out (every store, heal server, ManagerServer and Gloo pair of every job on the host)
+    could be taken between this pick and the lighthouse's bind, or while a killed
+    lighthouse waits to restart at its port; one below the range never is."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(200 if low > 11000 else 0):
+        port = random.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -140,13 +158,16 @@ class LocalJob:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.events_path = self.run_dir / JOB_EVENTS_FILE
         self.gate_path.unlink(missing_ok=True)
-        if self.cfg.run.netns:
+        self.secret_overrides = self._job_secret()
+        if self.cfg.run.netns or self.cfg.security.wan == "tunnel":  # the demo's tunnel joins namespaces
             self._make_network()
         elif self.free_ports:
             g = f"http://127.0.0.1:{free_port()}"
             cs = [f"http://127.0.0.1:{free_port()}" for _ in range(self.cfg.topology.clusters)]
             self.addr_overrides = [f"lighthouse.global_addr='{g}'", "lighthouse.cluster_addrs=[" + ",".join(f"'{a}'" for a in cs) + "]"]
             self.global_addr, self.cluster_addrs = g, cs
+            if self.cfg.sync.async_outer.enabled:  # the global model server, in the global lighthouse's process
+                self.addr_overrides.append(f"sync.async_outer.addr='http://127.0.0.1:{free_port()}'")
         else:
             self.global_addr, self.cluster_addrs = self.cfg.lighthouse.global_addr, list(self.cfg.lighthouse.cluster_addrs)
 
@@ -157,11 +178,35 @@ class LocalJob:
         lh = self.cfg.lighthouse
         _, gport = parse_address("lighthouse.global_addr", lh.global_addr)
         ports = [parse_address(f"lighthouse.cluster_addrs[{i}]", a)[1] for i, a in enumerate(lh.cluster_addrs)]
-        self.netns = ClusterNetwork(self.cfg.topology.clusters)
-        g = f"http://{self.netns.address('hub')}:{gport}"
-        cs = [f"http://{self.netns.address(i)}:{ports[i] if i < len(ports) else 29511}" for i in range(self.cfg.topology.clusters)]
+        secret = None
+        if self.cfg.security.wan == "tunnel":
+            from hier_localsgd.core.security.secret import SecurityConfig, load_secret
+
+            secret = load_secret(SecurityConfig(secret_file=self._secret_path()))
+        self.netns = ClusterNetwork(self.cfg.topology.clusters, tunnel_secret=secret)
+        g = f"http://{self.netns.service_address('hub')}:{gport}"
+        cs = [f"http://{self.netns.service_address(i)}:{ports[i] if i < len(ports) else 29511}" for i in range(self.cfg.topology.clusters)]
         self.addr_overrides = [f"lighthouse.global_addr='{g}'", "lighthouse.cluster_addrs=[" + ",".join(f"'{a}'" for a in cs) + "]"]
         self.global_addr, self.cluster_addrs = g, cs
+        if self.cfg.sync.async_outer.enabled:  # the global model server, in the hub with the global lighthouse
+            _, mport = parse_address("sync.async_outer.addr", self.cfg.sync.async_outer.addr)
+            self.addr_overrides.append(f"sync.async_outer.addr='http://{self.netns.service_address('hub')}:{mport}'")
+
+    def _job_secret(self) -> List[str]:
+        """A local job without a secret of its own gets one (``<run.dir>/job.secret``, mode
+        0600, kept across resumes): its heals are authenticated like a deployment's."""
+        from hier_localsgd.core.security.secret import SECRET_ENV, keygen
+
+        if self.cfg.security.secret_file or os.environ.get(SECRET_ENV):
+            return []
+        path = self.run_dir / "job.secret"
+        if not path.exists():
+            keygen(str(path))
+        return [f"security.secret_file={path}"]
+
+    def _secret_path(self) -> str:
+        """The job secret's file ("" when it comes in the environment)."""
+        return self.cfg.security.secret_file or (str(self.run_dir / "job.secret") if self.secret_overrides else "")
 
     @staticmethod
     def _where(role: str) -> Union[int, str]:
@@ -170,7 +215,8 @@ class LocalJob:
 
     # -- processes -------------------------------------------------------------
     def _args(self) -> List[str]:
-        return list(self.overrides) + self.addr_overrides + self._backend_overrides() + [f"run.dir={self.run_dir}"]
+        return (list(self.overrides) + self.addr_overrides + self._backend_overrides() + self.secret_overrides
+                + [f"run.dir={self.run_dir}"])
 
     def _backend_overrides(self) -> List[str]:
         """Every group on this host: Gloo for the ``auto`` levels that groups sharing a GPU
@@ -205,7 +251,7 @@ class LocalJob:
         fieldname, addr = next((f, a) for r, f, a in self.lighthouse_roles() if r == role)
         serve = ["lighthouse.serve=global"] if role == "global" else ["lighthouse.serve=cluster", f"lighthouse.cluster={self._where(role)}"]
         prev = self.lighthouses.get(role)
-        if prev is None and self.netns is None and port_in_use(fieldname, addr):
+        if prev is None and self.netns is None and port_in_use(fieldname, addr, self.cfg.lighthouse.bind):
             # A foreign listener would answer the probe below as if it were ours.
             fail(fieldname, f"{addr}: port {parse_address(fieldname, addr)[1]} is already in use (another process listens there); "
                  "free it, or let the launcher pick free ports (demo.free_ports=true)")
@@ -248,7 +294,7 @@ class LocalJob:
         prev = self.replicas.get((cluster, replica))
         if prev is not None and not extra:
             extra = prev.extra  # a restart keeps the original arguments
-        host = [f"run.hostname={self.netns.address(cluster)}"] if self.netns is not None else []  # its namespace's address
+        host = [f"run.hostname={self.netns.service_address(cluster)}"] if self.netns is not None else []  # its namespace's address
         train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *host, *extra]
         env: Dict[str, str] = {}
         if self.cfg.run.program:  # a user's program (job.py): its overrides come in the environment

@@ -8,6 +8,12 @@
       ...
     <p>-c<i>  namespace of cluster i: its lighthouse and its replica-group processes
 
+With a tunnel secret (``security.wan=tunnel``, launch/tunnel.py) each namespace also
+gets a WireGuard interface ``<p>wh``/``<p>w<i>`` with an overlay address in 198.19.0.0/24 (hub .1,
+cluster i .(i + 2)); the job's services bind those (:meth:`ClusterNetwork.service_address`),
+the hosts file maps every namespace's name to it, and the WAN side (the bridge, each
+cluster's veth) carries WireGuard's UDP only.
+
 ``<p>`` is a prefix unique to the creating process (``hln<pid><letter>``), so
 concurrent jobs never share a name. Every address is in 198.18.0.0/15 (RFC 2544,
 reserved for benchmarking) and exists only inside these namespaces: the veth pairs
@@ -94,6 +100,7 @@ Where = Union[int, str]  # a cluster index, or "hub"
 COMMAND_TIMEOUT = timedelta(seconds=20)
 SUBNET = "198.18.0.0/24"  # inside 198.18.0.0/15 (RFC 2544)
 HUB_ADDR = "198.18.0.1"
+OVERLAY = "198.19.0"  # security.wan=tunnel: the WireGuard overlay's /24 (also RFC 2544)
 MAX_CLUSTERS = 250  # cluster i is 198.18.0.(i + 2)
 PREFIX_RE = re.compile(r"^hln(\d+)([a-z])$")  # default prefixes: hln<pid><letter>
 _NAME_RE = re.compile(r"^hln(\d+)[a-z]")  # anything named by such a prefix
@@ -233,6 +240,11 @@ def cleanup_stale() -> List[str]:
     try:
         for ns in _netns_names():
             if stale(ns):
+                for pid in _cmd(["ip", "netns", "pids", ns], check=False).stdout.split():  # wireguard-go, say
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
                 if _cmd(["ip", "netns", "del", ns], check=False).returncode == 0:
                     removed.append(f"netns {ns}")
         r = _cmd(["ip", "-o", "link", "show"], check=False)
@@ -312,13 +324,14 @@ class ClusterNetwork:
         prefix: name prefix of every namespace and interface (default
             ``hln<pid><letter>``); at most ``15 - 1 - len(str(clusters - 1))`` characters
             so interface names fit ``IFNAMSIZ``.
+        tunnel_secret: the job secret: build the WireGuard overlay (launch/tunnel.py).
 
     Raises:
         NetnsError: a command failed (what was built is removed first), or the
             arguments do not fit.
     """
 
-    def __init__(self, clusters: int, prefix: Optional[str] = None) -> None:
+    def __init__(self, clusters: int, prefix: Optional[str] = None, tunnel_secret: Optional[bytes] = None) -> None:
         if not 1 <= clusters <= MAX_CLUSTERS:
             raise NetnsError(f"clusters={clusters}: must be in [1, {MAX_CLUSTERS}]")
         cleanup_stale()
@@ -333,10 +346,14 @@ class ClusterNetwork:
         self._closed = False
         self._partitioned: set = set()
         self._made: List[str] = []  # namespaces created so far (close() removes them)
+        self.tunnel = tunnel_secret is not None
+        self._wireguard: List[subprocess.Popen] = []  # wireguard-go per namespace (tunnel)
         self.tmpdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
         _open.add(self)
         try:
             self._build()
+            if tunnel_secret is not None:
+                self._build_tunnel(tunnel_secret)
         except BaseException:
             self.close()
             raise
@@ -358,10 +375,21 @@ class ClusterNetwork:
             _cmd([*hub, "link", "set", outside, "up"])
             _cmd(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", inside])
             _cmd(["ip", "-n", ns, "link", "set", inside, "up"])
-        hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{HUB_ADDR}\t{self.hub}"]
-        hosts += [f"{self.address(i)}\t{ns}" for i, ns in enumerate(self.namespaces)]
+        hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{self.service_address('hub')}\t{self.hub}"]
+        hosts += [f"{self.service_address(i)}\t{ns}" for i, ns in enumerate(self.namespaces)]
         (self.tmpdir / "hosts").write_text("\n".join(hosts) + "\n")
         logger.info("cluster network %s: hub %s, clusters %s", self.prefix, HUB_ADDR, [self.address(i) for i in range(self.clusters)])
+
+    def _build_tunnel(self, secret: bytes) -> None:
+        from hier_localsgd.launch.tunnel import Site, up
+
+        where: List[Where] = ["hub", *range(self.clusters)]
+        sites = {w: Site(self.namespace(w), self.address(w), self.service_address(w)) for w in where}
+        for w in where:
+            wan = self.bridge if w == "hub" else self.cluster_iface(int(w))
+            self._wireguard.append(up(self.namespace(w), self.tunnel_iface(w), wan, sites[w], [s for v, s in sites.items() if v != w],
+                                      secret, self.tmpdir / f"wireguard-{self.namespace(w)}.log"))
+        logger.info("cluster network %s: WireGuard overlay up (%s)", self.prefix, [s.overlay for s in sites.values()])
 
     # -- names and addresses -----------------------------------------------------
     def _index(self, where: Where) -> Optional[int]:
@@ -380,9 +408,23 @@ class ClusterNetwork:
         i = self._index(where)
         return HUB_ADDR if i is None else f"198.18.0.{i + 2}"
 
+    def service_address(self, where: Where) -> str:
+        """Where the job's services at ``where`` listen and are reached: the overlay address
+        with the tunnel, else :meth:`address`."""
+        i = self._index(where)
+        if not self.tunnel:
+            return self.address(where)
+        return f"{OVERLAY}.1" if i is None else f"{OVERLAY}.{i + 2}"
+
     def hostname(self, where: Where) -> str:
         """The hostname processes started by :meth:`wrap` have there (resolves to :meth:`address`)."""
         return self.namespace(where)
+
+    def tunnel_iface(self, where: Where) -> str:
+        """The WireGuard interface at ``where`` (unique across namespaces: wireguard-go's
+        control socket is /var/run/wireguard/<name>.sock, which namespaces share)."""
+        i = self._index(where)
+        return f"{self.prefix}w{'h' if i is None else i}"
 
     def cluster_iface(self, cluster: int) -> str:
         """The cluster-side end of cluster ``cluster``'s veth (in its namespace)."""
@@ -466,6 +508,12 @@ class ClusterNetwork:
         """Processes inside ``where``'s namespace."""
         return self._ns_pids(self.namespace(where))
 
+    def firewall_drops(self) -> Dict[str, int]:
+        """Tunnel: namespace -> packets its WAN firewall dropped (launch/tunnel.py)."""
+        from hier_localsgd.launch.tunnel import dropped
+
+        return {self.namespace(w): dropped(self.namespace(w), self.tunnel_iface(w)) for w in ["hub", *range(self.clusters)]} if self.tunnel else {}
+
     # -- teardown ----------------------------------------------------------------
     def close(self) -> None:
         """Removes everything this network made. Idempotent; never raises."""
@@ -473,6 +521,20 @@ class ClusterNetwork:
             return
         self._closed = True
         _open.discard(self)
+        try:
+            drops = {ns: n for ns, n in self.firewall_drops().items() if n}
+            if drops:  # someone outside the mesh sent to a site: one line per site
+                for ns, n in drops.items():
+                    logger.warning("cluster network %s: the WAN firewall of %s dropped %d packet(s) from outside the WireGuard mesh", self.prefix, ns, n)
+        except Exception:
+            logger.exception("cluster network %s: reading the firewall counters failed", self.prefix)
+        for proc in self._wireguard:  # they would be killed below; stop them first, quietly
+            proc.terminate()
+        for proc in self._wireguard:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         try:
             self._kill_leftovers()
         except Exception:

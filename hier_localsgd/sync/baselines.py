@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from hier_localsgd.core.security.secret import Key
+
 from hier_localsgd.core.ft.comm import LevelComm
 from hier_localsgd.core.tensors.flat_params import FlatParams, checksum
 from hier_localsgd.core.tensors.fragments import Fragment, fragment_parameters, split_fragments
@@ -86,6 +88,8 @@ class _Baseline:
         link_spec: Optional[LinkSpec] = None,
         backend: str = "gloo",
         user_state: Optional[UserState] = None,
+        heal_key: Optional[Key] = None,
+        bind: str = "",
     ) -> None:
         """``backend``: the process group's (core/runtime/device.py); a baseline's ring spans the
         clusters, so it takes the outer level's (``train.backends.outer``)."""
@@ -111,6 +115,8 @@ class _Baseline:
             timeouts=timeouts,  # a baseline's one level keeps the inner level's timeouts
             hostname=hostname,
             max_commit_failures=max_commit_failures,
+            heal_key=heal_key,
+            bind=bind,
         )
 
     def _state_dict(self) -> Dict[str, object]:
@@ -125,9 +131,9 @@ class _Baseline:
     def _load_state(self, sd: Dict[str, object]) -> None:
         self.flat.load_(sd["model"])  # type: ignore[arg-type]
         self.opt.load_state_dict(copy.deepcopy(sd["optimizer"]))  # type: ignore[arg-type]
-        self.user.load(sd.get("user"), "the healing donor")  # type: ignore[arg-type]
         counters = sd["counters"]
         assert isinstance(counters, dict)
+        self.user.load(sd.get("user"), "the healing donor", step=int(counters["step"]))  # type: ignore[arg-type]
         self.counters.step = int(counters["step"])
         self.counters.inner_round = int(counters["inner_round"])
         self.tracker.set_counters(step=self.counters.step, inner_round=self.counters.inner_round)
@@ -162,6 +168,9 @@ class _Baseline:
     def work_counters(self) -> Dict[str, int]:
         """ddp keeps no work accounting (every step is one sync); FlatSync counts rounds."""
         return {}
+
+    def global_model(self) -> Optional[torch.Tensor]:
+        return None  # torchft's LocalSGD/DiLoCo keep theirs inside (the live model after each sync)
 
     def link_stats(self) -> Dict[str, Dict[str, object]]:
         return {self.level: self.link.stats.as_dict()}

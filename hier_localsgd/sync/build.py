@@ -18,7 +18,9 @@ from hier_localsgd.core.tensors.fragments import flat_ranges, split_fragments
 from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.core.runtime.phases import PhaseTracker
 from hier_localsgd.core.runtime.status import job_finished
+from hier_localsgd.core.security.secret import Key, global_model_key, heal_key
 from hier_localsgd.errors import fail
+from hier_localsgd.sync.async_outer import AsyncOuterSettings
 from hier_localsgd.sync.common import EventSink, SyncStrategy
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
 from hier_localsgd.sync.user_state import UserState
@@ -45,6 +47,21 @@ def job_done_check(cfg: Config, identity: Identity) -> Callable[[], Optional[str
     return lambda: job_finished(cfg.run.dir, others, cfg.train.steps)
 
 
+def job_heal_key(cfg: Config) -> Optional[Key]:
+    """The job's heal key (core/security/secret.py); None without a job secret (each
+    Manager then says its heals are not authenticated, managers.py)."""
+    return heal_key(cfg.security)
+
+
+def async_outer_settings(cfg: Config) -> Optional[AsyncOuterSettings]:
+    """``sync.async_outer`` for a leader's pushes (None when off)."""
+    a = cfg.sync.async_outer
+    if not a.enabled:
+        return None
+    key = global_model_key(cfg.security)
+    return AsyncOuterSettings(url=a.addr, key=None if key is None else key.bytes(), grace=timedelta(seconds=a.grace_s))
+
+
 def outer_fragment_ranges(model: torch.nn.Module, flat: FlatParams, fragments: int) -> tuple:
     """``sync.outer.fragments`` as ranges of the flat vector (core/tensors/fragments.py): the model
     split by layer into contiguous fragments of balanced size; () for one fragment."""
@@ -66,7 +83,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
     s, t = cfg.sync, cfg.timeouts_obj()
     if s.mode == "hier":
         return HierarchicalSync(hier_settings(cfg, identity, flat, model, grp), identity, t, flat, opt, tracker, events, faults,
-                                group=grp.pg, group_store=grp.store, job_done=job_done_check(cfg, identity), user_state=user_state)
+                                group=grp.pg, group_store=grp.store, job_done=job_done_check(cfg, identity), user_state=user_state,
+                                async_outer=async_outer_settings(cfg))
 
     from hier_localsgd.sync.baselines import DDPSync, FlatSync
 
@@ -85,6 +103,8 @@ def build_strategy(cfg: Config, identity: Identity, flat: FlatParams, model: tor
         link_spec=cfg.link_spec("outer"),
         backend=resolve_backend("outer", cfg.train.backends.outer, flat.data.device),
         user_state=user_state,
+        heal_key=job_heal_key(cfg),
+        bind=cfg.run.bind,
     )
     if s.mode == "ddp":
         return DDPSync(**common)
@@ -128,6 +148,8 @@ def hier_settings(cfg: Config, identity: Identity, flat: FlatParams, model: torc
         outer_fragments=outer_fragment_ranges(model, flat, s.outer.fragments),
         early_quorum=s.inner.early_quorum,
         outer_max_staleness=s.outer.max_staleness,
+        heal_key=job_heal_key(cfg),
+        bind=cfg.run.bind,
         inner_max_staleness=s.inner.max_staleness,
         keep_local=s.failed_round == "keep_local",
         poison=s.poison,

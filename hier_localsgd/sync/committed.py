@@ -272,7 +272,10 @@ class CommittedState:
         if st.settings.group_world_size == 1 or st.settings.group_shards:
             if bool(u.any()):
                 self.model[st.part] += u.to(self.model.device)
-                st.flat.data[st.part] += u.to(st.flat.data.device)
+                live = st.flat.data  # FSDP's ShardedParams: a fresh tensor, so written back with load_
+                live[st.part] += u.to(live.device)
+                if st.settings.group_shards:
+                    st.flat.load_(live)
                 self.take_out_stand_in()
             return
         self.take_out_stand_in()
@@ -349,7 +352,7 @@ class CommittedState:
             st.comp.load_state_dict(sd.get("outer_compression"), "the healing donor or checkpoint")  # type: ignore[arg-type]
         if st.stand_in is not None:
             self._load_eager(sd.get("eager"))
-        st.user.load(sd.get("user"), "the healing donor or checkpoint")  # type: ignore[arg-type]
+        st.user.load(sd.get("user"), "the healing donor or checkpoint", step=st.counters.step)  # type: ignore[arg-type]
         self.model.copy_(sd["model"])  # type: ignore[arg-type]
         if st.stand_in is None:
             self._drop_foreign_stand_in(sd.get("eager"))

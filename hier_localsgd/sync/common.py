@@ -155,4 +155,5 @@ class SyncStrategy(Protocol):
     def finish(self) -> None: ...  # after the last step (hier: sync/final.py; baselines: nothing)
     def work_counters(self) -> Dict[str, int]: ...  # steps run / discarded (chaos accounting)
     def link_stats(self) -> Dict[str, Dict[str, object]]: ...
+    def global_model(self) -> Optional[torch.Tensor]: ...  # hier: the last global model applied (baselines: None)
     def close(self) -> None: ...  # stops heartbeats; idempotent

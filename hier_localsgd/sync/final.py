@@ -36,10 +36,15 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Callable, Tuple
+from typing import TYPE_CHECKING, Callable, Tuple
 
 from hier_localsgd.sync.common import FatalSyncError, JobFinished
 from hier_localsgd.sync.state import SyncState
+
+from hier_localsgd.sync.async_outer import POLL_S
+
+if TYPE_CHECKING:
+    from hier_localsgd.sync.async_outer import AsyncOuter
 
 logger = logging.getLogger(__name__)
 
@@ -103,3 +108,36 @@ class FinalWait:
         st.events("final_wait", state="gave_up", step=st.counters.step, why=why, waited_s=round(time.time() - t0, 2))
         logger.warning("%s ends with its own model: %s within sync.final_wait_s=%gs after the final round's outage",
                        st.id, why, st.settings.final_wait.total_seconds())
+
+    def await_version(self, asy: "AsyncOuter") -> None:
+        """The asynchronous outer level's end (async_outer.py): join rounds, in which the
+        leader asks the server for the job's final version, until the cluster has adopted
+        it. The server fixes it once every cluster is final or silent (global_server.py),
+        so the wait lasts as long as the slowest live cluster's remaining run. Gives up
+        (``async_final`` ``gave_up``, the cluster ends with its own model) when the server
+        has not answered for ``sync.final_wait_s`` (at least three polls) or a join round fails
+        fatally. Never raises."""
+        st = self.st
+        t0 = time.time()
+        asy.pulling, asy.heard = True, t0
+        st.events("async_final", state="start", step=st.counters.step, outer_round=st.counters.outer_round)
+        job_done, st.job_done = st.job_done, None
+        bound = max(st.settings.final_wait.total_seconds(), 3 * POLL_S)  # final_wait_s=0 still polls a few times
+        try:
+            while not asy.final:
+                if time.time() - asy.heard > bound:
+                    why = f"the global model server did not answer for {bound:g}s (sync.final_wait_s, at least 3 polls)"
+                    st.events("async_final", state="gave_up", step=st.counters.step, why=why, waited_s=round(time.time() - t0, 2))
+                    logger.warning("%s ends with its own model: %s", st.id, why)
+                    return
+                self.join_round()
+            st.events("async_final", state="done", step=st.counters.step, outer_round=st.counters.outer_round,
+                      waited_s=round(time.time() - t0, 2))
+            logger.info("%s holds the job's final version %d (%.1fs after its last step)", st.id, st.counters.outer_round, time.time() - t0)
+        except (FatalSyncError, JobFinished) as e:
+            st.events("async_final", state="gave_up", step=st.counters.step, why=f"{type(e).__name__}: {str(e)[:200]}",
+                      waited_s=round(time.time() - t0, 2))
+            logger.warning("%s ends with its own model: a join round failed: %s", st.id, e)
+        finally:
+            st.job_done = job_done
+            asy.pulling = False

@@ -95,8 +95,9 @@ from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage
 from hier_localsgd.core.ft.peers import QuorumWatch
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime.timeouts import Timeouts
+from hier_localsgd.sync.async_outer import AsyncOuterSettings
 from hier_localsgd.sync.committed import CommittedState
-from hier_localsgd.sync.common import EventSink, FatalSyncError, Identity, JobFinished, OuterResult, training_progress
+from hier_localsgd.sync.common import EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status, training_progress
 from hier_localsgd.sync.compression import build as build_compression
 from hier_localsgd.sync.early import EarlyQuorum, EarlyQuorumStuck
 from hier_localsgd.sync.final import FinalWait
@@ -167,12 +168,14 @@ class HierarchicalSync:
         group_store: Optional[object] = None,
         job_done: Optional[Callable[[], Optional[str]]] = None,
         user_state: Optional[UserState] = None,
+        async_outer: Optional[AsyncOuterSettings] = None,
     ) -> None:
         """``group``/``group_store``: the replica group's own torch.distributed process
         group and store (torchrun's), when it has several ranks. ``job_done``: returns a
         message once the job has finished without this group (status.py), asked before
         a failing quorum ends the process. ``user_state``: the user's objects that heal and
-        checkpoint with the model (user_state.py)."""
+        checkpoint with the model (user_state.py). ``async_outer``: the asynchronous outer
+        level's server (async_outer.py); None: synchronous outer rounds."""
         tracker.budgets = timeouts  # every phase's deadline, named once (Timeouts.phase)
         # This rank's slice of the flat vector (all of it with one rank per group).
         g, k = settings.group_world_size, settings.group_rank
@@ -208,7 +211,7 @@ class HierarchicalSync:
         st = self.st
         self._quorum_failures = st.quorum_failures  # one dict: _quorum_failed counts, the levels reset
         self.committed = CommittedState(st)
-        self.outer_level = OuterLevel(st, self.committed)
+        self.outer_level = OuterLevel(st, self.committed, async_outer)
         self.final = FinalWait(st, self._final_join_round)
         check_disjoint_tensors(
             [
@@ -256,6 +259,13 @@ class HierarchicalSync:
         leader is the lowest replica group from the first round. A group that finds
         the job finished meanwhile raises :class:`JobFinished` (it exits 0).
         """
+        try:
+            self._start()
+        finally:
+            if self.outer_level.asynchronous is not None:
+                self.outer_level.asynchronous.since = time.time()  # its first period starts with training
+
+    def _start(self) -> None:
         st = self.st
         deadline = time.time() + st.timeouts.startup.total_seconds()
         while True:
@@ -307,8 +317,11 @@ class HierarchicalSync:
 
     def finish(self) -> None:
         """After the last step: reconciles a cluster whose final round met a cluster
-        lighthouse outage (final.py). Never raises."""
+        lighthouse outage (final.py); with the asynchronous outer level, join rounds until
+        the cluster holds the job's final version (async_outer.py). Never raises."""
         self.final.finish()
+        if self.outer_level.asynchronous is not None:
+            self.final.await_version(self.outer_level.asynchronous)
 
     def work_counters(self) -> Dict[str, int]:
         """``work`` plus ``steps_since_outer``: steps committed at the inner level since the last outer commit."""
@@ -343,6 +356,13 @@ class HierarchicalSync:
 
     def link_stats(self) -> Dict[str, Dict[str, object]]:
         return {"inner": self.st.inner_link.stats.as_dict(), "outer": self.outer_level.stats.as_dict()}
+
+    def global_model(self) -> Optional[torch.Tensor]:
+        """The global model as this process last applied it: the outer level's backup (the
+        result of the last outer round it adopted, without its cluster's progress since;
+        with ``sync.outer.delay`` the round applied at the last merge). None where this rank
+        holds only its slice of it (a replica group of several ranks, not sharded)."""
+        return self.outer.backup if (self.part.start, self.part.stop) == (0, self.flat.numel) else None
 
     def snapshot(self) -> Dict[str, object]:
         """The committed state for a durable checkpoint (clones; call right after a commit)."""
@@ -415,6 +435,9 @@ class HierarchicalSync:
             cs.round_start_hash = None  # keep_local never keeps an excluded member's steps
         staged = reduce(st.inner, st.inner_comm, live, plan, q.rank, base=base)
         sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
+        asy = ol.asynchronous
+        if asy is not None:
+            asy.note_work(plan.total_weight * st.settings.h_inner)  # the tokens the next push carries
         stale_steps = st.work["steps_since_commit"] if stale is not None and sent else 0
         # Each rank saw its own ring: the group takes one path (group_vote.py). A rank whose
         # inner level failed fails the group's round; a rank whose consistency exchange
@@ -435,11 +458,16 @@ class HierarchicalSync:
         outer_now = self.is_outer_round() and not v["idle"]
         outer_join = not outer_now and ol.join_wanted(join, q, plan)  # a cluster restarted whole
         final = st.settings.final_step > 0 and c.step >= st.settings.final_step
-        if outer_join or (outer_now and (not ol.overlap or final)):
+        async_pull = asy is not None and asy.pulling  # finish(): the job's final version
+        if outer_join or async_pull or (outer_now and (not ol.overlap or final)):
             # The final round waits for an overlapped round still in flight (one outer
             # round at a time on the Manager); its members wait that much longer.
             after_stage = final and ol.overlap
-            if st.leader:
+            if st.leader and async_pull:
+                assert asy is not None
+                tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: asking for the job's final version")
+                result = asy.pull_final(cs.without_stand_in(staged.backup))
+            elif st.leader:
                 if not after_stage:
                     ol.drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
                 # The cluster model carries the whole cluster's work since the last outer
@@ -452,6 +480,8 @@ class HierarchicalSync:
                 tr.enter(Phase.BROADCAST, leader=st.leader)
             fault_point(st, Phase.BROADCAST)
             result = ol.broadcast(result, prior=cs.without_stand_in(staged.backup))  # a lost packet's fill: as the leader's
+            if async_pull:
+                asy.answered(result.status, result.cluster_weight > 0)  # type: ignore[union-attr]
         elif ol.overlap and self.is_apply_round():
             # Every member knows this round by its step: the header tells whether a global
             # model follows (overlap.py).
@@ -468,6 +498,10 @@ class HierarchicalSync:
         committed = cs.apply(ok, staged, result, plan, self._last_rank, self._weight0_why,
                              adopt=ol.adopt, carried_at_launch=ol.snap_since_outer)
         cs.inner_stale = None
+        if asy is not None:
+            asy.round_ended(committed)
+        if async_pull and committed and result is not None and result.status == Status.OUTER_COMMITTED:
+            asy.final = True  # type: ignore[union-attr]  # every member: the job's final version
         if not committed and sent and st.work["steps_since_commit"] > 0:
             cs.kept_sent = True  # keep_local kept them (CommittedState.stale_inner)
         if committed and stale_steps:

@@ -31,6 +31,7 @@ from hier_localsgd.core.ft.managers import LevelManager, QuorumFailed, QuorumVie
 from hier_localsgd.core.ft.outage import LighthouseOutage
 from hier_localsgd.core.ft.peers import QuorumWatch, fetch_status, parse_status
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.sync.async_outer import AsyncOuter, AsyncOuterSettings
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status, outer_progress
 from hier_localsgd.sync.compression import OuterCompression
@@ -54,7 +55,7 @@ class OuterLevel:
     changes), ``stage`` (overlapped), ``snap_since_outer`` (inner-committed steps the
     launched outer round carries), ``schedule`` (streaming fragments)."""
 
-    def __init__(self, st: SyncState, committed: CommittedState) -> None:
+    def __init__(self, st: SyncState, committed: CommittedState, asynchronous: Optional[AsyncOuterSettings] = None) -> None:
         self.st = st
         self.committed = committed  # the leader's lone outer round (without_cluster) commits into it
         s = st.settings
@@ -64,6 +65,8 @@ class OuterLevel:
         # The cluster Manager exists only while this replica group leads its cluster:
         # a Manager that heartbeats without joining would stall the global lighthouse.
         self.stats = LinkStats()
+        # sync.async_outer: pushes to the global model server instead of a global quorum.
+        self.asynchronous: Optional[AsyncOuter] = None if asynchronous is None else AsyncOuter(st, asynchronous, self.stats)
         self.link: Optional[LinkProcessGroup] = None
         self.mgr: Optional[LevelManager] = None
         self.comm: Optional[LevelComm] = None
@@ -111,6 +114,8 @@ class OuterLevel:
         the training thread uses. ``after_stage``: the final partial round, which first waits
         for an overlapped round still in flight (:meth:`await_stage`)."""
         st = self.st
+        if self.asynchronous is not None:  # blocking rounds only (sections.py refuses the rest)
+            return self.asynchronous.run(cluster_model, contribute, inner_ok, st.tracker)
         c = st.counters
         tr = st.tracker if tr is None else tr
         lvl = st.outer if lvl is None else lvl
@@ -490,6 +495,8 @@ class OuterLevel:
         """
         st = self.st
         c = st.counters
+        if self.asynchronous is not None:
+            return False  # a cluster restarted whole gets the global model at its first push (async_outer.py)
         if not (join and not self.overlap and st.settings.group_world_size == 1 and q.size >= st.settings.replicas_per_cluster
                 and c.step == 0 and c.outer_round == 0 and plan.total_weight == 0):
             return False
@@ -519,12 +526,18 @@ class OuterLevel:
         if self.stage is not None and self.stage.busy:
             return  # the cluster's own outer round is still in flight
         live = self.committed.without_stand_in(host_copy(st.flat.data[st.part]))
+        if self.asynchronous is not None:  # its own steps since its last commit are in `live`
+            self.asynchronous.note_work(float(st.work["steps_since_commit"]))
         result = self.run(live, contribute=True, inner_ok=True)
+        if self.asynchronous is not None:
+            self.asynchronous.round_ended(committed=False)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
         if st.stand_in is not None:
             st.stand_in.zero_()  # taken out of `live`, which the global model now replaces
         self.adopt_into_inner(result.params, result.fragment, base=live)
+        if self.asynchronous is not None:
+            self.asynchronous.adopted()
         c.outer_round, c.step = result.outer_round, result.step
         # The leader's steps since its last inner commit reached the global model.
         st.work["steps_since_commit"] = 0
@@ -553,6 +566,8 @@ class OuterLevel:
             self._stage_outer, self._stage_comp = None, None
         else:
             self.adopt_into_inner(result.params, result.fragment, base=now)
+        if self.asynchronous is not None:
+            self.asynchronous.adopted()
         if result.momentum is not None and not st.leader:
             st.outer.set_momentum(result.momentum)  # eager updates: in step with the leader's
         st.outer.set_backup(result.params)  # the whole global model: other fragments' entries are unchanged in it
@@ -602,6 +617,8 @@ class OuterLevel:
     def promote(self) -> None:
         """This group leads: join the global lighthouse early so the first outer quorum waits for us."""
         st = self.st
+        if self.asynchronous is not None:
+            return  # no cluster Manager: the global model server is asked at each outer round
         if self.mgr is None and not st.health["outer"].down and st.health["outer"].probe():
             try:
                 self.ensure()

@@ -7,7 +7,9 @@ and ``ddp``: :mod:`hier_localsgd.sync.baselines`); :data:`MODES` is the one list
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import List
 
+from hier_localsgd.core.runtime.addresses import parse_address
 from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
 from hier_localsgd.core.tensors.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
 from hier_localsgd.core.tensors.fragments import outer_period
@@ -16,6 +18,12 @@ from hier_localsgd.core.tensors.sparse import DEFAULT_TOPK, MAX_CHUNK, TOPK2
 from hier_localsgd.sync.compression import COMPRESSIONS, NONE
 
 MODES = ("hier", "flat", "ddp")
+
+
+def padded_step_s(compute_s: float, min_step_s: float, speed: float) -> float:
+    """How long a local step lasts with emulated compute: at least ``train.min_step_time_s``,
+    then divided by the cluster's speed (``topology.cluster_speed``)."""
+    return max(compute_s, min_step_s) / speed
 FAILED_ROUND = ("rollback", "keep_local")
 
 
@@ -24,6 +32,13 @@ class TopologyConfig:
     clusters: int = 2
     replicas_per_cluster: int = 2
     ranks_per_replica: int = 1
+    # Each cluster's compute speed relative to the fastest (heterogeneous deployments, issue
+    # #33): a step of cluster c takes max(its compute, train.min_step_time_s) / speed[c], the
+    # rest a sleep. Empty: every cluster at 1.0. Every process applies its own cluster's.
+    cluster_speed: List[float] = field(default_factory=list)
+
+    def speed(self, cluster: int) -> float:
+        return float(self.cluster_speed[cluster]) if self.cluster_speed else 1.0
 
     def check(self, mode: str, runs: bool = True) -> None:
         """``runs=False`` (plan, simulate: a model of a deployment) skips what only this
@@ -34,6 +49,15 @@ class TopologyConfig:
             fail("topology.replicas_per_cluster", f"{self.replicas_per_cluster} — need at least one replica group per cluster (empty topology)")
         if self.ranks_per_replica < 1:
             fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — need at least one rank per replica group")
+        if self.cluster_speed and len(self.cluster_speed) != self.clusters:
+            fail("topology.cluster_speed", f"{list(self.cluster_speed)} — one speed per cluster (topology.clusters={self.clusters}), or [] for all 1.0")
+        for c, v in enumerate(self.cluster_speed):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+                fail("topology.cluster_speed", f"{list(self.cluster_speed)} — cluster {c}'s {v!r} must be a number in (0, 1] (relative to the fastest)")
+        if mode != "hier" and any(v != 1 for v in self.cluster_speed):
+            # flat's and ddp's sync runs inside the optimizer step (the padding would slow it
+            # too), and the simulator runs them as one lockstep group
+            fail("topology.cluster_speed", f"{list(self.cluster_speed)} — clusters of different speeds need sync.mode=hier (got {mode!r})")
         if runs and self.ranks_per_replica > 1 and mode != "hier":
             fail("topology.ranks_per_replica", f"{self.ranks_per_replica} — several ranks per replica group need sync.mode=hier (got {mode!r})")
 
@@ -164,6 +188,49 @@ class PoisonConfig:
 
 
 @dataclass
+class AsyncOuterConfig:
+    """``sync.async_outer``: the asynchronous outer level (sync/global_model.py,
+    global_server.py, async_outer.py). Off: every outer round is synchronous."""
+
+    enabled: bool = False
+    # Where the global model server listens (run by the global lighthouse's process).
+    addr: str = "http://127.0.0.1:29509"
+    # The longest a batch waits for other clusters after its first contribution; it waits
+    # only for clusters expected within it (global_server.py). 2 s: above the pushes' skew
+    # of equal-speed clusters (under 0.5 s in the runs of docs/benchmarks.md), under one
+    # outer period of the demo.
+    grace_s: float = 2.0
+    # Contributors a batch waits for (within grace_s): 1, a lone cluster never waits.
+    min_clusters: int = 1
+    # Versions a contribution may be behind and still merge (down-weighted 1/(1+s)); a
+    # cluster twice as slow as another is two versions behind at each of its pushes.
+    max_staleness: int = 4
+
+    def check(self, mode: str, outer: LevelConfig, t: TopologyConfig) -> None:
+        if not self.enabled:
+            return
+        if mode != "hier":
+            fail("sync.async_outer.enabled", f"an asynchronous outer level needs sync.mode=hier (got {mode!r})")
+        for bad, why in ((outer.delay != 0, f"sync.outer.delay={outer.delay}: overlapped rounds"),
+                         (outer.fragments != 1, f"sync.outer.fragments={outer.fragments}: streaming fragments"),
+                         (outer.compression != NONE, f"sync.outer.compression={outer.compression!r}: a compressed outer reduce"),
+                         (outer.auto, "sync.outer.auto: a configuration picked for synchronous rounds"),
+                         (t.ranks_per_replica != 1, f"topology.ranks_per_replica={t.ranks_per_replica}: groups of several ranks")):
+            if bad:
+                fail("sync.async_outer.enabled", f"not combined with {why} (not built yet)")
+        try:
+            parse_address("sync.async_outer.addr", self.addr)
+        except ValueError as e:
+            fail("sync.async_outer.addr", str(e).split(": ", 1)[1])
+        if not self.grace_s >= 0:
+            fail("sync.async_outer.grace_s", f"{self.grace_s} — must be at least 0 (seconds)")
+        if not 1 <= self.min_clusters <= t.clusters:
+            fail("sync.async_outer.min_clusters", f"{self.min_clusters} — must be in [1, topology.clusters={t.clusters}]")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            fail("sync.async_outer.max_staleness", f"{self.max_staleness!r} — must be an integer of at least 0 (versions)")
+
+
+@dataclass
 class SyncConfig:
     mode: str = "hier"
     inner: LevelConfig = field(default_factory=lambda: LevelConfig(every=10, algorithm="localsgd", early_quorum=True, max_staleness=32))  # as configs/config.yaml
@@ -186,6 +253,7 @@ class SyncConfig:
     failed_round: str = "rollback"
     # Contributions screened for non-finite or outsized values (core/tensors/guard.py).
     poison: PoisonConfig = field(default_factory=PoisonConfig)
+    async_outer: AsyncOuterConfig = field(default_factory=AsyncOuterConfig)
 
     @property
     def outer_period(self) -> int:
@@ -196,6 +264,7 @@ class SyncConfig:
     def check(self, topology: TopologyConfig) -> None:
         t = topology
         self.poison.check()
+        self.async_outer.check(self.mode, self.outer, t)
         if self.mode not in MODES:
             fail("sync.mode", f"unknown mode {self.mode!r} (expected one of {MODES})")
         for name in ("inner", "outer", "flat"):

@@ -31,6 +31,7 @@ from hier_localsgd.core.ft.managers import LevelManager, QuorumView
 from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime.timeouts import Timeouts
+from hier_localsgd.core.security.secret import Key
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.sync.common import Counters, EventSink, FatalSyncError, Identity
 from hier_localsgd.sync.compression import OuterCompression
@@ -111,6 +112,9 @@ class HierSettings:
     keep_local: bool
     # The screen of contributions at both levels (core/tensors/guard.py) and when a group gives up.
     poison: PoisonConfig
+    # Heals are authenticated with this key (core/security/secret.py); None: no job secret.
+    heal_key: Optional[Key]
+    bind: str  # run.bind: "" = hostname's address
 
     @property
     def num_fragments(self) -> int:
@@ -327,4 +331,6 @@ def manager(
         group_store=st.group_store,
         store_key=store_key,
         presence_timeout=s.quorum_slice,  # a left-over quorum request costs this, not a phase
+        heal_key=s.heal_key,
+        bind=s.bind,
     )

@@ -33,6 +33,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Mapping, Optional, Protocol
 
+from hier_localsgd.core.security.wire import WireError, encode
+
 
 class Stateful(Protocol):
     def state_dict(self) -> Dict[str, Any]: ...
@@ -62,7 +64,8 @@ class UserState:
     state.
 
     Raises:
-        TypeError: (at construction) naming an object that lacks either method.
+        TypeError: (at construction) naming an object that lacks either method, or a
+            value in a state that heals cannot carry (core/security/wire.py).
     """
 
     def __init__(self, objects: Optional[Mapping[str, Stateful]] = None, optimizer: Optional[Any] = None) -> None:
@@ -74,7 +77,14 @@ class UserState:
                                 "register objects that have both (wrap a plain value in a small class)")
         self._taken: Dict[str, Any] = {}
         self.loads = 0  # states received (heals, a checkpoint)
+        self.loaded_step = 0  # the training position of the last state received
         self.take()
+        # Heals carry state in a format that runs no code (core/security/wire.py): a value
+        # it cannot carry fails here, naming it, not at the first heal.
+        try:
+            encode(self._taken)
+        except WireError as e:
+            raise TypeError(f"state{e} (docs/security.md: heals carry no pickles)") from None
 
     def take(self) -> None:
         """Copies every object's state now (training thread): what a donor serves next."""
@@ -87,14 +97,17 @@ class UserState:
         """The last state taken (safe from any thread: a dict that is replaced, never mutated)."""
         return self._taken
 
-    def load(self, received: Optional[Dict[str, Any]], source: str) -> None:
-        """Loads what a donor or checkpoint (``source``, for the error) holds.
+    def load(self, received: Optional[Dict[str, Any]], source: str, step: int) -> None:
+        """Loads what a donor or checkpoint (``source``, for the error) holds, taken with the
+        model of training position ``step`` (``loaded_step``: the steps the counter moves on
+        by after it, without another load, are steps without state).
 
         Raises:
             ValueError: naming the registered object the donor did not send (the two
                 processes registered different state: a program mismatch).
         """
         self.loads += 1
+        self.loaded_step = step
         received = received or {}
         missing = sorted(set(self.objects) - set(received))
         if missing:

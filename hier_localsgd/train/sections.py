@@ -40,6 +40,7 @@ class TrainConfig:
     eval_batches: int = 8
     eval_every: int = 0
     eval_offset: int = 0  # evaluate at steps offset + k*eval_every (bench: an overlapped arm's merge steps)
+    eval_global: bool = False  # hier: at each of those evals, also evaluate the last global model (api.py global_model)
     log_every: int = 10
     threads: int = 1
     seed: int = 0
@@ -85,6 +86,8 @@ class TrainConfig:
         if self.eval_offset < 0 or (self.eval_every and self.eval_offset >= self.eval_every):
             fail("train.eval_offset", f"{self.eval_offset} — must be in [0, train.eval_every)")
         s = sync
+        if self.eval_global and s.mode != "hier":
+            fail("train.eval_global", f"needs sync.mode=hier (sync.mode={s.mode} holds no global model apart from the live one)")
         if not runs:
             return
         # hier: any number; the last step ends a round that carries the outer level (a final

@@ -107,6 +107,11 @@ def train(topology: Topology) -> None:
             if tr.eval_every and sync.step_count % tr.eval_every == tr.eval_offset and sync.step_count < tr.steps:
                 t_eval = time.perf_counter()
                 sync.record_eval(evaluate(b.model, eval_set, tr.precision), floor=floor, eval_s=time.perf_counter() - t_eval)
+                if tr.eval_global:  # also the one model the clusters share (differs from the live one when overlapped)
+                    t_eval = time.perf_counter()  # the swap in and out is evaluation time too
+                    with sync.global_model() as held:
+                        if held:
+                            sync.record_eval(evaluate(b.model, eval_set, tr.precision), eval_s=time.perf_counter() - t_eval, model="global")
         sync.finish()
         final = evaluate(b.model, eval_set, tr.precision)
         sync.record_eval(final, floor=floor)

@@ -38,16 +38,24 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
+import socket
+import threading
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+import torchft.manager as _torchft_manager
 from torch.distributed import TCPStore
 from torchft import Manager
-from torchft.checkpointing import HTTPTransport
 from torchft.coordination import LighthouseClient
+
+from hier_localsgd.core.ft.heals import HealTransport, bind_family
+from hier_localsgd.core.security.secret import SECRET_ENV, Key
 
 from hier_localsgd.core.runtime.addresses import probe_lighthouse
 from hier_localsgd.core.runtime.invariants import check_group_rank
-from hier_localsgd.core.links.link import LinkProcessGroup
+from hier_localsgd.core.links.link import LinkProcessGroup, bind_gloo
 from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage
 from hier_localsgd.core.ft.peers import await_heartbeats
 from hier_localsgd.core.ft.presence import PresenceCheck, QuorumAbsent
@@ -109,6 +117,7 @@ class QuorumView:
 
 def _group_rank0_store(
     level: str, hostname: str, group_rank: int, group_store: Optional[Any], store_key: str, connect_timeout: timedelta,
+    bind: str = "",
 ) -> tuple[Optional[TCPStore], str, int]:
     """The Manager's own store: group rank 0 hosts it (and publishes its address under
     ``store_key`` in the group's store); other ranks wait for that address. Peers find it
@@ -119,7 +128,17 @@ def _group_rank0_store(
     a failure (docs/runbook.md)."""
     store_timeout = max(connect_timeout, STORE_TIMEOUT_FLOOR)
     if group_rank == 0:
-        store = TCPStore(host_name=hostname, port=0, is_master=True, wait_for_workers=False, timeout=store_timeout)
+        # c10d's store listens on every interface unless handed a socket: hand it one bound
+        # to this process's address (docs/security.md).
+        fam, addr = bind_family(bind or hostname)
+        with socket.socket(fam, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(512)
+            port = sock.getsockname()[1]
+            store = TCPStore(host_name=hostname, port=port, is_master=True, wait_for_workers=False, timeout=store_timeout,
+                             master_listen_fd=sock.fileno())
+            sock.detach()  # the store owns the descriptor now (on failure above, `with` closes it)
         if group_store is not None:
             group_store.set(store_key, f"{hostname}:{store.port}")
         return store, hostname, store.port
@@ -128,6 +147,45 @@ def _group_rank0_store(
     group_store.wait([store_key], store_timeout)
     host, _, port = group_store.get(store_key).decode().rpartition(":")
     return None, host, int(port)
+
+_said_unauthenticated = False
+
+
+def _say_unauthenticated(lighthouse_addr: str) -> None:
+    """Once per process: heals without a job secret are not authenticated. A warning when
+    the lighthouse is off this host (a deployment across hosts), else an info line."""
+    global _said_unauthenticated
+    if _said_unauthenticated:
+        return
+    _said_unauthenticated = True
+    local = (urlsplit(lighthouse_addr).hostname or "") in ("127.0.0.1", "localhost", "::1")
+    logger.log(logging.INFO if local else logging.WARNING,
+               "no job secret (security.secret_file or %s): heals are not authenticated (docs/security.md)", SECRET_ENV)
+
+
+_BIND_LOCK = threading.Lock()
+
+
+@contextmanager
+def _manager_server_binds(hostname: str) -> Iterator[None]:
+    """torchft's Manager starts its ManagerServer on ``[::]`` (every interface), with no
+    argument to change it: while one Manager is built, its ManagerServer binds
+    ``hostname``'s address instead (same port). One Manager at a time (a lock)."""
+    fam, addr = bind_family(hostname)
+    host = f"[{addr[0]}]" if fam == socket.AF_INET6 else addr[0]
+    original = _torchft_manager.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        kwargs["bind"] = f"{host}:{str(kwargs['bind']).rsplit(':', 1)[1]}"
+        return original(**kwargs)
+
+    with _BIND_LOCK:
+        _torchft_manager.ManagerServer = bound
+        try:
+            yield
+        finally:
+            _torchft_manager.ManagerServer = original
+
 
 class LevelManager:
     """A torchft Manager for one level of one replica group.
@@ -152,6 +210,12 @@ class LevelManager:
         presence_timeout: every member of a formed quorum must confirm it within this
             (presence.py; the lighthouse heartbeat timeout); None, or a group of several
             ranks: quorums are used as formed.
+        heal_key: the job's heal key (core/security/secret.py); None: heals are not
+            authenticated (they are still in the no-code format, heals.py).
+        bind: the address the listeners bind ("" = ``hostname``'s; ``run.bind``).
+
+    Every listener this Manager opens (its store, torchft's ManagerServer, the heal
+    server) binds ``hostname``'s address (or ``bind``), never every interface by default.
     """
 
     def __init__(
@@ -174,6 +238,8 @@ class LevelManager:
         group_store: Optional[Any] = None,
         store_key: str = "",
         presence_timeout: Optional[timedelta] = None,
+        heal_key: Optional[Key] = None,
+        bind: str = "",
     ) -> None:
         outer = level == "outer"
         quorum_timeout = timeouts.outer_quorum if outer else timeouts.inner_quorum
@@ -183,34 +249,44 @@ class LevelManager:
             raise ValueError(f"replica id {replica_id!r} must end in digits (torchft parses them)")
         check_group_rank(level, group_rank, group_world_size)
         probe_lighthouse(lighthouse_field, lighthouse_addr, connect_timeout)
+        if heal_key is None:
+            _say_unauthenticated(lighthouse_addr)
         self.level = level
         self.replica_id = replica_id
         self.pg = pg
         self._healed = False
         self.rounds_started = 0  # quorum requests made: a collective's round (comm.py: stale errors)
         self._load = load_state_dict
-        self._store, store_host, store_port = _group_rank0_store(level, hostname, group_rank, group_store, store_key, connect_timeout)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=min_replicas,
-            use_async_quorum=use_async_quorum,
-            timeout=max(op_timeout, heal_timeout),
-            quorum_timeout=quorum_timeout,
-            connect_timeout=connect_timeout,
-            rank=group_rank,
-            world_size=group_world_size,
-            store_addr=store_host,
-            store_port=store_port,
-            lighthouse_addr=lighthouse_addr,
-            replica_id=replica_id,
-            hostname=hostname,
-            heartbeat_interval=heartbeat_interval,
-            checkpoint_transport=HTTPTransport(timeout=heal_timeout, num_chunks=0),
-            init_sync=False,  # every replica builds identical initial weights from the seed
-            max_retries=max_commit_failures,
-        )
+        bind_gloo(hostname)  # the level's Gloo group listens where peers are told to connect
+        self._store, store_host, store_port = _group_rank0_store(level, hostname, group_rank, group_store, store_key, connect_timeout, bind)
+        self.heals = HealTransport(hostname, heal_timeout, None if heal_key is None else heal_key.bytes(),
+                                   template=lambda: {"user": {level: state_dict()}, "torchft": {}}, level=level, bind=bind)
+        try:
+            with _manager_server_binds(bind or hostname):
+                self.manager = Manager(
+                    pg=pg,
+                    load_state_dict=None,
+                    state_dict=None,
+                    min_replica_size=min_replicas,
+                    use_async_quorum=use_async_quorum,
+                    timeout=max(op_timeout, heal_timeout),
+                    quorum_timeout=quorum_timeout,
+                    connect_timeout=connect_timeout,
+                    rank=group_rank,
+                    world_size=group_world_size,
+                    store_addr=store_host,
+                    store_port=store_port,
+                    lighthouse_addr=lighthouse_addr,
+                    replica_id=replica_id,
+                    hostname=hostname,
+                    heartbeat_interval=heartbeat_interval,
+                    checkpoint_transport=self.heals,
+                    init_sync=False,  # every replica builds identical initial weights from the seed
+                    max_retries=max_commit_failures,
+                )
+        except BaseException:
+            self.heals.shutdown(wait=False)
+            raise
         # Every quorum result is checked (a reissued id) and reaches the link before
         # torchft configures it (link.note_quorum).
         self._members: Optional[tuple] = None  # the member ids the group was configured for

@@ -42,13 +42,14 @@ are cut at multiples of 4 bytes so a scale is lost whole, never in part.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torchft.process_group as _torchft_pg
@@ -150,10 +151,46 @@ class LinkStats:
         return out
 
 
+_gloo_host: Optional[str] = None
+
+
+def bind_gloo(hostname: str) -> None:
+    """Gloo groups of this process listen on ``hostname``'s address (``run.hostname``).
+
+    Gloo's default device binds what ``gethostname()`` resolves to (or the interface in
+    ``GLOO_SOCKET_IFNAME``), not the address the process advertises: across hosts whose
+    ``run.hostname`` is an overlay address (security.wan=tunnel) the model would travel
+    outside the tunnel. torchft builds the Gloo backend inside its reconfigurable group,
+    with no argument for the device, so its constructor is replaced, once per process, by
+    one that passes a device bound to ``hostname``. ``GLOO_SOCKET_IFNAME``, when set, wins.
+
+    Raises:
+        ValueError: a second, different hostname in one process.
+    """
+    global _gloo_host
+    if not hostname or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    if _gloo_host is not None:
+        if _gloo_host != hostname:
+            raise ValueError(f"Gloo is bound to {_gloo_host!r} in this process; cannot bind {hostname!r} too")
+        return
+    base = _torchft_pg.BaseProcessGroupGloo
+
+    def bound(store: Any, rank: int, size: int, timeout: Optional[timedelta] = None) -> Any:
+        opts = base._Options()
+        if timeout is not None:
+            opts._timeout = timeout
+        opts._devices = [base.create_device(hostname=hostname)]
+        return base(store, rank, size, opts)
+
+    _torchft_pg.BaseProcessGroupGloo = bound  # type: ignore[assignment]
+    _gloo_host = hostname
+
+
 def backend_pg(backend: str, timeout: timedelta) -> ProcessGroup:
     """A fresh reconfigurable torchft process group of ``backend`` (core/runtime/device.py):
-    ``gloo`` ProcessGroupGloo, ``nccl`` ProcessGroupBabyNCCL (NCCL in a subprocess),
-    ``nccl_inproc`` ProcessGroupNCCL."""
+    ``gloo`` ProcessGroupGloo (its device: :func:`bind_gloo`), ``nccl`` ProcessGroupBabyNCCL
+    (NCCL in a subprocess), ``nccl_inproc`` ProcessGroupNCCL."""
     if backend == "gloo":
         return ProcessGroupGloo(timeout=timeout)
     if backend == "nccl":

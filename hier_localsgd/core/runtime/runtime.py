@@ -63,6 +63,9 @@ class RunConfig:
     cluster: int = 0
     replica: int = 0
     hostname: str = ""  # address peers use to reach this process; "" = socket.gethostname()
+    # The address its listeners bind: "" = the one run.hostname resolves to; 0.0.0.0 only
+    # where run.hostname is not one of this host's addresses (NAT; docs/security.md).
+    bind: str = ""
     log_level: str = "INFO"
     start_gate: str = ""  # local jobs: wait (up to timeouts.startup) for this file before training
     tensorboard: bool = True  # scalars under <run.dir>/tensorboard/c<C>r<R>

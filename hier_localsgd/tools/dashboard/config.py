@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+import urllib.parse
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Tuple
+from typing import List, Tuple
 
 from hier_localsgd.core.runtime.status import JOB_EVENTS_FILE
 from hier_localsgd.errors import ConfigError
@@ -18,9 +19,9 @@ JOB_EVENTS = JOB_EVENTS_FILE  # written by the launcher (launch/local.py)
 
 Key = Tuple[int, int]
 
-# Replica event kinds the dashboard keeps (phase transitions are in status.json,
-# and there are too many of them for a timeline).
-SKIPPED_EVENT_KINDS = frozenset({"phase"})
+# Replica event kinds the dashboard skips: phase transitions (in status.json, and too many
+# for a timeline); the global model's evaluations (train.eval_global: the bench's curve).
+SKIPPED_EVENT_KINDS = frozenset({"phase", "eval_global"})
 
 # Timeline severities, used by the page for colours.
 SEVERITY = {
@@ -58,6 +59,10 @@ class DashboardConfig:
         allow_kill: show kill buttons and accept kill requests. Off by default:
             the kill endpoint then answers 403.
         refresh_ms: how often the page polls the state.
+        allowed_hosts: names (besides ``host`` itself, and loopback names on a loopback
+            bind) that requests may carry in their Host header. A request naming any
+            other host is refused (403): a web page cannot reach the dashboard through
+            DNS rebinding. IP literals are always allowed (rebinding needs a name).
     """
 
     run_dir: str = ""
@@ -65,6 +70,7 @@ class DashboardConfig:
     port: int = 8265
     allow_kill: bool = False
     refresh_ms: int = 1000
+    allowed_hosts: List[str] = field(default_factory=list)
 
 
 def validate(cfg: DashboardConfig, prefix: str = "dashboard") -> None:
@@ -79,6 +85,25 @@ def validate(cfg: DashboardConfig, prefix: str = "dashboard") -> None:
         raise ConfigError(f"{prefix}.port: {cfg.port} — must be in [0, 65535] (0 picks a free port)")
     if cfg.refresh_ms < 100:
         raise ConfigError(f"{prefix}.refresh_ms: {cfg.refresh_ms} — must be at least 100")
+
+
+def host_allowed(cfg: DashboardConfig, header: str) -> bool:
+    """Whether a request's Host header (``name[:port]``) names this dashboard."""
+    try:
+        name = (urllib.parse.urlsplit("//" + header).hostname or "").lower()
+    except ValueError:  # a malformed port or bracket
+        return False
+    if not name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    allowed = {cfg.host.lower(), *(h.lower() for h in cfg.allowed_hosts)}
+    if is_loopback(cfg.host):
+        allowed.add("localhost")
+    return name in allowed
 
 
 def is_loopback(host: str) -> bool:

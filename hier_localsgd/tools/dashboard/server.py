@@ -78,7 +78,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from hier_localsgd.core.runtime.runtime import EXIT_CONFIG
 from hier_localsgd.errors import ConfigError
-from hier_localsgd.tools.dashboard.config import DASHBOARD_EVENTS, DashboardConfig, STATIC_DIR, is_loopback, validate
+from hier_localsgd.tools.dashboard.config import DASHBOARD_EVENTS, DashboardConfig, STATIC_DIR, host_allowed, is_loopback, validate
 from hier_localsgd.tools.dashboard.reader import RunFiles, RunReader
 from hier_localsgd.tools.dashboard.state import build_state
 
@@ -135,6 +135,15 @@ def create_app(cfg: DashboardConfig, reader: Optional[RunReader] = None):  # typ
     app.config["SEND_FILE_MAX_AGE_DEFAULT"] = 0
     app.json.sort_keys = False  # type: ignore[attr-defined]
     reader = reader or RunReader(cfg.run_dir)
+
+    @app.before_request
+    def check_host():  # type: ignore[no-untyped-def]
+        host = request.headers.get("Host", "")
+        if not host_allowed(cfg, host):
+            logger.warning("dashboard: refused %s %s for Host %r (not this dashboard's name; dashboard.allowed_hosts)",
+                           request.method, request.path, host[:80])
+            return jsonify({"ok": False, "error": f"Host {host[:80]!r} is not this dashboard (dashboard.allowed_hosts)"}), 403
+        return None
 
     @app.get("/")
     def index():  # type: ignore[no-untyped-def]

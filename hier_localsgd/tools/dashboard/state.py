@@ -135,7 +135,10 @@ def _replica_view(key: Key, st: Optional[Dict[str, Any]], job: List[Dict[str, An
         steps_run=st.get("steps_run"),
         steps_discarded=st.get("steps_discarded"),
         excluded=st.get("excluded"),  # its contributions the poison screen excluded (sync/poison.py)
+        asynchronous=bool(st.get("asynchronous")),  # sync.async_outer: outer_round counts global versions
+        version_lag=st.get("version_lag"),  # the leader's last push: versions behind the newest (async)
         steps_since_commit=st.get("steps_since_commit"),
+        **_pace_view(st),
         replica_id=inner.get("replica_id") if inner else None,
         inner=inner,
         outer=outer,
@@ -208,6 +211,7 @@ def build_state(files: RunFiles, now: Optional[float] = None, *, allow_kill: boo
     lighthouses = next((s["lighthouses"] for s in st.values() if isinstance(s.get("lighthouses"), dict)), {})
     floor = next((number(s.get("entropy_floor")) for s in st.values() if number(s.get("entropy_floor")) is not None), None)
     clusters = [_cluster_view(c, files, keys, replicas, alive) for c in sorted({k[0] for k in keys})]
+    version_lags(clusters)
 
     leaders = [v for v in replicas.values() if v.get("outer")]
     g = _quorum([(v["name"], v.get("outer"), alive[(v["cluster"], v["replica"])]) for v in leaders])
@@ -253,6 +257,21 @@ def _by_replica(events: List[Dict[str, Any]]) -> Dict[Key, List[Dict[str, Any]]]
     return out
 
 
+def _pace_view(st: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """Since its loop began (api.py _pace): steps per second, and the share of the time spent
+    in sync rounds (waiting for peers, communicating): a cluster held back by a slower one
+    shows a low rate and a high share."""
+    loop_s, steps, sync_s = number(st.get("loop_s")), number(st.get("loop_steps")), number(st.get("sync_s"))
+    if not loop_s or loop_s <= 0 or steps is None:
+        return {"step_rate": None, "sync_share": None}
+    return {"step_rate": steps / loop_s, "sync_share": None if sync_s is None else min(1.0, sync_s / loop_s)}
+
+
+def _mean(xs: List[Optional[float]]) -> Optional[float]:
+    v = [x for x in xs if x is not None]
+    return sum(v) / len(v) if v else None
+
+
 def _cluster_view(c: int, files: RunFiles, keys: Set[Key], replicas: Dict[Key, Dict[str, Any]], alive: Dict[Key, bool]) -> Dict[str, Any]:
     """One cluster: its lighthouse and quorum, leader, mean loss of the live groups, members."""
     st = files.statuses
@@ -262,15 +281,30 @@ def _cluster_view(c: int, files: RunFiles, keys: Set[Key], replicas: Dict[Key, D
         addr = next((st[k]["lighthouses"].get("cluster") for k in st if k[0] == c and isinstance(st[k].get("lighthouses"), dict)), None)
     q = _quorum([(m["name"], m.get("inner"), alive[(m["cluster"], m["replica"])]) for m in members])
     leaders = [m["name"] for m in members if m.get("leader") and alive[(m["cluster"], m["replica"])]] or [m["name"] for m in members if m.get("leader")]
+    paced = [m for m in members if alive[(m["cluster"], m["replica"])]] or members
     losses = [m["loss"] for m in members if m.get("loss") is not None and alive[(m["cluster"], m["replica"])]] or [m["loss"] for m in members if m.get("loss") is not None]
     return {
         "cluster": c,
         "lighthouse": {"address": addr, **q},
         "leader": leaders[0] if leaders else None,
         "loss": sum(losses) / len(losses) if losses else None,
+        # its groups' mean pace, the live ones' while any is (a heterogeneous deployment: topology.cluster_speed)
+        "step_rate": _mean([m.get("step_rate") for m in paced]),
+        "sync_share": _mean([m.get("sync_share") for m in paced]),
+        # sync.async_outer: the global version the cluster holds (lag: set by _version_lags)
+        "version": max((m["outer_round"] for m in paced if isinstance(m.get("outer_round"), int)), default=None),
+        "asynchronous": any(m.get("asynchronous") for m in members),
         "live": sum(1 for m in members if alive[(m["cluster"], m["replica"])]),
         "replicas": members,
     }
+
+
+def version_lags(clusters: List[Dict[str, Any]]) -> None:
+    """The asynchronous outer level: each cluster's lag, in versions, behind the newest
+    version any cluster holds (the server's newest, as far as the statuses know)."""
+    held = [c["version"] for c in clusters if isinstance(c.get("version"), int)]
+    for c in clusters:
+        c["version_lag"] = max(held) - c["version"] if held and c.get("asynchronous") and isinstance(c.get("version"), int) else None
 
 
 def _run_view(st: Dict[Key, Dict[str, Any]], replicas: Dict[Key, Dict[str, Any]], alive: Dict[Key, bool], C: int, R: int,

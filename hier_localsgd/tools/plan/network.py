@@ -103,6 +103,14 @@ def outer_round_s(sync_bytes: float, clusters: int, wan: LinkSpec, v: OuterVaria
     return latency_hops(clusters, v.compression) * wan.latency_s + wire + round_overhead_s
 
 
+def async_push_s(sync_bytes: float, wan: LinkSpec, round_overhead_s: float) -> float:
+    """The asynchronous outer level's exchange (``sync.async_outer``): the pseudo-gradient
+    up to the global model server and the model back, one WAN transfer each (no ring,
+    nobody waited for), plus a round's overhead. Not modelled: the server's own link shared
+    by the clusters' pushes, and the grace window (sync/global_server.py)."""
+    return 2 * costs.transfer_time(sync_bytes, wan.latency_s, wan.bandwidth_Bps) + round_overhead_s
+
+
 def outer_round_bytes(sync_bytes: float, clusters: int, v: OuterVariant) -> float:
     """Bytes one leader sends in one outer round: a fragment (``S/F``), fp32 ring or compressed."""
     part = sync_bytes / v.fragments

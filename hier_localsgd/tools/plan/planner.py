@@ -85,7 +85,7 @@ from hier_localsgd.tools.plan.config import PlanConfig, REPORT_ORDER, SHARDINGS,
 from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.pick import pick_outer
 from hier_localsgd.tools.plan.network import (
-    OuterVariant, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes, outer_round_s, recommend_h,
+    OuterVariant, async_push_s, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes, outer_round_s, recommend_h,
     sync_per_step, sync_times,
 )
 
@@ -214,6 +214,8 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
     outer_round = {"compression": variant.compression, "fragments": variant.fragments,
                    "bytes": outer_round_bytes(st.sync_bytes, tp.clusters, variant),
                    "s": outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)}
+    if cfg.sync.async_outer.enabled and tp.clusters > 1:  # a push and the model back, nobody waited for
+        outer_round.update(asynchronous=True, bytes=2 * st.sync_bytes, s=async_push_s(st.sync_bytes, wan, pc.round_overhead_s))
     modes: Dict[str, Any] = {}
     for mode in REPORT_ORDER:
         per_step = sync_per_step(st, mode, h["inner"], h["outer"], h["flat"], pc.hardware.ddp_overlap)
@@ -229,7 +231,7 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
     c = tp.clusters
     slow = {
         # bytes on the slow (cross-cluster) links per local step, all ranks together
-        "hier": c * tp.ranks_per_replica * variant.fragments * outer_round_bytes(st.sync_bytes, c, variant) / (h["inner"] * h["outer"]) if c > 1 else 0.0,
+        "hier": c * tp.ranks_per_replica * variant.fragments * outer_round["bytes"] / (h["inner"] * h["outer"]) if c > 1 else 0.0,
         # a ring over C*R ordered by cluster crosses C cluster boundaries
         "flat": c * tp.ranks_per_replica * st.flat_bytes / h["flat"] if c > 1 else 0.0,
         "ddp": c * tp.ranks_per_replica * st.ddp_bytes if c > 1 else 0.0,

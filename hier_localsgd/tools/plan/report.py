@@ -116,7 +116,8 @@ def _sync_lines(p: Dict[str, Any]) -> List[str]:
             ["sync", "ranks", "link", "bytes sent per rank", "time", "every (steps)"],
             [
                 ["inner all-reduce", r, "lan", fmt_bytes(st["inner_bytes"]), fmt_time(st["inner_s"]), h["inner"]],
-                ["outer all-reduce" if p["outer_round"]["compression"] == "none" else f"outer reduce ({p['outer_round']['compression']})",
+                ["outer push + model back (asynchronous)" if p["outer_round"].get("asynchronous") else
+                 "outer all-reduce" if p["outer_round"]["compression"] == "none" else f"outer reduce ({p['outer_round']['compression']})",
                  c, "wan", fmt_bytes(p["outer_round"]["bytes"]), fmt_time(p["outer_round"]["s"]),
                  h["inner"] * h["outer"] // p["outer_round"]["fragments"]],
                 ["broadcast in cluster" + ("" if p["outer_round"]["compression"] == "none" else " (x2: and the residual)"), r, "lan",

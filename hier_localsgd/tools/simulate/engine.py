@@ -23,8 +23,9 @@ Model (docs/architecture.md, "Failure semantics" and "Recovery order"). Time adv
 through a heap of timestamped events (``heapq``, ties broken by insertion order); random
 draws come from one seeded ``random.Random`` in event order, so a seed reproduces a run
 exactly. The replica groups of a cluster run in lockstep: an inner round is
-``H_inner`` local steps of ``step_s`` each (times ``1 + N(0, step_jitter)`` per cluster
-and round, from its own seeded stream), then
+``H_inner`` local steps of ``step_s / speed`` each (``topology.cluster_speed``, 1.0 by
+default; times ``1 + N(0, step_jitter)`` per cluster and round, from its own seeded
+stream), then
 
 1. INNER_QUORUM at the cluster lighthouse, with torchft's rule
    (:func:`lighthouse_forms_at`): at once if every member of the last quorum joined
@@ -43,6 +44,15 @@ and round, from its own seeded stream), then
    the inner round and goes on). Then: heals over the WAN of new or stale cluster
    Managers (``outer_heal_s``), the outer all-reduce over the WAN, the broadcast inside
    each cluster (LAN), and the inner commit.
+
+With the asynchronous outer level (``sync.async_outer.enabled``) step 3 is instead a push:
+the leader sends its pseudo-gradient to the global model server and gets the newest model
+back (two WAN transfers of the model, ``SimParams.push_time``), nobody waits for another
+cluster, and the cluster keeps its own step count. The push is merged, one version each,
+if the cluster's base is at most ``sync.async_outer.max_staleness`` versions behind; beyond
+that its work since its last push is discarded (sync/global_model.py). Not modelled there:
+the grace window that merges equal-speed pushes into one version, the server's own link
+(pushes do not compete for it), and the end's wait for the final version.
 
 A cluster whose model derives from an older global model than the current one (it missed
 a committed outer round, or it restarted from scratch) contributes weight 0 at its next
@@ -114,13 +124,14 @@ from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from hier_localsgd import costs
+from hier_localsgd.sync.global_model import staleness_factor
 from hier_localsgd.tools.plan.network import comm_fraction
 from hier_localsgd.tools.simulate.barrier import OuterBarrier
 from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.failures import Failures
 from hier_localsgd.tools.simulate.params import SimParams
 from hier_localsgd.tools.simulate.state import (  # noqa: F401  (lighthouse_forms_at: re-exported)
-    ABORT, BARRIER, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, QUORUM, RESTART,
+    ABORT, BARRIER, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_DONE, QUORUM, RESTART,
     S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, SYNC_DONE, WATCHDOG, Cluster, RunResult, lighthouse_forms_at,
 )
 
@@ -167,6 +178,7 @@ class Simulation(OuterBarrier, Failures):
         self.kills_stopped = False
         self.truncated = False
         self.step_kills: Dict[int, List[Tuple[int, int, str]]] = defaultdict(list)  # cluster -> [(step, replica, phase)]
+        self.cluster_end = [INF] * p.clusters  # when each cluster finished its steps
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: int, a: int = 0, b: int = 0, token: int = 0) -> None:
@@ -183,12 +195,12 @@ class Simulation(OuterBarrier, Failures):
             COMMIT: self.on_commit, OUTER_DONE: self.on_outer_done, BARRIER: self.on_barrier,
             FAIL: self.on_fail, CLUSTER_FAIL: self.on_cluster_fail, KILL: self.on_kill,
             RESTART: self.on_restart, WATCHDOG: self.on_watchdog, ABORT: self.on_abort,
-            CLUSTER_START: self.on_cluster_start, OUTER_TIMEOUT: self.on_outer_timeout,
+            CLUSTER_START: self.on_cluster_start, OUTER_TIMEOUT: self.on_outer_timeout, PUSH_DONE: self.on_push_done,
         }
         # A safety net for runs that cannot finish: the outer level stopped committing (see
         # docs/planner.md, "out of step"), or kills come faster than a restarted cluster
         # reaches its first outer round. Stop and flag the result as truncated.
-        nominal = p.duration_s if p.steps == 0 else p.steps * (p.step_s + p.no_failure_sync_per_step())
+        nominal = p.duration_s if p.steps == 0 else p.steps * (p.slowest_step_s + p.no_failure_sync_per_step())
         limit = 3 * nominal + 3600.0
         while self.heap and self.end is None:
             t, _, kind, a, b, token = heapq.heappop(self.heap)
@@ -230,9 +242,9 @@ class Simulation(OuterBarrier, Failures):
         c.outer_join = False
         c.outer_outcome = None
         self.enter(c, t, "compute")
-        c.round_step_s = p.step_s
+        c.round_step_s = p.step_s / p.speed(c.idx)  # topology.cluster_speed
         if p.step_jitter > 0:
-            c.round_step_s = p.step_s * max(0.05, 1.0 + self.jitter_rng.gauss(0.0, p.step_jitter))
+            c.round_step_s *= max(0.05, 1.0 + self.jitter_rng.gauss(0.0, p.step_jitter))
         self.push(t + p.h_inner * c.round_step_s, COMPUTE_DONE, c.idx, 0, c.epoch)
         for r, _ in c.armed:  # armed for a sync phase the failed round never reached
             self.kill_at(c, t, r)
@@ -364,7 +376,13 @@ class Simulation(OuterBarrier, Failures):
         c = self.clusters[ci]
         if epoch != c.epoch or c.state != S_SYNC:
             return
-        if self.is_outer_round(c):
+        if self.is_outer_round(c) and self.p.asynchronous:
+            c.state = S_OUTER
+            c.phase_start = t
+            self.enter(c, t, "sync")
+            self.fire(c, t, ("OUTER_QUORUM",))
+            self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
+        elif self.is_outer_round(c):
             c.state = S_OUTER
             c.phase_start = t
             self.enter(c, t, "wait")
@@ -372,6 +390,31 @@ class Simulation(OuterBarrier, Failures):
             self.fire(c, t, ("OUTER_QUORUM",))
         else:
             self.commit(c, t)
+
+    def on_push_done(self, t: float, ci: int, _b: int, epoch: int) -> None:
+        """The asynchronous outer level: the server merged (or refused) this cluster's push
+        and answered with the newest version (sync/global_model.py: merged if at most
+        ``max_staleness`` versions behind; a version per merged push, as with no grace
+        window); the cluster adopts it and keeps its own step count."""
+        c = self.clusters[ci]
+        if epoch != c.epoch or c.state != S_OUTER:
+            return
+        p = self.p
+        merged = staleness_factor(self.round_no - c.base, p.max_staleness) > 0
+        if merged:
+            self.round_no += 1
+        else:
+            c.stale_cause = c.delay_cause if c.stale_cause < 0 else c.stale_cause
+        c.outer_weight = 1.0 if merged else 0.0
+        self.outer_rounds += 1
+        self.slow_bytes += p.ranks * 2 * p.sync_bytes
+        c.outer_outcome = "committed"
+        c.state = S_COMMIT
+        self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
+        if p.steps == 0 and t >= p.duration_s:
+            self.stop_pending = True
+            self.outstanding.add(ci)
+        self.push(t + p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
 
     def commit(self, c: Cluster, t: float) -> None:
         """INNER_COMMIT: adopt the round (and the outer outcome, if any); next round."""
@@ -464,6 +507,7 @@ class Simulation(OuterBarrier, Failures):
 
     def cluster_done(self, c: Cluster, t: float) -> None:
         self.book(c, t)
+        self.cluster_end[c.idx] = min(self.cluster_end[c.idx], t)
         c.state = S_DONE
         c.epoch += 1
         c.cat = "wait"  # finished replica groups idle until the run ends
@@ -521,7 +565,7 @@ class Simulation(OuterBarrier, Failures):
         return RunResult(
             seed=self.seed, end_s=end, capacity=capacity,
             goodput=self.committed / capacity if capacity else 0.0,
-            expected_no_failure_goodput=1.0 - comm_fraction(p.step_s, sync),
+            expected_no_failure_goodput=expected_goodput(p, sync),
             committed=self.committed, compute=compute, lost=dict(self.lost), uncommitted_at_end=uncommitted,
             sync=self.totals["sync"], wait=self.totals["wait"], down=self.totals["down"],
             balance_error=max(abs(balance), abs(balance_compute)) / capacity if capacity else 0.0,
@@ -530,8 +574,23 @@ class Simulation(OuterBarrier, Failures):
             efficiency=(self.steps_run - self.steps_discarded) / self.steps_run if self.steps_run else None,
             outer_rounds=self.outer_rounds, failed_outer_rounds=self.failed_outer,
             inner_rounds=sum(c.inner_rounds for c in self.clusters), final_step=max(c.step for c in self.clusters),
-            truncated=self.truncated,
+            truncated=self.truncated, cluster_end_s=tuple(self.cluster_end),
         )
+
+
+def expected_goodput(p: SimParams, sync_per_step: float) -> float:
+    """Goodput without failures: ``1 - comm_fraction`` (the planner's); with clusters of
+    different speeds and the synchronous outer level, every cluster's steps at the slowest's
+    pace: the mean over clusters of its compute per step over ``slowest step + sync``. With
+    the asynchronous outer level each cluster keeps its own pace: over a fixed duration the
+    mean of ``own step / (own step + sync)``; over a fixed number of steps the faster ones
+    then idle until the slowest finishes, which gives the synchronous figure again."""
+    if not p.speeds or len(set(p.speeds)) == 1 and p.speeds[0] == 1.0:
+        return 1.0 - comm_fraction(p.step_s, sync_per_step)
+    steps = [p.step_s / p.speed(c) for c in range(p.clusters)]
+    if p.asynchronous and p.steps == 0:
+        return sum(s / (s + sync_per_step) for s in steps) / p.clusters
+    return sum(steps) / p.clusters / (p.slowest_step_s + sync_per_step)
 
 
 def simulate_once(p: SimParams, seed: int) -> RunResult:

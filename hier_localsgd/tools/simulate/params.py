@@ -10,7 +10,7 @@ from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.runtime.faults import ROLES
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.tools.deployment import check_shared, links
-from hier_localsgd.tools.plan.network import hier_sync_per_step
+from hier_localsgd.tools.plan.network import async_push_s, hier_sync_per_step
 from hier_localsgd.tools.plan.model import dtype_bytes, flops_per_token, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.planner import check_plan_section, step_time, sync_bytes
 from hier_localsgd.tools.simulate.config import FAILURE_MODELS, SimulateConfig
@@ -64,12 +64,28 @@ class SimParams:
     hang_fraction: float
     duration_s: float
     steps: int
+    # Per cluster, its compute speed (topology.cluster_speed): a step lasts step_s / speed.
+    speeds: Tuple[float, ...] = ()
+    # sync.async_outer: each leader pushes to the global model server and goes on (engine.py)
+    asynchronous: bool = False
+    max_staleness: int = 0  # sync.async_outer.max_staleness (versions)
+
+    def speed(self, cluster: int) -> float:
+        return self.speeds[cluster] if self.speeds else 1.0
+
+    @property
+    def slowest_step_s(self) -> float:
+        return self.step_s / min(self.speeds, default=1.0)
 
     def inner_time(self, n: int) -> float:
         return self.inner_link.allreduce_time(self.sync_bytes, n) + self.round_overhead_s
 
     def outer_time(self, n: int) -> float:
         return self.outer_link.allreduce_time(self.sync_bytes, n) + self.round_overhead_s
+
+    def push_time(self) -> float:
+        """The asynchronous outer level's exchange (tools/plan/network.py async_push_s)."""
+        return async_push_s(self.sync_bytes, self.outer_link, self.round_overhead_s)
 
     def broadcast_time(self, n: int) -> float:
         return self.inner_link.broadcast_time(self.sync_bytes, n)
@@ -82,7 +98,8 @@ class SimParams:
     def no_failure_sync_per_step(self) -> float:
         """Exposed sync seconds per step without failures (the planner's formula, tools/plan/network.py)."""
         if self.mode == "hier":
-            return hier_sync_per_step(self.inner_time(self.replicas), self.outer_time(self.clusters), self.broadcast_time(self.replicas), self.h_inner, self.h_outer)
+            outer = self.push_time() if self.asynchronous else self.outer_time(self.clusters)
+            return hier_sync_per_step(self.inner_time(self.replicas), outer, self.broadcast_time(self.replicas), self.h_inner, self.h_outer)
         return self.inner_time(self.replicas) / self.h_inner  # one level (flat, ddp: H_inner = 1)
 
 
@@ -231,6 +248,8 @@ def resolve(cfg: "Config") -> SimParams:
         failure_model=f.model, mtbf_s=f.mtbf_s, cluster_mtbf_s=f.cluster_mtbf_s if hier else 0.0,
         kill_every_s=f.kill_every_s, roles=tuple(f.roles), stop_kills_at=f.stop_kills_at,
         kills=kills, early_quorum=hier and s.inner.early_quorum, hang_fraction=f.hang_fraction, duration_s=sim.duration_s, steps=0 if sim.duration_s > 0 else cfg.train.steps,
+        speeds=tuple(tp.speed(c) for c in range(tp.clusters)) if hier else (),
+        asynchronous=hier and s.async_outer.enabled, max_staleness=s.async_outer.max_staleness,
     )
     check_size(p)
     return p

@@ -100,7 +100,9 @@ def human(report: Dict[str, Any]) -> str:
     topo, sync, sim = report["config"]["topology"], report["config"]["sync"], report["config"]["simulate"]
     lines = [
         f"hier-localsgd simulate: {par['mode']} on {topo['clusters']} clusters x {topo['replicas_per_cluster']} replica groups "
-        f"x {topo['ranks_per_replica']} ranks; step {fmt_time(par['step_s'])}, H_inner {sync['inner']['every']}, "
+        f"x {topo['ranks_per_replica']} ranks; step {fmt_time(par['step_s'])}"
+        + (f" / speed {list(topo['cluster_speed'])} per cluster" if topo.get("cluster_speed") else "")
+        + f", H_inner {sync['inner']['every']}, "
         f"H_outer {sync['outer']['every']}; {s['runs']} run(s) of "
         + (f"{fmt_time(sim['duration_s'])}" if sim["duration_s"] > 0 else f"{report['config']['train']['steps']} steps (train.steps)"),
         f"  failures: {par['failure_model']}" + (f", one every {fmt_time(report['job_failure_interval_s'])} over the job" if report["job_failure_interval_s"] else "")
@@ -109,7 +111,8 @@ def human(report: Dict[str, Any]) -> str:
         + f", heartbeat {fmt_time(par['heartbeat_s'])}",
         "",
         f"goodput {s['goodput']['mean']:.4f} (min {s['goodput']['min']:.4f}, max {s['goodput']['max']:.4f}); "
-        f"without failures {s['expected_no_failure_goodput']:.4f} (1 - sync overhead)",
+        f"without failures {s['expected_no_failure_goodput']:.4f} (1 - sync overhead"
+        + (", every cluster at the slowest's pace)" if topo.get("cluster_speed") else ")"),
     ]
     lk = report["config"]["links"]
     unlimited = [f"links.{k}" for k in ("inner", "outer") if lk[k]["bandwidth_gbps"] <= 0]

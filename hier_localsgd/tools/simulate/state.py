@@ -35,7 +35,7 @@ def lighthouse_forms_at(now: float, first_joined: float, joined: int, waiting_fo
 
 # ----------------------------------------------------------------------------- state
 # Event kinds, in the heap as (time, seq, kind, a, b, token).
-COMPUTE_DONE, QUORUM, SYNC_DONE, COMMIT, OUTER_DONE, BARRIER, FAIL, CLUSTER_FAIL, KILL, RESTART, WATCHDOG, ABORT, CLUSTER_START, OUTER_TIMEOUT = range(14)
+COMPUTE_DONE, QUORUM, SYNC_DONE, COMMIT, OUTER_DONE, BARRIER, FAIL, CLUSTER_FAIL, KILL, RESTART, WATCHDOG, ABORT, CLUSTER_START, OUTER_TIMEOUT, PUSH_DONE = range(15)
 
 # Cluster states.
 S_COMPUTE, S_QUORUM, S_SYNC, S_OUTER, S_COMMIT, S_DOWN, S_DONE = "compute", "quorum", "sync", "outer", "commit", "down", "done"
@@ -133,3 +133,4 @@ class RunResult:
     inner_rounds: int
     final_step: int
     truncated: bool = False  # stopped by the safety net (the configuration cannot finish)
+    cluster_end_s: Tuple[float, ...] = ()  # when each cluster finished its steps (inf: it did not)

@@ -178,7 +178,11 @@ function renderTree(s) {
       '<span class="k">lighthouse</span>' + lighthouseLink(lh.address) + "<span>" + quorumText(lh) + "</span><span>" + participants(lh, c.leader) + "</span>" +
       '<span><span class="k">leader</span> <b class="mono">' + esc(c.leader || "–") + "</b></span>" +
       '<span><span class="k">live</span> ' + c.live + " / " + c.replicas.length + "</span>" +
-      (isNum(c.loss) ? '<span><span class="k">loss</span> ' + fmtLoss(c.loss) + "</span>" : "") + "</div>";
+      (isNum(c.loss) ? '<span><span class="k">loss</span> ' + fmtLoss(c.loss) + "</span>" : "") +
+      (isNum(c.step_rate) ? '<span class="pace"><span class="k">steps/s</span> ' + c.step_rate.toFixed(2) +
+        (isNum(c.sync_share) ? ' <span class="k">in sync</span> ' + Math.round(100 * c.sync_share) + "%" : "") + "</span>" : "") +
+      (c.asynchronous && isNum(c.version) ? '<span class="version"><span class="k">version</span> ' + c.version +
+        (isNum(c.version_lag) ? ' <span class="k">lag</span> ' + c.version_lag : "") + "</span>" : "") + "</div>";
     html += '<div class="table-wrap"><table class="rg"><thead><tr><th>Replica group</th><th>Role</th><th>Process</th><th>Phase</th><th>Step</th><th>Inner</th><th>Outer</th>' +
       "<th>Last commit</th><th>Train loss</th><th>Last seen</th><th>Link (sent)</th>" + (allowKill ? "<th></th>" : "") + "</tr></thead><tbody>";
     for (const rg of c.replicas) html += replicaRow(rg, allowKill);

@@ -1,0 +1,107 @@
+"""Issue #33's figures: the asynchronous outer level against the synchronous one on the demo
+workload (debugmodel, 2 x 2), clusters of equal or different speeds, kernel-shaped WAN.
+
+For each speed setting and seed it runs ``hier-localsgd bench`` with the arms ``hier`` and
+``hier_async`` (the same seed, workload, target and network in one invocation), then prints
+per arm: the wall time to the target loss (the first evaluation at or under it, in training
+time: bench.py), cluster 0's steps per second over its loop (the status field
+``loop_steps / loop_s``), the final eval loss, the loss each arm had reached at the same
+wall time (the earlier arm's end), and whether every group ended on one model.
+
+    python benchmarks/async_outer.py [--speeds "[1.0,0.5]|[]"] [--seeds 0,1,2] [--wan-gbps 0.1] [--target 0.9375]
+
+Each bench runs with ``bench.links=kernel`` (network namespaces, tbf; root) unless
+``--emulated``. About 15 minutes per seed at half speed on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+
+def loss_at(curve: List[Dict[str, float]], t: float) -> Optional[float]:
+    """The last evaluated loss at or before training time ``t``."""
+    pts = [p for p in curve if p["t"] <= t]
+    return pts[-1]["loss"] if pts else None
+
+
+def cluster_rate(run_dir: str, cluster: int) -> Optional[float]:
+    rs = [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob(f"replicas/c{cluster}r*/result.json"))]
+    rates = [r["loop_steps"] / r["loop_s"] for r in rs if r.get("loop_s")]
+    return statistics.mean(rates) if rates else None
+
+
+def run(args: argparse.Namespace, speeds: str, seed: int, out: Path) -> Dict[str, Any]:
+    tag = speeds.strip("[]").replace(",", "_") or "even"
+    d = out / f"{tag}_s{seed}"
+    argv = [sys.executable, "-m", "hier_localsgd", "bench", "bench.mode=full", f"bench.links={'emulated' if args.emulated else 'kernel'}",
+            f"bench.wan_gbps={args.wan_gbps}", "bench.arms=[hier,hier_async]", f"bench.target_loss={args.target}",
+            # a seed sets the init and the sample order, as bench_sweep.py does
+            f"train.seed={seed}", f"data.stream={seed}", f"run.dir={d}", *([f"topology.cluster_speed={speeds}"] if speeds != "[]" else [])]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
+    if p.returncode != 0:
+        raise SystemExit(f"bench exited {p.returncode}: {(p.stdout + p.stderr).strip()[-1500:]}")
+    rep = json.loads((d / "bench" / "bench.json").read_text())
+    arms = {a["arm"]: a for a in rep["arms"]}
+    for a in arms.values():
+        if a.get("failed"):
+            raise SystemExit(f"{speeds} seed {seed}: arm {a['arm']} failed: {a}")
+    t_eq = min(a["wall_s"] for a in arms.values())
+    return {"speeds": speeds, "seed": seed, "run": str(d), "arms": {
+        name: {"to_target_s": a["time_to_target_s"], "rate0": cluster_rate(a["run_dir"], 0), "final": a["final_eval_loss"],
+               "wall_s": a["wall_s"], "at_equal_wall": loss_at(a["curve"], t_eq), "t_equal": t_eq, "consistent": a["consistent"],
+               "slow_mb": a["slow_link_bytes"] / 1e6}
+        for name, a in arms.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--speeds", default="[1.0,0.5]|[]", help="speed lists separated by | ([]: every cluster at 1.0)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--wan-gbps", type=float, default=0.1)
+    ap.add_argument("--target", type=float, default=0.9375)
+    ap.add_argument("--emulated", action="store_true", help="user-space WAN emulation instead of kernel-shaped links")
+    ap.add_argument("--timeout-s", type=float, default=3600)
+    args = ap.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="async_outer_"))
+    print(f"debugmodel 2 x 2, WAN {args.wan_gbps} Gbit/s ({'emulated' if args.emulated else 'kernel tbf'}), target {args.target}, runs in {out}", flush=True)
+    print("| speeds | seed | arm | s to target | cluster 0 steps/s | final eval loss | loss at equal wall time (s) | wall s | slow MB | consistent |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for speeds in args.speeds.split("|"):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            r = run(args, speeds, seed, out)
+            rows.append(r)
+            for name, a in r["arms"].items():
+                tt = "-" if a["to_target_s"] is None else f"{a['to_target_s']:.1f}"
+                rate = "-" if a["rate0"] is None else f"{a['rate0']:.3f}"
+                eq = "-" if a["at_equal_wall"] is None else f"{a['at_equal_wall']:.4f} ({a['t_equal']:.0f})"
+                print(f"| {speeds} | {seed} | {name} | {tt} | {rate} | {a['final']:.4f} | {eq} | {a['wall_s']:.1f} | {a['slow_mb']:.1f} | {a['consistent']} |", flush=True)
+    print()
+    for speeds in args.speeds.split("|"):
+        rs = [r for r in rows if r["speeds"] == speeds]
+        sooner = [r["arms"]["hier"]["to_target_s"] / r["arms"]["hier_async"]["to_target_s"] for r in rs
+                  if r["arms"]["hier"]["to_target_s"] and r["arms"]["hier_async"]["to_target_s"]]
+        rate = [r["arms"]["hier_async"]["rate0"] / r["arms"]["hier"]["rate0"] for r in rs if r["arms"]["hier"]["rate0"]]
+        print(f"{speeds}: time to target, hier / hier_async per seed {[round(x, 2) for x in sooner]}; "
+              f"cluster 0's rate, hier_async / hier per seed {[round(x, 2) for x in rate]}")
+    even = {r["seed"]: r for r in rows if r["speeds"] == "[]"}
+    for speeds in [x for x in args.speeds.split("|") if x != "[]"]:
+        for r in rows:
+            e = even.get(r["seed"])
+            if r["speeds"] == speeds and e is not None:
+                a = r["arms"]
+                print(f"{speeds} seed {r['seed']}: cluster 0's rate / its rate with every cluster at 1.0 (same arm): "
+                      f"hier_async {a['hier_async']['rate0'] / e['arms']['hier_async']['rate0']:.2f}, hier {a['hier']['rate0'] / e['arms']['hier']['rate0']:.2f}")
+    (out / "async_outer.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The leader's side of the asynchronous outer level (:class:`AsyncOuter`, owned by
+:class:`~hier_localsgd.sync.outer_round.OuterLevel` when ``sync.async_outer.enabled``).
+
+At its cluster's outer round the leader sends the cluster's pseudo-gradient, measured
+from the global model of version ``base`` (the cluster's ``outer_round`` counter: in this
+mode it counts global versions), with the group-steps it holds (``tokens``, counted by
+every member from the inner rounds' weights since the last adoption: a new leader knows
+them too), to the global model server (global_server.py) and gets the newest global model
+back; BROADCAST hands it to the cluster as a synchronous outer result would. No cluster
+Manager, no global quorum: nothing waits for another cluster beyond the server's grace
+window.
+
+At the end (:meth:`pulling`) every member runs join rounds in which the leader asks the
+server for the job's final version (long polls of at most ``POLL_S``) until it is
+fixed, so every cluster ends on one model (global_server.py).
+
+Failure semantics: a push the server does not answer (down, restarting, refused) is an
+inner-only round: the cluster's work stays in its model and its tokens keep counting, so
+the next push carries it. A leader that dies mid-push is replaced (leader failover, hier.py);
+the server merged its contribution or not. The cluster's base did not move (the answer
+was never adopted), so the new leader's next push comes from the same base: the server
+merges a cluster's work at most once per base, so if the first push was merged the second
+is not (the work since the failed round is lost; nothing is merged twice) and the cluster
+adopts the newest version, which holds the first. A server that restarted empty asks for the
+leader's model (``need_model``) and continues from the highest version a leader brings.
+Past ``sync.final_wait_s`` without any answer from the server the final pull gives up and
+the cluster ends with its own model (an ``async_final`` event says so; the job's
+consistency check reports it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from hier_localsgd.core.links.link import PAYLOAD, LinkStats
+from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.sync.common import OuterResult, Status
+from hier_localsgd.sync.global_server import GlobalModelUnavailable, body_limit, call, tensor_or_none
+from hier_localsgd.sync.state import SyncState
+
+logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
+
+POLL_S = 5.0  # one final poll's wait at the server: well inside OUTER_QUORUM's budget
+
+
+@dataclass(frozen=True)
+class AsyncOuterSettings:
+    """What build.py maps from ``sync.async_outer`` (sections.py)."""
+
+    url: str
+    key: Optional[bytes]
+    grace: timedelta
+
+    def __repr__(self) -> str:  # settings get logged: never the key
+        return f"AsyncOuterSettings(url={self.url!r}, grace={self.grace})"
+
+
+class AsyncOuter:
+    """The leader's pushes and final pulls (module doc).
+
+    ``settings``: the server's address, the job's ``derive(secret, "global-model")`` bytes
+    (None: no secret) and its grace window (a push waits at most that long for its
+    batch). An exchange ends by its phase's deadline (a push: ``timeouts.outer_reduce``; a
+    final poll: ``timeouts.outer_quorum``, which covers :data:`POLL_S`).
+    """
+
+    def __init__(self, st: SyncState, settings: AsyncOuterSettings, stats: LinkStats) -> None:
+        self.st, self.url, self._key = st, settings.url, settings.key
+        self.stats = stats  # the outer level's account: a push's bytes both ways are WAN traffic
+        self.grace = settings.grace
+        self.tokens = 0.0  # committed group-steps since the cluster last adopted a global model (every member counts)
+        self.round_work = 0.0  # this round's, counted once its inner round commits
+        self.pulling = False  # finish(): join rounds that ask for the final version
+        self.final = False  # this member adopted the job's final version
+        self.heard = 0.0  # when this cluster last heard the server at the end (the leader's header says)
+        self.since = time.time()  # when this member last adopted a global model (or began): its period
+        self.epoch = ""  # the server life that gave the cluster's base (global_server.py); "": unknown
+        st.tracker.set_extra(asynchronous=True)  # the dashboard shows versions and their lag
+
+    def note_work(self, group_steps: float) -> None:
+        """This inner round's weight sum × H_inner: the group-steps it merges."""
+        self.round_work = group_steps
+
+    def round_ended(self, committed: bool) -> None:
+        """The inner round committed (its work counts) or rolled back (it does not)."""
+        if committed:
+            self.tokens += self.round_work
+        self.round_work = 0.0
+
+    def adopted(self, final: bool = False) -> None:
+        """The cluster adopted a global model: its work so far is in it (or was refused)."""
+        self.tokens = self.round_work = 0.0
+        self.since = time.time()
+        if final:
+            self.final = True
+
+    def _register(self, final: bool, tr: PhaseTracker) -> None:
+        """A server without this cluster's version (restarted empty): send it the cluster's
+        copy of the global model (``st.outer.backup``, version ``outer_round``) alone."""
+        st = self.st
+        c = st.counters
+        ans = self._call("/push", {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": 0.0,
+                                   "final": final, "delta": None, "model": st.outer.backup.to("cpu", torch.float32)}, tr)
+        if ans.get("need_model") or not isinstance(ans.get("version"), int):
+            raise GlobalModelUnavailable(f"{self.url}/push: the server did not take this cluster's model")
+        self.epoch = str(ans.get("epoch") or "")
+
+    def _model_of(self, ans: dict, like: torch.Tensor, path: str) -> torch.Tensor:
+        model = tensor_or_none(ans.get("model"), f"{path}: the server's model")
+        if model is None or model.shape != like.shape or not isinstance(ans.get("version"), int) or not bool(torch.isfinite(model).all()):
+            raise GlobalModelUnavailable(f"{self.url}{path}: answer without a finite model of {tuple(like.shape)} elements and a version")
+        return model
+
+    def answered(self, status: Status, server_answered: bool) -> None:
+        """A final pull round's broadcast: the leader heard the server (or not)."""
+        if status == Status.OUTER_COMMITTED or server_answered:
+            self.heard = time.time()
+
+    def _call(self, path: str, req: dict, tr: PhaseTracker) -> dict:
+        """One exchange within the phase's deadline (``timeouts.outer_reduce`` for a push)."""
+        left = tr.remaining().total_seconds()
+        if left <= 0:
+            raise GlobalModelUnavailable(f"{self.url}{path}: no time left in {tr.phase.value}")
+        sizes: dict = {}
+        t0 = time.time()
+        try:  # an answer holds at most one model: refused above that before its MAC is checked
+            return call(self.url, path, req, self._key, left, sizes, limit=body_limit(self.st.outer.backup.numel()))
+        finally:
+            if sizes:
+                delta = req.get("delta")
+                self.stats.record(path.strip("/"), PAYLOAD, int(delta.numel() * delta.element_size()) if delta is not None else 0,
+                                  float(sizes["sent"] + sizes["received"]))
+                self.stats.timed(path.strip("/"), PAYLOAD, t0, 0.0)
+
+    def run(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool, tr: PhaseTracker) -> OuterResult:
+        """The leader's push at its outer round (module doc); never raises for the server."""
+        st = self.st
+        c = st.counters
+        fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, c.outer_round, c.step)
+        final = st.settings.final_step > 0 and c.step >= st.settings.final_step
+        delta = st.outer.pseudo_grad(cluster_model).to("cpu", torch.float32) if contribute else None
+        tokens = self.tokens + self.round_work if contribute else 0.0
+        req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": tokens,
+               "period_s": time.time() - self.since, "final": final, "delta": delta, "model": None}
+        t0 = time.time()
+        tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
+        tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
+        try:
+            ans = self._call("/push", req, tr)
+            if ans.get("need_model"):
+                self._register(final=False, tr=tr)  # the model alone, then the push again
+                ans = self._call("/push", {**req, "epoch": self.epoch}, tr)
+            model = self._model_of(ans, cluster_model, "/push")
+        except GlobalModelUnavailable as e:
+            tr.enter(Phase.OUTER_COMMIT)
+            st.events("outer_unavailable", level="outer", step=c.step, detail=str(e)[:200])
+            logger.warning("%s global model server: %s; the cluster trains on", st.id, e)
+            return fallback
+        tr.enter(Phase.OUTER_COMMIT)  # nothing to vote on: the server's version is final
+        self.epoch = str(ans.get("epoch") or "")
+        version, weight, staleness = int(ans["version"]), float(ans.get("weight", 0.0)), int(ans.get("staleness", 0))
+        st.tracker.mark_commit("outer", version)
+        st.tracker.set_extra(version_lag=staleness)
+        st.events("commit", level="outer", outer_round=version, step=c.step, base=req["base"], staleness=staleness,
+                  weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
+                  asynchronous=True, refused=str(ans.get("refused") or "")[:100])
+        # A cluster restarted whole (behind the steps it had pushed before) resumes its count there.
+        ahead = ans.get("cluster_step")
+        last = st.settings.final_step
+        step = max(c.step, ahead) if isinstance(ahead, int) and not isinstance(ahead, bool) and (last <= 0 or ahead <= last) else c.step
+        if step > c.step:
+            st.events("resume_step", level="outer", step=c.step, to=step, version=version)
+            logger.info("%s resumes its step count at %d (this cluster's furthest push) with version %d", st.id, step, version)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, step, weight)
+
+    def pull_final(self, cluster_model: torch.Tensor) -> OuterResult:
+        """The leader's poll for the job's final version: OUTER_COMMITTED with it, or
+        INNER_ONLY (its own cluster model) while it is not fixed or the server is down."""
+        st = self.st
+        c = st.counters
+        # cluster_weight tells the members whether the server answered (final.py's bound).
+        waiting = OuterResult(Status.INNER_ONLY, cluster_model, c.outer_round, c.step, 1.0)
+        try:
+            ans = self._call("/final", {"cluster": st.id.cluster, "wait_s": POLL_S}, st.tracker)
+            if ans.get("need_model"):  # restarted empty: hand it this cluster's version, then ask again
+                self._register(final=True, tr=st.tracker)
+                ans = self._call("/final", {"cluster": st.id.cluster, "wait_s": POLL_S}, st.tracker)
+            if not ans.get("final"):
+                if not isinstance(ans.get("version"), int) or ans["version"] < 0:
+                    raise GlobalModelUnavailable(f"{self.url}/final: the server holds no model")
+                return waiting
+            model = self._model_of(ans, cluster_model, "/final")
+        except GlobalModelUnavailable as e:
+            logger.warning("%s global model server at the end: %s", st.id, e)
+            waiting.cluster_weight = 0.0  # not heard: final.py's bound runs
+            return waiting
+        version = int(ans["version"])
+        st.events("commit", level="outer", outer_round=version, step=c.step, final=True, asynchronous=True, pull=True)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, c.step, 0.0)

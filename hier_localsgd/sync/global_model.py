@@ -1,0 +1,156 @@
+"""The asynchronous outer level's global model: versions, batches, the merge rule
+(issue #33; the server around it is global_server.py, the leaders' side async_outer.py).
+
+With ``sync.async_outer.enabled`` no cluster waits for another at its outer round: its
+leader sends the cluster's pseudo-gradient ``Δ = θ_base − θ_cluster`` (measured from the
+global model of version ``base`` it last adopted), with the tokens it represents, and gets
+back the newest global model. :class:`GlobalModel` owns that model, its version and the
+outer optimizer's momentum; contributions that arrive within one batch (the grace window,
+global_server.py) are merged into one outer step, so the version advances by one per batch.
+
+The merge rule (a batch B of contributions i, hand-checked in tests/test_async_outer.py)::
+
+    s_i = version − base_i                         staleness, in versions
+    λ(s) = 1 / (1 + s)   if s <= max_staleness,    else 0 (not merged: the cluster rebases)
+    a_i = (n_i / n_full) · λ(s_i)                  n_i: the group-steps the cluster's work holds
+    g   = Σ a_i Δ_i / max(Σ a_i, C)                n_full: one full cluster's outer period; C clusters
+    θ, m ← outer SGD step (lr, momentum, Nesterov) of θ with gradient g;  version += 1
+
+Why this rule: each contribution moves the model by its share of a synchronous round's
+tokens (C clusters' full periods). With every cluster fresh (s = 0) and whole (n_i = n_full)
+a batch of all C clusters is ``mean Δ_i``: the synchronous outer round, step for step, so
+equal speeds with a grace window that catches every cluster train as the synchronous mode
+does. A batch worth less than a round is scaled down, never normalised up: a lone fresh
+contribution moves the model by 1/C of its pseudo-gradient, as its share of a synchronous
+mean would; a stale one (λ = 1/2 for s = 1) or a partial one (a cluster with half its
+groups) by that fraction again. (The first rule normalised a batch to at least 1, not C: a
+lone fast cluster then stepped the model by its whole pseudo-gradient at every push, and on
+the demo workload beside a half-speed cluster the global model reached the target 2.4×
+later than synchronous rounds: docs/benchmarks.md.) λ(s) = 1/s-style damping is the
+staleness-aware rule of asynchronous SGD (Zhang et al., IJCAI 2016); the bound keeps a
+cluster back from a long partition from pulling the model toward where it was long ago.
+
+Momentum: one outer step per version, whoever contributed to it: the buffer is the
+global model's own (HALoS keeps momentum at the global server for the same reason), so
+it is well defined whatever order contributions arrive in; a lone fast cluster's batches
+step it more often than a slow one's, exactly as often as the model moves.
+
+A contribution holding a non-finite value is refused (weight 0, logged): one diverged cluster
+never turns the global model to NaN; the cluster adopts the newest version instead.
+
+Failure semantics: the state is in memory. A server that restarts has no model until a
+leader sends its own copy of the global model (version ``base``): it adopts the highest
+version any leader brings (:meth:`adopt`) with its momentum reset to zero (logged; the
+leaders do not hold the server's momentum). Nothing here blocks or does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from hier_localsgd.core.tensors.level import Level, LevelAlgorithm
+
+
+def staleness_factor(staleness: int, max_staleness: int) -> float:
+    """λ(s) of the module doc: 1/(1+s) within the bound, 0 beyond it (or for s < 0)."""
+    if staleness < 0 or staleness > max_staleness:
+        return 0.0
+    return 1.0 / (1.0 + staleness)
+
+
+@dataclass
+class Contribution:
+    """One cluster's work in a batch, as merged (``weight`` is ``a_i``)."""
+
+    cluster: int
+    base: int
+    staleness: int
+    tokens: float
+    weight: float
+    delta: Optional[torch.Tensor] = field(default=None, repr=False)
+    refused: str = ""  # why a contribution with a delta was not merged ("" = merged, or nothing to merge)
+    applied: bool = False  # its batch was applied (a batch dropped by adopt() never is)
+
+
+class GlobalModel:
+    """The global model of the asynchronous outer level (module doc).
+
+    Args:
+        algorithm: the outer optimizer (``sync.outer``'s lr, momentum, Nesterov).
+        full_tokens: ``n_full``, the group-steps of one whole cluster's outer period.
+        max_staleness: the bound on ``s`` (versions).
+        clusters: ``C``, the job's clusters (a synchronous round's worth is ``C``).
+        init: the global model of version ``version``.
+    """
+
+    def __init__(self, algorithm: LevelAlgorithm, full_tokens: float, max_staleness: int, init: torch.Tensor, version: int,
+                 clusters: int = 1) -> None:
+        if full_tokens <= 0 or clusters < 1:
+            raise ValueError(f"full_tokens={full_tokens}, clusters={clusters}: must be positive")
+        self.algorithm, self.full_tokens, self.max_staleness = algorithm, float(full_tokens), max_staleness
+        self.clusters = clusters
+        self.level = Level("global", algorithm, init.detach().to("cpu", torch.float32), pin=False)
+        self.version = version
+        self.pending: List[Contribution] = []  # the open batch
+        self.history: List[Dict[str, object]] = []  # per version: who contributed, with what weight
+
+    @property
+    def params(self) -> torch.Tensor:
+        return self.level.backup
+
+    def weigh(self, cluster: int, base: int, tokens: float) -> Contribution:
+        """``a_i`` for a contribution from ``base`` worth ``tokens`` group-steps, now."""
+        s = self.version - base
+        lam = staleness_factor(s, self.max_staleness)
+        return Contribution(cluster, base, s, float(tokens), max(0.0, float(tokens)) / self.full_tokens * lam)
+
+    def add(self, cluster: int, base: int, tokens: float, delta: Optional[torch.Tensor]) -> Contribution:
+        """Weighs a contribution and, if its weight is positive, puts it in the open batch."""
+        c = self.weigh(cluster, base, tokens)
+        if delta is not None and delta.shape != self.params.shape:
+            raise ValueError(f"contribution of cluster {cluster}: {tuple(delta.shape)} elements, the global model has {tuple(self.params.shape)}")
+        if delta is not None and c.weight > 0 and not bool(torch.isfinite(delta).all()):
+            c.refused = "non-finite values"  # a diverged cluster never reaches the global model
+        elif delta is not None and c.weight <= 0:
+            c.refused = f"{c.staleness} versions stale (bound {self.max_staleness})" if c.staleness > self.max_staleness else "no tokens"
+        if delta is not None and c.weight > 0 and not c.refused:
+            c.delta = delta.detach().to("cpu", torch.float32)
+            self.pending.append(c)
+        else:
+            c.weight = 0.0
+        return c
+
+    @torch.no_grad()
+    def apply(self) -> bool:
+        """Closes the open batch: one outer step with ``g`` of the module doc; returns
+        whether the version advanced (False for an empty batch)."""
+        batch, self.pending = self.pending, []
+        if not batch:
+            return False
+        total = sum(c.weight for c in batch)
+        g = torch.zeros_like(self.params)
+        for c in batch:
+            assert c.delta is not None
+            g.add_(c.delta, alpha=c.weight)
+        g.div_(max(total, float(self.clusters)))
+        for c in batch:
+            c.applied = True
+        self.level.commit(self.level.stage(g))
+        self.version += 1
+        self.history.append({"version": self.version, "clusters": [c.cluster for c in batch],
+                             "weights": [round(c.weight, 6) for c in batch], "staleness": [c.staleness for c in batch]})
+        return True
+
+    @torch.no_grad()
+    def adopt(self, params: torch.Tensor, version: int) -> None:
+        """A leader's copy of the global model of a higher ``version`` (after a restart):
+        becomes the model; the open batch is dropped (its bases were older) and the
+        momentum starts again from zero."""
+        self.level.set_backup(params.detach().to("cpu", torch.float32))
+        if self.level.momentum is not None:
+            self.level.momentum.zero_()
+        self.version = version
+        self.pending = []

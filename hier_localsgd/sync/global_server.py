@@ -1,0 +1,460 @@
+"""The asynchronous outer level's server: the global model (global_model.py) behind one
+authenticated HTTP endpoint, run by the global lighthouse's process (launch/lighthouse.py)
+at ``sync.async_outer.addr``, and the leaders' client call (:func:`call`).
+
+Requests (``POST``, body and answer in the no-code wire format, core/security/wire.py)::
+
+    /push   {cluster, base, step, tokens, period_s, final, delta|None, model|None}
+            -> {version, model, weight, staleness, final, need_model, refused, epoch, cluster_step}
+    /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
+
+``/push``: the contribution is weighed and added to the open batch (global_model.py);
+the batch closes (one outer step) when the grace window decides (:meth:`_should_close`),
+and every request of that batch gets the new model. A server without a model (fresh, or
+restarted), or one whose version is below ``base``, answers ``need_model``: the leader
+sends the same request again with ``model`` (its copy of the global model of version
+``base``), which the server adopts (:meth:`GlobalModel.adopt`). ``final``: the cluster has
+trained its last step; once every cluster is final, or the ones that are not have been
+silent for ``sync.final_wait_s`` and three of their own periods, the job's final version is fixed: every later request
+gets it and merges nothing, so every cluster ends on one model.
+
+``cluster_step``: the furthest step the cluster has pushed at: a cluster that restarted
+whole (every group lost, back at step 0) resumes its step count there when it adopts the
+model, instead of training its steps again (the synchronous level's join round takes the
+global step for the same reason).
+
+The grace window is adaptive: each push says the cluster's period (seconds since it last
+adopted a model, or since it began training), and
+a batch waits, at most ``sync.async_outer.grace_s`` and at most :data:`GRACE_SHARE` of its
+contributors' own period after it opened, only for clusters expected to push inside that
+window and for ``sync.async_outer.min_clusters`` contributors. Equal-speed clusters,
+whose pushes come close together, merge into one batch (the synchronous round); a cluster
+twice as slow is half a period late, outside the window, and is never waited for.
+
+Security as heals (core/ft/heals.py): requests carry ``Authorization: HL1 <time> <nonce>
+<mac>``, an HMAC over the path, time, nonce and body under ``derive(secret,
+"global-model")``; a bad MAC, a time more than ``MAX_SKEW`` away or a replayed nonce is
+refused with 403 and one log line; answers end with an HMAC over the nonce and the body,
+checked before decoding. Bodies over :func:`body_limit` are refused before they are read.
+The listener binds the given host, never every interface unless told (``lighthouse.bind``).
+
+Failure semantics: :func:`call` raises :class:`GlobalModelUnavailable` for any
+unreachable, refused, malformed or forged exchange; the leader's outer round then
+reports an inner-only round (its cluster trains on, async_outer.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from hashlib import sha256
+import socket
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections import deque
+from typing import Any, Deque, Dict, Optional
+
+import torch
+
+from hier_localsgd.core.ft.heals import MAX_SKEW, bind_family, no_redirect_opener
+from hier_localsgd.core.security.wire import WireError, decode, encode
+from hier_localsgd.core.tensors.level import LevelAlgorithm
+from hier_localsgd.sync.global_model import GlobalModel
+
+logger = logging.getLogger(__name__)
+
+_PUBLIC_KEY = b"hier_localsgd global model: no job secret"  # integrity only (no secret configured)
+_AUTH = re.compile(r"HL1 (\d{1,12}(?:\.\d{1,6})?) ([0-9a-f]{32}) ([0-9a-f]{64})")
+MAC_BYTES = 32
+SILENT_PERIODS = 3  # a cluster is silent at the end after this many of its periods without a push (and final_wait_s)
+READ_SLOTS = 8  # request bodies read at once (each before its MAC can be checked)
+SOCKET_TIMEOUT_S = 120.0  # per blocking read or write of one connection
+# A batch waits at most this share of its contributors' own push period: a fast cluster
+# gives up at most a tenth of its time to merging with others (module doc).
+GRACE_SHARE = 0.1
+UNKNOWN_MODEL_LIMIT = 8 << 30  # a body before any model is known (a registration carries two)
+_OPENER = no_redirect_opener()
+
+
+class GlobalModelUnavailable(RuntimeError):
+    """The global model server could not be reached, refused, or answered malformed."""
+
+
+def _request_mac(key: bytes, path: str, ts: str, nonce: str, body: bytes) -> str:
+    m = hmac.new(key, f"POST {path} {ts} {nonce}\n".encode(), sha256)
+    m.update(body)
+    return m.hexdigest()
+
+
+def _response_mac(key: bytes, path: str, nonce: str, body: bytes | memoryview) -> bytes:
+    m = hmac.new(key, f"global-model {path} {nonce}\n".encode(), sha256)
+    m.update(body)
+    return m.digest()
+
+
+def body_limit(model_numel: Optional[int]) -> int:
+    """The largest body accepted either way: a delta and a model in fp32, plus 1 MiB."""
+    return UNKNOWN_MODEL_LIMIT if model_numel is None else 8 * model_numel + (1 << 20)
+
+
+class GlobalModelServer:
+    """The server of the module doc. ``host``/``port``: where to listen (port 0: any).
+
+    Args:
+        algorithm: the outer optimizer; ``full_tokens``/``max_staleness``: global_model.py.
+        clusters: how many clusters the job has (the final version waits for each).
+        grace_s, min_clusters: the batch window (module doc).
+        final_wait_s: how long a silent cluster is waited for at the end.
+        key: the job's ``derive(secret, "global-model")`` bytes; None: no secret.
+    """
+
+    def __init__(self, host: str, port: int, algorithm: LevelAlgorithm, full_tokens: float, max_staleness: int,
+                 clusters: int, grace_s: float, min_clusters: int, final_wait_s: float, key: Optional[bytes]) -> None:
+        self.algorithm, self.full_tokens, self.max_staleness = algorithm, full_tokens, max_staleness
+        self.clusters, self.grace_s, self.min_clusters, self.final_wait_s = clusters, grace_s, min_clusters, final_wait_s
+        self._key = key if key is not None else _PUBLIC_KEY
+        self.model: Optional[GlobalModel] = None
+        self._cond = threading.Condition()
+        self._batch = 0  # the open batch's number
+        self._batch_opened: Optional[float] = None
+        self._last: Dict[int, float] = {}  # cluster -> time of its last push
+        self._period: Dict[int, float] = {}  # cluster -> its push period (moving average)
+        self._finals: set = set()
+        self._merged: Dict[int, int] = {}  # cluster -> the base of its last merged push
+        self._steps: Dict[int, int] = {}  # cluster -> the furthest step it pushed at (a cluster restarted whole resumes there)
+        self._started = time.time()  # a cluster not heard yet is silent since then
+        self.final_version: Optional[int] = None
+        self._nonces: Dict[str, float] = {}
+        self._reading = threading.BoundedSemaphore(READ_SLOTS)
+        self.refusals: Deque[str] = deque(maxlen=1000)  # why requests were refused, in order (tests, logs)
+        self.epoch = secrets.token_hex(8)  # this server's life: versions of an earlier one are not its own
+        self._adopted_at = 0  # the version it took from a leader when it got its model
+        self._server = _Listener(host, port, self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="global-model", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ HTTP
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def _handler(self) -> type:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = SOCKET_TIMEOUT_S  # a client that stops sending mid-body is dropped
+
+            def log_message(self, fmt: str, *args: Any) -> None:  # one line per refusal instead
+                pass
+
+            def do_POST(self) -> None:
+                server._serve(self)
+
+            def do_GET(self) -> None:
+                server._refuse(self, 405, "only POST is served")
+
+        return Handler
+
+    def _refuse(self, h: BaseHTTPRequestHandler, code: int, why: str) -> None:
+        peer = h.client_address[0] if h.client_address else "?"
+        self.refusals.append(why)
+        logger.warning("global model server: refused %s %s from %s: %s", h.command, h.path[:80], peer, why)
+        try:
+            h.send_error(code, why)
+        except OSError:
+            pass
+
+    def _read(self, h: BaseHTTPRequestHandler) -> Optional[tuple]:
+        """(body, nonce) of an authentic request, or None after refusing it."""
+        if h.path not in ("/push", "/final"):
+            return self._refuse(h, 404, "not a global model path")
+        length = h.headers.get("Content-Length") or ""
+        if re.fullmatch(r"[0-9]{1,15}", length) is None:
+            return self._refuse(h, 411, "no valid Content-Length")
+        n = int(length)
+        with self._cond:
+            limit = body_limit(None if self.model is None else self.model.params.numel())
+        if n > limit:
+            return self._refuse(h, 413, f"body of {n} bytes refused (limit {limit})")
+        m = _AUTH.fullmatch(h.headers.get("Authorization") or "")
+        if m is None:
+            return self._refuse(h, 403, "no credentials" if not h.headers.get("Authorization") else "malformed credentials")
+        ts, nonce, mac = m.groups()
+        now = time.time()
+        if abs(now - float(ts)) > MAX_SKEW:  # before reading a byte of the body
+            return self._refuse(h, 403, f"request time {now - float(ts):+.0f} s away from the server's clock (limit {MAX_SKEW:.0f} s)")
+        # Bodies are read before their MAC can be checked: at most READ_SLOTS at a time.
+        if not self._reading.acquire(blocking=False):
+            return self._refuse(h, 503, f"{READ_SLOTS} requests are being read already")
+        try:
+            body = h.rfile.read(n)
+        except OSError as e:
+            return self._refuse(h, 400, f"body not received: {e}")
+        finally:
+            self._reading.release()
+        if len(body) != n:
+            return self._refuse(h, 400, f"body truncated at {len(body)} of {n} bytes")
+        if not hmac.compare_digest(mac.encode(), _request_mac(self._key, h.path, ts, nonce, body).encode()):
+            return self._refuse(h, 403, "bad credentials (not the job's secret, or the body was altered)")
+        with self._cond:
+            for k, seen in list(self._nonces.items()):
+                if now - seen > 2 * MAX_SKEW:
+                    del self._nonces[k]
+            if nonce in self._nonces:
+                return self._refuse(h, 403, "replayed request (nonce seen before)")
+            self._nonces[nonce] = now
+        return body, nonce
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        got = self._read(h)
+        if got is None:
+            return
+        body, nonce = got
+        try:
+            req = decode(bytearray(body), max_bytes=len(body))  # writable: the tensors view it
+            if not isinstance(req, dict) or not isinstance(req.get("cluster"), int) or not 0 <= req["cluster"] < self.clusters:
+                raise WireError("not a request of this job (cluster missing or out of range)")
+            answer = self.push(req) if h.path == "/push" else self.final(req)
+        except (WireError, ValueError, TypeError, KeyError) as e:
+            return self._refuse(h, 400, f"malformed request: {str(e)[:160]}")
+        out = encode(answer).to_bytes()
+        mac = _response_mac(self._key, h.path, nonce, out)
+        try:
+            h.send_response(200)
+            h.send_header("Content-Type", "application/octet-stream")
+            h.send_header("Content-Length", str(len(out) + MAC_BYTES))
+            h.end_headers()
+            h.wfile.write(out)
+            h.wfile.write(mac)
+        except OSError as e:
+            logger.warning("global model server: answering %s failed: %s", h.client_address[0], e)
+
+    # ------------------------------------------------------------------ the protocol
+    def push(self, req: Dict[str, Any]) -> Dict[str, Any]:
+        """A leader's contribution (module doc); blocks until its batch closes."""
+        cluster, base, tokens = int(req["cluster"]), int(req["base"]), float(req["tokens"])
+        final, delta, model, step = bool(req.get("final")), req.get("delta"), req.get("model"), int(req.get("step", -1))
+        if not (math.isfinite(tokens) and tokens >= 0) or base < 0:
+            raise ValueError(f"tokens {tokens} / base {base}: must be finite and at least 0")
+        for name, t in (("delta", delta), ("model", model)):
+            if t is not None and not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype.is_floating_point):
+                raise ValueError(f"{name}: not a flat floating-point tensor")
+        if model is not None and not bool(torch.isfinite(model).all()):
+            raise ValueError("model: non-finite values")
+        with self._cond:
+            now = time.time()
+            if self.model is None or base > self.model.version:
+                if model is None:
+                    return {"need_model": True}
+                if self.model is None:
+                    self.model = GlobalModel(self.algorithm, self.full_tokens, self.max_staleness, model, base, self.clusters)
+                    logger.info("global model server: holds version %d (from cluster %d)", base, cluster)
+                else:
+                    logger.warning("global model server: cluster %d holds version %d above this server's %d: adopted, momentum reset",
+                                   cluster, base, self.model.version)
+                    self.model.adopt(model, base)
+                self._adopted_at = base
+                self._batch += 1
+                self._batch_opened = None
+                self._cond.notify_all()
+            gm = self.model
+            ahead = self._steps.get(cluster, 0)
+            if step > ahead and delta is not None:
+                self._steps[cluster] = step
+            if req.get("epoch") and req["epoch"] != self.epoch and base > self._adopted_at:
+                # Its base came from an earlier server, past the version this one took over:
+                # the same number here may be another model. Measured from the one both share.
+                # (A leader that never pushed does not know its base's server: taken as is.)
+                base = self._adopted_at
+            self._arrived(cluster, now, req.get("period_s"))
+            if final:
+                self._finals.add(cluster)
+            if self.final_version is not None or (delta is None and not final):
+                return self._answer(gm, cluster, weight=0.0, staleness=gm.version - base)
+            if delta is not None and self._merged.get(cluster) == base:
+                # A second push from the same version: the cluster never adopted the answer
+                # to its first (its leader died after the push, or the answer was lost), so
+                # this delta holds the first one's work again. At most once: not merged; it
+                # adopts the newest version, which holds the first.
+                logger.info("global model server: cluster %d pushed step %d from version %d again: not merged twice", cluster, step, base)
+                delta = None
+            c = gm.add(cluster, base, tokens, delta)
+            if c.weight > 0:
+                self._merged[cluster] = base
+                if self._batch_opened is None:
+                    self._batch_opened = now
+                mine = self._batch
+                while self._batch == mine and not self._should_close(time.time()):
+                    self._cond.wait(timeout=0.05)
+                if self._batch == mine:
+                    self._close()
+                if not c.applied:  # its batch was dropped: the server adopted a leader's newer version meanwhile
+                    c.weight, c.refused = 0.0, "dropped: the server took a newer version from another leader"
+                    self._merged.pop(cluster, None)
+            elif c.refused:
+                logger.warning("global model server: cluster %d's contribution from version %d not merged (%s): it adopts version %d",
+                               cluster, base, c.refused, gm.version)
+            self._maybe_final(time.time())
+            return self._answer(gm, cluster, weight=c.weight, staleness=c.staleness, refused=c.refused)
+
+    def final(self, req: Dict[str, Any]) -> Dict[str, Any]:
+        """Waits up to ``wait_s`` for the job's final version (module doc)."""
+        cluster, wait = int(req["cluster"]), min(float(req.get("wait_s", 0.0)), 60.0)
+        end = time.time() + max(0.0, wait)
+        with self._cond:
+            if self.model is None:  # restarted empty: the leader registers its copy (a /push) and asks again
+                return {"final": False, "need_model": True, "version": -1, "model": None}
+            self._finals.add(cluster)
+            self._last[cluster] = time.time()  # a cluster waiting at its end is alive, not silent
+            while True:
+                self._maybe_final(time.time())
+                if self.final_version is not None or time.time() >= end:
+                    break
+                self._cond.wait(timeout=0.1)
+            gm = self.model
+            if self.final_version is None or gm is None:
+                return {"final": False, "version": -1 if gm is None else gm.version, "model": None}
+            return {"final": True, "version": gm.version, "model": gm.params.clone()}
+
+    def _answer(self, gm: GlobalModel, cluster: int, weight: float, staleness: int, refused: str = "") -> Dict[str, Any]:
+        return {"need_model": False, "version": gm.version, "model": gm.params.clone(), "weight": float(weight),
+                "staleness": int(staleness), "final": self.final_version is not None, "refused": refused, "epoch": self.epoch,
+                "cluster_step": self._steps.get(cluster, 0)}
+
+    def _arrived(self, cluster: int, now: float, period_s: Any = None) -> None:
+        """Records a push: its time, and the cluster's period between pushes, as the
+        cluster measured it (``period_s``: since it last adopted a model, or since it began
+        training) or, without one, the gap since its last push (moving average)."""
+        last = self._last.get(cluster)
+        gap = float(period_s) if isinstance(period_s, (int, float)) and not isinstance(period_s, bool) and period_s > 0 else (
+            None if last is None or cluster in self._finals else now - last)
+        if gap is not None:
+            self._period[cluster] = gap if cluster not in self._period else 0.5 * self._period[cluster] + 0.5 * gap
+        self._last[cluster] = now
+
+    def _should_close(self, now: float) -> bool:
+        """Whether the open batch closes now: its window is over, or every cluster that
+        could still join it in time has (module doc)."""
+        assert self.model is not None and self._batch_opened is not None
+        inside = {c.cluster for c in self.model.pending}
+        known = [self._period[k] for k in inside if k in self._period]
+        window = min([self.grace_s] + [GRACE_SHARE * p for p in known])
+        if now >= self._batch_opened + window:
+            return True
+        if len(inside) < self.min_clusters:
+            return False
+        for k in range(self.clusters):
+            if k in inside or k in self._finals:
+                continue
+            if k not in self._period:  # not heard yet: its pace is unknown, so it may come
+                return False
+            if self._last[k] + self._period[k] <= self._batch_opened + window:
+                return False  # expected inside the window
+        return True
+
+    def _close(self) -> None:
+        assert self.model is not None
+        if self.model.apply():
+            h = self.model.history[-1]
+            logger.info("global model server: version %d from clusters %s (weights %s, staleness %s)",
+                        h["version"], h["clusters"], h["weights"], h["staleness"])
+        self._batch += 1
+        self._batch_opened = None
+        self._cond.notify_all()
+
+    def _maybe_final(self, now: float) -> None:
+        """Fixes the final version once every cluster is final or silent (module doc)."""
+        if self.final_version is not None or self.model is None or not self._finals:
+            return
+        waiting = [k for k in range(self.clusters) if k not in self._finals and now - self._last.get(k, self._started) < self._silent_after(k)]
+        if waiting or self.model.pending:
+            return
+        self.final_version = self.model.version
+        logger.info("global model server: final version %d (clusters final: %s)", self.final_version, sorted(self._finals))
+        self._cond.notify_all()
+
+    def _silent_after(self, k: int) -> float:
+        """How long without a push makes cluster ``k`` silent at the end: ``final_wait_s``,
+        and at least three of its own periods (a slow cluster is not silent between pushes)."""
+        return max(self.final_wait_s, SILENT_PERIODS * self._period.get(k, 0.0))
+
+    def status(self) -> Dict[str, Any]:
+        """What the server holds, for logs and tests (no tensors)."""
+        with self._cond:
+            return {"version": None if self.model is None else self.model.version, "final_version": self.final_version,
+                    "history": [] if self.model is None else list(self.model.history)}
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._batch += 1
+            self._cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+class _Listener(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, host: str, port: int, handler: type) -> None:
+        fam, addr = bind_family(host)
+        self.address_family = fam
+        super().__init__((addr[0], port) if fam == socket.AF_INET else (addr[0], port, *addr[2:]), handler)
+
+
+def call(url: str, path: str, request: Dict[str, Any], key: Optional[bytes], timeout_s: float,
+         sizes: Optional[Dict[str, int]] = None, limit: Optional[int] = None) -> Dict[str, Any]:
+    """One authenticated exchange with the server at ``url`` (``http://host:port``);
+    ``sizes`` (if given) gets the bytes of the request's and the answer's bodies; an answer
+    over ``limit`` bytes (default :func:`body_limit` of an unknown model) is refused unread.
+
+    Raises:
+        GlobalModelUnavailable: unreachable, refused, too slow, malformed or forged.
+    """
+    k = key if key is not None else _PUBLIC_KEY
+    body = encode(request).to_bytes()
+    if sizes is not None:
+        sizes["sent"], sizes["received"] = len(body), 0
+    ts, nonce = f"{time.time():.3f}", secrets.token_hex(16)
+    req = urllib.request.Request(f"{url.rstrip('/')}{path}", data=body, method="POST", headers={
+        "Authorization": f"HL1 {ts} {nonce} {_request_mac(k, path, ts, nonce, body)}",
+        "Content-Type": "application/octet-stream"})
+    limit = body_limit(None) if limit is None else limit
+    try:
+        with _OPENER.open(req, timeout=timeout_s) as r:
+            length = r.headers.get("Content-Length") or ""
+            if re.fullmatch(r"[0-9]{1,15}", length) is None or not MAC_BYTES <= int(length) <= limit:
+                raise GlobalModelUnavailable(f"{url}{path}: answer without a valid Content-Length")
+            data = bytearray(r.read(int(length)))  # writable: the decoded tensors view it
+            if sizes is not None:
+                sizes["received"] = len(data)
+    except urllib.error.HTTPError as e:
+        raise GlobalModelUnavailable(f"{url}{path}: answered {e.code} {str(e.reason)[:120]}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
+        raise GlobalModelUnavailable(f"{url}{path}: unreachable or malformed answer: {str(getattr(e, 'reason', e))[:160]}") from None
+    n = len(data) - MAC_BYTES
+    if n < 0 or not hmac.compare_digest(_response_mac(k, path, nonce, memoryview(data)[:n]), bytes(data[n:])):
+        raise GlobalModelUnavailable(f"{url}{path}: answer MAC does not match (not from a holder of the job's secret, or altered)")
+    try:
+        out = decode(memoryview(data)[:n], max_bytes=n)
+    except WireError as e:
+        raise GlobalModelUnavailable(f"{url}{path}: malformed answer: {e}") from None
+    if not isinstance(out, dict):
+        raise GlobalModelUnavailable(f"{url}{path}: malformed answer (not a dict)")
+    return out
+
+
+def tensor_or_none(x: Any, what: str) -> Optional[torch.Tensor]:
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    raise GlobalModelUnavailable(f"{what}: not a tensor")

@@ -1,0 +1,416 @@
+"""The asynchronous outer level (issue #33): the merge rule by hand, the global model server
+over real HTTP on loopback (batches, a restart, the final version, refusals), and a real
+2 x 2 job whose cluster 1 runs at half speed."""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from hier_localsgd.core.tensors.level import LevelAlgorithm
+from hier_localsgd.errors import ConfigError
+from hier_localsgd.sync.global_model import GlobalModel, staleness_factor
+from hier_localsgd.sync.global_server import GlobalModelServer, GlobalModelUnavailable, call
+
+ALG = LevelAlgorithm.build("diloco", lr=0.7, momentum=0.9, nesterov=True)
+
+
+def test_the_merge_rule_against_a_hand_computation():
+    """global_model.py's rule, step by step, with numbers worked out by hand."""
+    assert [staleness_factor(s, 2) for s in (-1, 0, 1, 2, 3)] == [0.0, 1.0, 0.5, 1 / 3, 0.0]
+    gm = GlobalModel(ALG, full_tokens=10, max_staleness=1, init=torch.tensor([1.0, 2.0]), version=0, clusters=2)
+    # Version 1: cluster 0 fresh and whole (a = 1), cluster 1 fresh with half its tokens (a = 0.5).
+    assert gm.add(0, base=0, tokens=10, delta=torch.tensor([0.1, 0.2])).weight == 1.0
+    assert gm.add(1, base=0, tokens=5, delta=torch.tensor([1.0, 0.0])).weight == 0.5
+    assert gm.apply() and gm.version == 1
+    g1 = torch.tensor([(0.1 + 0.5) / 2, 0.2 / 2])  # sum a_i d_i / max(sum a_i, C = 2): 1.5 of a round's 2
+    buf1 = g1  # the momentum starts at zero
+    theta1 = torch.tensor([1.0, 2.0]) - 0.7 * (g1 + 0.9 * buf1)  # Nesterov
+    assert torch.allclose(gm.params, theta1)
+    # Version 2: a lone contribution one version stale: lambda = 1/2, a quarter of a round, not normalised up.
+    c = gm.add(1, base=0, tokens=10, delta=torch.tensor([1.0, 1.0]))
+    assert (c.staleness, c.weight) == (1, 0.5)
+    assert gm.apply() and gm.version == 2
+    g2 = torch.tensor([0.25, 0.25])
+    buf2 = 0.9 * buf1 + g2
+    assert torch.allclose(gm.params, theta1 - 0.7 * (g2 + 0.9 * buf2))
+    # Beyond the bound (2 versions behind, max_staleness 1): not merged, nothing to apply.
+    c = gm.add(0, base=0, tokens=10, delta=torch.tensor([5.0, 5.0]))
+    assert (c.staleness, c.weight) == (2, 0.0) and not gm.apply() and gm.version == 2
+    assert [h["clusters"] for h in gm.history] == [[0, 1], [1]]
+    # A diverged cluster's contribution (a NaN anywhere) is refused: the model stays finite.
+    c = gm.add(1, base=2, tokens=10, delta=torch.tensor([float("nan"), 0.0]))
+    assert (c.weight, c.refused) == (0.0, "non-finite values") and not gm.apply() and bool(torch.isfinite(gm.params).all())
+    # A restarted server adopting a leader's higher version: its model, momentum from zero.
+    gm.adopt(torch.tensor([3.0, 4.0]), version=7)
+    assert gm.version == 7 and torch.equal(gm.params, torch.tensor([3.0, 4.0])) and float(gm.level.momentum.abs().sum()) == 0.0
+
+
+def _server(**kw) -> GlobalModelServer:
+    args = dict(algorithm=ALG, full_tokens=10, max_staleness=4, clusters=2, grace_s=5.0, min_clusters=1, final_wait_s=30.0, key=b"k" * 32)
+    args.update(kw)
+    return GlobalModelServer("127.0.0.1", 0, **args)
+
+
+def _push(srv, cluster, base, delta, final=False, model=None, key=b"k" * 32, tokens=10.0):
+    return call(f"http://127.0.0.1:{srv.port}", "/push", {"cluster": cluster, "base": base, "tokens": tokens, "final": final,
+                                                           "delta": delta, "model": model}, key, 30.0)
+
+
+def test_the_server_merges_equal_pushes_into_one_version_and_restarts_from_a_leaders_copy():
+    srv = _server()
+    try:
+        init = torch.tensor([1.0, 2.0, 3.0])
+        assert _push(srv, 0, 0, torch.zeros(3))["need_model"] is True  # a fresh server holds no model
+        # Both clusters push from version 0: the second arrives inside the window (the first
+        # cluster's pace is unknown, so the batch waits for it), one version for both.
+        out = {}
+
+        def push(k):
+            out[k] = _push(srv, k, 0, torch.full((3,), float(k + 1)), model=init)
+
+        threads = [threading.Thread(target=push, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out[0]["version"] == out[1]["version"] == 1 and torch.equal(out[0]["model"], out[1]["model"])
+        assert srv.status()["history"][0]["clusters"] in ([0, 1], [1, 0])
+        g = torch.full((3,), 1.5)  # (1 * 1 + 1 * 2) / 2
+        assert torch.allclose(out[0]["model"], init - 0.7 * (g + 0.9 * g))
+        # A pull (no delta) gets the newest model and merges nothing.
+        pulled = _push(srv, 0, 1, None)
+        assert pulled["version"] == 1 and pulled["weight"] == 0.0
+        assert pulled["cluster_step"] == 0  # no push of cluster 0 named a step yet
+        # Work from one base is merged once (a new leader's push from the base the first used).
+        once = call(f"http://127.0.0.1:{srv.port}", "/push", {"cluster": 0, "base": 1, "step": 40, "tokens": 10.0, "final": False,
+                                                             "delta": torch.ones(3), "model": None}, b"k" * 32, 30.0)
+        again = call(f"http://127.0.0.1:{srv.port}", "/push", {"cluster": 0, "base": 1, "step": 50, "tokens": 10.0, "final": False,
+                                                              "delta": torch.ones(3), "model": None}, b"k" * 32, 30.0)
+        assert (once["version"], once["weight"]) == (2, 1.0) and (again["version"], again["weight"]) == (2, 0.0)
+        assert again["cluster_step"] == 50  # the furthest step cluster 0 pushed at (a restarted cluster resumes there)
+        assert torch.equal(again["model"], once["model"])
+    finally:
+        srv.shutdown()
+    # A restarted server is empty: the first leader brings its copy of version 1.
+    srv = _server()
+    try:
+        held = out[0]["model"].clone()
+        assert _push(srv, 1, 1, torch.zeros(3))["need_model"] is True
+        ans = _push(srv, 1, 1, None, model=held)
+        assert ans["version"] == 1 and torch.equal(ans["model"], held)
+        # A leader holding a higher version (the server restarted before it heard of it): adopted.
+        assert _push(srv, 0, 4, None)["need_model"] is True
+        ans = _push(srv, 0, 4, None, model=held + 1)
+        assert ans["version"] == 4 and torch.equal(ans["model"], held + 1)
+    finally:
+        srv.shutdown()
+
+
+def test_the_final_version_waits_for_every_cluster_and_is_one_model():
+    srv = _server(grace_s=0.0)
+    try:
+        init = torch.tensor([0.5, -0.5])
+        a = _push(srv, 0, 0, torch.tensor([0.1, 0.1]), final=True, model=init)
+        assert a["final"] is False  # cluster 1 is still training
+        url = f"http://127.0.0.1:{srv.port}"
+        waiting = call(url, "/final", {"cluster": 0, "wait_s": 0.2}, b"k" * 32, 30.0)
+        assert waiting["final"] is False and waiting["model"] is None
+        b = _push(srv, 1, 0, torch.tensor([0.2, 0.0]), final=True)
+        assert b["final"] is True and b["version"] == 2  # cluster 1's work merged, 1 version stale
+        fin = call(url, "/final", {"cluster": 0, "wait_s": 0.2}, b"k" * 32, 30.0)
+        assert fin["final"] is True and fin["version"] == 2 and torch.equal(fin["model"], b["model"])
+        late = _push(srv, 1, 0, torch.tensor([9.0, 9.0]))  # after the end: merges nothing
+        assert late["final"] is True and late["version"] == 2 and late["weight"] == 0.0
+    finally:
+        srv.shutdown()
+
+
+def test_the_end_waits_for_a_slow_clusters_periods_and_an_empty_server_takes_the_model_back():
+    """A cluster pushing every 100 s is not silent 1 s after its push, even with
+    final_wait_s=0; a server restarted empty at the end asks for the model (need_model)
+    and takes it from a leader's registration."""
+    srv = _server(grace_s=0.0, final_wait_s=0.0)
+    url = f"http://127.0.0.1:{srv.port}"
+    try:
+        init = torch.tensor([1.0, 1.0])
+        _push(srv, 1, 0, torch.tensor([0.1, 0.1]), model=init)
+        call(url, "/push", {"cluster": 1, "base": 1, "tokens": 10.0, "period_s": 100.0, "final": False, "delta": torch.zeros(2), "model": None},
+             b"k" * 32, 30.0)
+        _push(srv, 0, 2, torch.tensor([0.1, 0.1]), final=True)
+        assert call(url, "/final", {"cluster": 0, "wait_s": 0.3}, b"k" * 32, 30.0)["final"] is False  # cluster 1 is slow, not silent
+    finally:
+        srv.shutdown()
+    srv = _server(grace_s=0.0, final_wait_s=0.0)
+    url = f"http://127.0.0.1:{srv.port}"
+    try:
+        assert call(url, "/final", {"cluster": 0, "wait_s": 0.2}, b"k" * 32, 30.0)["need_model"] is True
+        reg = call(url, "/push", {"cluster": 0, "base": 3, "tokens": 0.0, "final": True, "delta": None, "model": torch.tensor([2.0, 2.0])},
+                   b"k" * 32, 30.0)
+        assert reg["version"] == 3 and reg["weight"] == 0.0
+        _push(srv, 1, 3, None, final=True)
+        fin = call(url, "/final", {"cluster": 0, "wait_s": 0.2}, b"k" * 32, 30.0)
+        assert fin["final"] is True and fin["version"] == 3 and torch.equal(fin["model"], torch.tensor([2.0, 2.0]))
+    finally:
+        srv.shutdown()
+
+
+def test_a_batch_dropped_for_a_leaders_newer_version_reports_its_push_as_not_merged():
+    """Cluster 0's push waits in its batch (cluster 1's pace unknown); cluster 1 then
+    brings a newer version (the server had restarted): the server adopts it and drops the
+    open batch, and cluster 0 is told its push was not merged. A leader whose base came from
+    an earlier server life past the adopted version is measured from the adopted one."""
+    srv = _server(grace_s=5.0)
+    try:
+        _push(srv, 0, 0, None, model=torch.zeros(2))  # the server holds version 0
+        out = {}
+        push = {"cluster": 0, "base": 0, "tokens": 10.0, "period_s": 100.0, "final": False, "delta": torch.ones(2), "model": None}
+        t = threading.Thread(target=lambda: out.update(a=call(f"http://127.0.0.1:{srv.port}", "/push", push, b"k" * 32, 30.0)))
+        t.start()
+        import time as _t
+        _t.sleep(0.5)
+        newer = _push(srv, 1, 6, None, model=torch.full((2,), 3.0))
+        t.join(30)
+        assert newer["version"] == 6 and out["a"]["weight"] == 0.0 and out["a"]["refused"].startswith("dropped"), out
+        assert out["a"]["version"] == 6 and torch.equal(out["a"]["model"], torch.full((2,), 3.0))
+        # A push from version 8 of an earlier server life (epoch differs, 8 > 6): measured from 6.
+        old = call(f"http://127.0.0.1:{srv.port}", "/push", {"cluster": 0, "base": 8, "epoch": "0123456789abcdef", "tokens": 10.0,
+                                                             "final": False, "delta": torch.ones(2), "model": None}, b"k" * 32, 30.0)
+        assert old["need_model"] is True  # 8 is above this server's version 6: it asks for the model first
+        with pytest.raises(GlobalModelUnavailable, match="answered 400"):  # non-finite tokens are refused
+            _push(srv, 0, 6, torch.ones(2), tokens=float("inf"))
+    finally:
+        srv.shutdown()
+
+
+def test_requests_without_the_jobs_secret_are_refused_with_one_line_each():
+    srv = _server()
+    try:
+        with pytest.raises(GlobalModelUnavailable, match="answered 403"):
+            _push(srv, 0, 0, None, key=b"x" * 32)
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/push", data=b"HLW1", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10)
+        assert e.value.code == 403
+        with pytest.raises(GlobalModelUnavailable, match="answered 400"):  # authentic, but not of this job
+            _push(srv, 5, 0, None)
+        assert list(srv.refusals) == ["bad credentials (not the job's secret, or the body was altered)", "no credentials",
+                                "malformed request: not a request of this job (cluster missing or out of range)"]
+        assert srv.status()["version"] is None  # nothing reached the model
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("extra, field", [
+    (["sync.outer.delay=1"], "sync.async_outer.enabled: not combined with sync.outer.delay=1"),
+    (["sync.outer.compression=int8"], "sync.async_outer.enabled: not combined with sync.outer.compression='int8'"),
+    (["sync.mode=flat"], "sync.async_outer.enabled: an asynchronous outer level needs sync.mode=hier"),
+    (["sync.async_outer.addr=nowhere"], "sync.async_outer.addr: expected an address"),
+    (["sync.async_outer.min_clusters=3"], "sync.async_outer.min_clusters: 3"),
+    (["sync.async_outer.max_staleness=-1"], "sync.async_outer.max_staleness: -1"),
+])
+def test_settings_the_asynchronous_level_cannot_run_are_one_line_naming_the_field(extra, field):
+    from hier_localsgd.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(["sync.async_outer.enabled=true", *extra], validate_for="train")
+    assert str(e.value).startswith(field), str(e.value)
+
+
+@pytest.mark.slow
+def test_a_half_speed_cluster_does_not_hold_the_other_back_and_the_job_ends_on_one_model(tmp_path):
+    """2 x 2, cluster 1 at half speed (topology.cluster_speed), asynchronous outer level:
+    cluster 0 reaches its last step before cluster 1 (no lockstep), versions are merged from
+    cluster 0 alone, cluster 1's contributions come in stale and weighted 1/(1+s), and every
+    group ends on the server's final version (one checksum)."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, ["sync.async_outer.enabled=true", "train.steps=60", "sync.inner.every=5", "sync.outer.every=2",
+                             "train.min_step_time_s=0.05", "topology.cluster_speed=[1.0,0.5]"], timeout_s=300)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    assert run.summary["consistent"] is True
+    done = {k: run.kinds(k, "async_final", state="done") for k in run.job.keys()}
+    assert all(len(v) == 1 for v in done.values()), done
+    assert len({v[0]["outer_round"] for v in done.values()}) == 1  # one final version everywhere
+    last0 = max(e["t"] for e in run.kinds((0, 0), "commit", level="outer") if "base" in e)  # its last push
+    first_final1 = min(e["t"] for e in run.kinds((1, 0), "async_final", state="start"))
+    assert last0 < first_final1, (last0, first_final1)
+    log = (run.job.run_dir / "logs" / "lighthouse_global.log").read_text()
+    assert "from clusters [0] (weights [1.0], staleness [0])" in log, log[-2000:]
+    pushes1 = [e for e in run.kinds((1, 0), "commit", level="outer") if "base" in e]
+    stale = [e for e in pushes1 if e["staleness"] > 0]
+    assert stale and all(e["weight"] == round(1 / (1 + e["staleness"]), 6) for e in stale), pushes1
+
+
+ASYNC = ["sync.async_outer.enabled=true", "sync.inner.every=5", "sync.outer.every=2", "train.min_step_time_s=0.05"]
+ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _pushes(run, key):
+    return [e for e in run.kinds(key, "commit", level="outer") if "base" in e]
+
+
+def _ends_on_one_version(run, keys=ALL):
+    done = {k: run.kinds(k, "async_final", state="done") for k in keys}
+    assert all(len(v) == 1 for v in done.values()), done
+    assert len({v[0]["outer_round"] for v in done.values()}) == 1, done
+    if keys == ALL:
+        assert run.summary["consistent"] is True
+    else:
+        sums = run.summary["checksums"]
+        names = {f"c{c}r{r}" for c, r in keys}
+        assert names <= set(sums) and len({sums[n] for n in names} | {v for v in sums.values()}) == 1, sums
+
+
+@pytest.mark.slow
+def test_the_global_model_server_restarted_empty_continues_from_the_leaders_version(tmp_path):
+    """The global lighthouse's process (and the server in it) is killed once every group is
+    past step 20 and comes back 3 s later with no model: the pushes meanwhile are inner-only
+    rounds (the clusters train on), the first push after it answers ``need_model`` and the
+    server continues from the version that leader holds; the job ends on one model."""
+    from harness import logs_tail, run_job
+
+    seen = {}
+
+    def during(job):
+        if "kill" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 20 for k in ALL):
+            seen["kill"] = True
+            job.kill_lighthouse("global")
+
+    # 300 paced steps leave >= 28 s of training after the kill at step 20: the server is back
+    # (3 s delay plus its start) with many outer rounds to go, however loaded the machine.
+    run = run_job(tmp_path, [*ASYNC, "train.steps=300", "train.min_step_time_s=0.1", "lighthouse.restart_delay_s=3"],
+                  during=during, restart=True, timeout_s=300)
+    assert seen and all(code == 0 for code in run.codes.values()), logs_tail(run)
+    assert not [h for h in run.job.history if h["event"] == "restart" and not isinstance(h["key"], str)]
+    assert [e for k in ((0, 0), (1, 0)) for e in run.kinds(k, "outer_unavailable")], "a push met the outage"
+    log = (run.job.run_dir / "logs" / "lighthouse_global.log").read_text()
+    held = [int(line.split("holds version ")[1].split()[0]) for line in log.splitlines() if "holds version" in line]
+    assert len(held) == 2 and held[0] == 0 and held[1] > 0, held  # the restarted server took a leader's version
+    after = [e for k in ((0, 0), (1, 0)) for e in _pushes(run, k) if e["outer_round"] > held[1]]
+    assert after, "versions advanced after the restart"
+    _ends_on_one_version(run)
+
+
+@pytest.mark.slow
+def test_a_leader_dying_after_its_push_was_merged_is_not_merged_twice(tmp_path):
+    """c0r0 exits in BROADCAST at step 20, after the server merged its push: its cluster
+    rolls back, c0r1 leads and at the next outer round pushes from the same version again
+    (the cluster never adopted the answer); the server does not merge that work a second
+    time and answers with the newest model, which holds the first push."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, [*ASYNC, "train.steps=80", "faults=[{cluster:0,replica:0,step:20,action:exit,phase:BROADCAST}]"],
+                  restart=True, timeout_s=300)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    assert [h["code"] for h in run.job.history if h["event"] == "exit" and h["key"] == (0, 0)][0] == 17
+    log = (run.job.run_dir / "logs" / "lighthouse_global.log").read_text()
+    (first,) = [e for e in _pushes(run, (0, 0)) if e["step"] == 20]
+    redo = _pushes(run, (0, 1))[0]  # c0r1's first push as the leader
+    assert redo["base"] == first["base"] and redo["weight"] == 0.0, (first, redo)
+    assert f"cluster 0 pushed step {redo['step']} from version {first['base']} again: not merged twice" in log, log[-3000:]
+    # The restarted c0r0 rejoins, or (on a busy machine) finds the job finished and exits 0
+    # without a result: both are correct, so the survivors are compared.
+    _ends_on_one_version(run, [(0, 1), (1, 0), (1, 1)])
+
+
+@pytest.mark.slow
+def test_a_cluster_cut_off_for_many_versions_rebases_and_the_job_ends_on_one_model(tmp_path):
+    """Both groups of cluster 1 are stopped (SIGSTOP) for 6 s while cluster 0 trains on:
+    cluster 0 never waits for them and advances the global model well past
+    ``max_staleness``; cluster 1's first push after it returns is too stale to merge
+    (weight 0), it adopts the newest version, and the job ends on one model."""
+    import signal
+    import time as _t
+
+    from harness import logs_tail, run_job
+
+    seen = {}
+
+    def during(job):
+        if "stop" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 20 for k in ALL):
+            seen["stop"] = _t.time()
+            for k in ((1, 0), (1, 1)):
+                job.kill(k, signal.SIGSTOP)
+        if "stop" in seen and "cont" not in seen and _t.time() - seen["stop"] >= 6.0:
+            seen["cont"] = _t.time()
+            for k in ((1, 0), (1, 1)):
+                job.kill(k, signal.SIGCONT)
+
+    run = run_job(tmp_path, [*ASYNC, "train.steps=250", "sync.async_outer.max_staleness=4"], during=during, restart=True, timeout_s=300)
+    assert "cont" in seen and all(code == 0 for code in run.codes.values()), logs_tail(run)
+    ahead = [e for e in _pushes(run, (0, 0)) if seen["stop"] < e["t"] < seen["cont"]]
+    assert len(ahead) >= 6, ahead  # cluster 0 kept advancing alone
+    pushes1 = [e for k in ((1, 0), (1, 1)) for e in _pushes(run, k) if e["t"] > seen["cont"]]
+    assert pushes1 and pushes1[0]["staleness"] > 4 and pushes1[0]["weight"] == 0.0, pushes1[:3]
+    assert [e for e in pushes1 if e["weight"] > 0], "cluster 1's later pushes merge again"
+    _ends_on_one_version(run)
+
+
+def test_a_global_model_server_off_loopback_without_a_secret_is_refused_in_one_line(monkeypatch):
+    """Without a job secret the MACs are integrity only: a heal only reads, but a push
+    writes the global model, so the server never listens off loopback without one."""
+    from hier_localsgd.config import load_config
+    from hier_localsgd.core.security.secret import SECRET_ENV
+    from hier_localsgd.launch.lighthouse import LighthouseStartFailed, _global_model_server
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    cfg = load_config(["sync.async_outer.enabled=true", "sync.async_outer.addr=http://10.255.255.1:29509"], validate_for="train")
+    with pytest.raises(LighthouseStartFailed, match=r"^sync\.async_outer\.addr=http://10\.255\.255\.1:29509: the global model server on a "
+                                                    r"non-loopback address needs a job secret"):
+        _global_model_server(cfg)
+
+
+@pytest.mark.slow
+def test_a_cluster_lighthouse_outage_with_the_asynchronous_level_ends_on_one_model(tmp_path):
+    """Cluster 0's lighthouse is killed once every group is past step 20 and restarted 5 s
+    later: no process exits; cluster 0's leader keeps pushing alone meanwhile (its cluster
+    cannot meet: OuterLevel.without_cluster), the guard brings its peer along afterwards,
+    and the job ends on one version."""
+    from harness import logs_tail, run_job
+
+    seen = {}
+
+    def during(job):
+        if "kill" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 20 for k in ALL):
+            seen["kill"] = __import__("time").time()
+            job.kill_lighthouse("cluster0")
+
+    run = run_job(tmp_path, [*ASYNC, "train.steps=250", "lighthouse.restart_delay_s=5"], during=during, restart=True, timeout_s=300)
+    assert seen and all(code == 0 for code in run.codes.values()), logs_tail(run)
+    assert not [h for h in run.job.history if h["event"] == "restart" and not isinstance(h["key"], str)]
+    up = [h["t"] for h in run.job.history if h["event"] == "up" and h["key"] == "cluster0" and h["t"] > seen["kill"]][0]
+    alone = [e for e in _pushes(run, (0, 0)) if seen["kill"] + 2.0 < e["t"] < up]
+    assert alone and all(e["weight"] > 0 for e in alone), alone  # the leader's pushes during the outage merged
+    _ends_on_one_version(run)
+
+
+@pytest.mark.slow
+def test_a_cluster_restarted_whole_adopts_the_global_model_and_resumes_its_step_count(tmp_path):
+    """Both groups of cluster 1 are killed past step 40 and restarted (from step 0: nobody
+    in their cluster to heal from). Their first push is far too stale to merge; they adopt
+    the newest version and resume their step count at their furthest push instead of
+    training those steps again, and the job ends on one model."""
+    import signal
+
+    from harness import logs_tail, run_job
+
+    seen = {}
+
+    def during(job):
+        if "kill" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 40 for k in ALL):
+            seen["kill"] = True
+            for k in ((1, 0), (1, 1)):
+                job.kill(k, signal.SIGKILL)
+
+    run = run_job(tmp_path, [*ASYNC, "train.steps=200"], during=during, restart=True, timeout_s=300)
+    assert seen and all(code == 0 for code in run.codes.values()), logs_tail(run)
+    resumed = [e for k in ((1, 0), (1, 1)) for e in run.kinds(k, "resume_step")]
+    assert resumed and all(e["to"] >= 40 > e["step"] for e in resumed), resumed
+    refused = [e for k in ((1, 0), (1, 1)) for e in _pushes(run, k) if e["weight"] == 0.0 and "stale" in e.get("refused", "")]
+    assert refused, "the restarted cluster's first push was too stale to merge"
+    _ends_on_one_version(run)
