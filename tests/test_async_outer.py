@@ -172,7 +172,10 @@ def test_a_batch_dropped_for_a_leaders_newer_version_reports_its_push_as_not_mer
         t = threading.Thread(target=lambda: out.update(a=call(f"http://127.0.0.1:{srv.port}", "/push", push, b"k" * 32, 30.0)))
         t.start()
         import time as _t
-        _t.sleep(0.5)
+        until = _t.monotonic() + 20
+        while not srv.model.pending and _t.monotonic() < until:  # cluster 0's push is in the open batch
+            _t.sleep(0.02)
+        assert srv.model.pending, "cluster 0's push never reached the batch"
         newer = _push(srv, 1, 6, None, model=torch.full((2,), 3.0))
         t.join(30)
         assert newer["version"] == 6 and out["a"]["weight"] == 0.0 and out["a"]["refused"].startswith("dropped"), out
@@ -289,7 +292,9 @@ def test_the_global_model_server_restarted_empty_continues_from_the_leaders_vers
     assert not [h for h in run.job.history if h["event"] == "restart" and not isinstance(h["key"], str)]
     assert [e for k in ((0, 0), (1, 0)) for e in run.kinds(k, "outer_unavailable")], "a push met the outage"
     log = (run.job.run_dir / "logs" / "lighthouse_global.log").read_text()
-    held = [int(line.split("holds version ")[1].split()[0]) for line in log.splitlines() if "holds version" in line]
+    # "holds version V (from cluster k)": the version each server life started from (a leader
+    # holding a newer one logs "cluster k holds version ..." and is not counted here)
+    held = [int(line.split("holds version ")[1].split()[0]) for line in log.splitlines() if "holds version" in line and "(from cluster" in line]
     assert len(held) == 2 and held[0] == 0 and held[1] > 0, held  # the restarted server took a leader's version
     after = [e for k in ((0, 0), (1, 0)) for e in _pushes(run, k) if e["outer_round"] > held[1]]
     assert after, "versions advanced after the restart"
@@ -334,9 +339,12 @@ def test_a_cluster_cut_off_for_many_versions_rebases_and_the_job_ends_on_one_mod
     def during(job):
         if "stop" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 20 for k in ALL):
             seen["stop"] = _t.time()
+            seen["from"] = int((job.status((0, 0)) or {}).get("step", 0))
             for k in ((1, 0), (1, 1)):
                 job.kill(k, signal.SIGSTOP)
-        if "stop" in seen and "cont" not in seen and _t.time() - seen["stop"] >= 6.0:
+        # at least 6 s and 70 of cluster 0's steps (7 outer rounds), however loaded the machine
+        far = "stop" in seen and int((job.status((0, 0)) or {}).get("step", 0)) >= seen["from"] + 70
+        if "stop" in seen and "cont" not in seen and _t.time() - seen["stop"] >= 6.0 and far:
             seen["cont"] = _t.time()
             for k in ((1, 0), (1, 1)):
                 job.kill(k, signal.SIGCONT)
@@ -380,7 +388,8 @@ def test_a_cluster_lighthouse_outage_with_the_asynchronous_level_ends_on_one_mod
             seen["kill"] = __import__("time").time()
             job.kill_lighthouse("cluster0")
 
-    run = run_job(tmp_path, [*ASYNC, "train.steps=250", "lighthouse.restart_delay_s=5"], during=during, restart=True, timeout_s=300)
+    # 400 steps: cluster 0 is still training when its lighthouse is back (>= 19 s after the kill)
+    run = run_job(tmp_path, [*ASYNC, "train.steps=400", "lighthouse.restart_delay_s=5"], during=during, restart=True, timeout_s=300)
     assert seen and all(code == 0 for code in run.codes.values()), logs_tail(run)
     assert not [h for h in run.job.history if h["event"] == "restart" and not isinstance(h["key"], str)]
     up = [h["t"] for h in run.job.history if h["event"] == "up" and h["key"] == "cluster0" and h["t"] > seen["kill"]][0]
@@ -402,7 +411,8 @@ def test_a_cluster_restarted_whole_adopts_the_global_model_and_resumes_its_step_
     seen = {}
 
     def during(job):
-        if "kill" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 40 for k in ALL):
+        # past 40, not at it: a status of 40 is written when round 40 starts, before its push
+        if "kill" not in seen and all(int((job.status(k) or {}).get("step", 0)) >= 41 for k in ALL):
             seen["kill"] = True
             for k in ((1, 0), (1, 1)):
                 job.kill(k, signal.SIGKILL)

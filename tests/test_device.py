@@ -184,6 +184,46 @@ def test_per_receiver_fill_keeps_every_tensor_on_its_device(fill):
     assert not torch.equal(out, sum(parts))  # 30 % of 10 packets from each of 2 senders: some lost
 
 
+@pytest.mark.parametrize("where", ["per_sender", "per_receiver"])
+@pytest.mark.parametrize("fill", ["zero", "stale", "rescale"])
+def test_loss_masks_made_on_the_host_are_applied_on_the_tensors_device(where, fill):
+    """The meta device stands in for a GPU here: index_fill_/index_copy_ refuse an index on
+    another device exactly as on CUDA (lossy TP and the link's per-receiver path once
+    handed host masks to device tensors, issue #32)."""
+    emu = LinkEmulation(LinkSpec(model=LossModel("bernoulli", p=0.5), fill=fill, where=where, payload_bytes=16, seed=1), "group")
+    t = torch.empty(64, device="meta")
+    lost = torch.tensor([True, False] * 8)  # 16 packets of 4 values, on the host
+    arrived = (~lost).to(torch.int32) + 1
+    emu.zero_packets(t, lost, 4)
+    saved = emu.save_rows(t, arrived, 2, 4)
+    emu.fill_per_sender(t, arrived, 2, 4, saved)
+    assert all(x.device.type == "meta" for x in saved)
+
+
+def test_tp_shards_keep_the_models_dtype_and_device():
+    """Sharding a model already in bf16 (or on a GPU) keeps each shard there: the shards
+    were new fp32 CPU layers, and the flat parameter view refused the mix (H200, issue #32)."""
+    from hier_localsgd.core.tensors.flat_params import FlatParams
+    from hier_localsgd.train.tp import TPGroup, shard_llama3
+
+    for variant in ("megatron", "naive"):
+        model = build_model("llama3_debugmodel", 256, 32, 0, 0).to(torch.bfloat16)
+        shard_llama3(model, TPGroup(None, 0, 2), variant)
+        assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.bfloat16, "cpu")}, variant
+        FlatParams(model)
+
+
+def test_staging_buffers_are_dropped_with_an_abandoned_group():
+    """A pinned staging buffer is reused round to round, but not past an abandoned
+    collective, which may still complete into it (issue #32)."""
+    pg = LinkProcessGroup("outer", timedelta(seconds=10), backend="gloo")
+    t, cpu = torch.zeros(8), torch.device("cpu")
+    first = pg._buffer(0, t, cpu)
+    assert pg._buffer(0, t, cpu) is first
+    pg.retire()
+    assert pg._buffer(0, t, cpu) is not first
+
+
 # -- GPU only --------------------------------------------------------------------------------------------------------
 @cuda_only
 def test_level_on_cuda_keeps_its_state_in_pinned_host_memory():
@@ -218,6 +258,20 @@ def test_gloo_link_stages_device_tensors_through_pinned_host_buffers():
     pg.broadcast([t], b).wait()
     assert t.is_cuda and t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert pg.staged_bytes > 0 and all(buf.is_pinned() for buf in pg._staging.values())
+
+
+@cuda_only
+def test_gloo_link_stages_an_all_to_all_of_device_tensors():
+    """alltoall_base (the int8/fp8 outer codec's path) is staged like the other
+    collectives: NCCL's send/recv and Gloo take no tensors of the other kind."""
+    from torch.distributed.distributed_c10d import AllToAllOptions
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = LinkProcessGroup("outer", timedelta(seconds=10), backend="gloo")
+    pg.configure(f"127.0.0.1:{store.port}/q1", "r0", 0, 1, quorum_id=1)
+    src, dst = torch.arange(6, dtype=torch.float32, device="cuda"), torch.zeros(6, device="cuda")
+    pg.alltoall_base(dst, src, [], [], AllToAllOptions()).wait()
+    assert dst.is_cuda and dst.tolist() == src.tolist() and pg.staged_bytes > 0
 
 
 # -- FSDP2 inside a replica group ------------------------------------------------------------------

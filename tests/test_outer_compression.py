@@ -348,3 +348,17 @@ def test_a_real_compressed_job_is_consistent_and_its_slow_link_carries_the_compr
     assert s["slow_link_payload_bytes_per_outer_round"] == C * per_leader(numel)
     assert s["slow_link_payload_bytes_per_outer_round_expected"] == s["slow_link_payload_bytes_per_outer_round"]
     assert s["slow_link_payload_bytes_per_outer_round"] < ceiling * C * ring_allreduce_bytes(s["model_bytes"], C)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["int8", "topk2"])
+def test_a_bf16_model_with_a_compressed_outer_level_commits_every_outer_round(tmp_path, compression):
+    """train.param_dtype=bf16: the codecs encode an fp32 host copy of the pseudo-gradient.
+    Every outer round used to fail ("expected a contiguous fp32 tensor") and the failure
+    was swallowed into a failed round (issue #32)."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, [f"sync.outer.compression={compression}", "train.param_dtype=bf16", "train.steps=40",
+                             "sync.inner.every=5", "sync.outer.every=2"])
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    assert run.summary["consistent"] is True and run.summary["outer_rounds_committed"] == 4, run.summary

@@ -265,7 +265,7 @@ def test_an_attacker_on_the_wan_without_the_secret_gets_nothing_and_the_job_ends
 
     try:
         with caplog.at_level("WARNING", logger="hier_localsgd.launch.netns"):
-            job, codes, summary, events, drops = run_captured(tmp_path, [*KNOWN, "train.steps=400", "timeouts.local_step=120", "security.wan=tunnel"], during=during)
+            job, codes, summary, events, drops = run_captured(tmp_path, [*KNOWN, "train.steps=400", "timeouts.local_step=300", "security.wan=tunnel"], during=during)
     finally:
         if "thread" in holder:
             holder["thread"].join(120)

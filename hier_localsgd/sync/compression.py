@@ -112,9 +112,17 @@ class OuterCompression:
         self._total, self._ranges = total, ranges
         if weight == 0:
             grad.zero_()
+        # The codecs encode a contiguous fp32 host tensor, beside the residual: a bf16 model
+        # (train.param_dtype) or a pseudo-gradient on a GPU goes through an fp32 host copy.
+        host = grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()
+        work = grad if host else grad.detach().to("cpu", torch.float32).contiguous()
         if self.fmt == TOPK2:  # nothing to fold: the sum of the decoded payloads is exact
-            return comm.sparse_allreduce_sum(grad, PAYLOAD, self.block, self.topk, self._ef if weight != 0 else None)
-        return comm.compressed_allreduce_sum(grad, PAYLOAD, self.fmt, self.block, self._ef if weight != 0 else None, self._ef)
+            ok = comm.sparse_allreduce_sum(work, PAYLOAD, self.block, self.topk, self._ef if weight != 0 else None)
+        else:
+            ok = comm.compressed_allreduce_sum(work, PAYLOAD, self.fmt, self.block, self._ef if weight != 0 else None, self._ef)
+        if ok and work is not grad:
+            grad.copy_(work)
+        return ok
 
     def commit(self) -> None:
         """The outer round committed: its staged residual becomes the state."""

@@ -47,7 +47,6 @@ parallel groups. Nothing is retried here.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections import defaultdict
@@ -118,7 +117,8 @@ class TPGroup:
         if emu.spec.model.enabled:
             per, npk = emu.packets(t.numel(), t.element_size())
             if emu.spec.where == "per_sender":
-                lost = torch.from_numpy(emu.stream(self.ids[self.rank]).sample(npk))
+                # on t's device: the group's backend (NCCL on CUDA) reduces the masks too
+                lost = torch.from_numpy(emu.stream(self.ids[self.rank]).sample(npk)).to(t.device)
                 arrived = (~lost).to(torch.int32)
                 dist.all_reduce(arrived, group=self.pg)  # emulation machinery, not counted
                 saved = emu.save_rows(t, arrived, self.world, per)
@@ -168,7 +168,7 @@ class TPGroup:
                     stream = self._replay(op).stream(sender)
                 else:
                     stream = emu.stream(sender, self.ids[self.rank])
-                lost = torch.from_numpy(stream.sample(npk))
+                lost = torch.from_numpy(stream.sample(npk)).to(parts[j].device)
                 if not bool(lost.any()):
                     continue
                 if emu.spec.fill == "stale" and prev is not None and prev[j].shape == t.shape:
@@ -262,7 +262,7 @@ class GatheredLinear(nn.Linear):
     (the input's gradient is all-reduced)."""
 
     def __init__(self, weight: torch.Tensor, tp: TPGroup, site: str, fwd_op: str, bwd_op: Optional[str]) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias=False)
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.weight.copy_(weight)
         self.tp, self.site, self.fwd_op, self.bwd_op = tp, site, fwd_op, bwd_op
@@ -293,7 +293,8 @@ class TPShards:
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    # on the shard's device and in its dtype (a model already on the GPU, or bf16 weights)
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         lin.weight.copy_(weight)
     return lin

@@ -59,7 +59,7 @@ from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWr
 
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.runtime.addresses import STORE_ATTEMPT_S, connect_store, quorum_tag
-from hier_localsgd.core.runtime.device import NCCL_BACKENDS, comm_device
+from hier_localsgd.core.runtime.device import NCCL_BACKENDS, comm_device, settle
 from hier_localsgd.core.runtime.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.core.links.works import ChainedWork, DoneWork, FailedWork, PeerWork
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec
@@ -269,8 +269,12 @@ class LinkProcessGroup(ProcessGroupWrapper):
     def retire(self) -> None:
         """A collective on the current group was abandoned: the next configure sets the
         group aside (neither aborted nor destroyed: both wait for the pending work) instead
-        of aborting it. One group per abandoned round, released at process exit."""
+        of aborting it. One group per abandoned round, released at process exit.
+
+        The pinned staging buffers go with it: the abandoned collective may still complete
+        into them (its work holds them), so the next round stages into fresh ones."""
         self._retire_pending = True
+        self._staging = {}
 
     # -- configuration ---------------------------------------------------------
     def configure(
@@ -420,6 +424,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             self._lossy_allreduce(tensors[0], opts)
         else:
             self.parent.allreduce(tensors, opts).wait()
+        settle(tensors)
         bound = emu.spec.allreduce_time(n, self._world)
         emu.pad(started, bound)
         self.stats.timed("allreduce", self._kind, started, bound)
@@ -467,6 +472,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             self._lossy_broadcast(tensor_list[0], root, opts)
         else:
             self.parent.broadcast(tensor_list, opts).wait()
+        settle(tensor_list)
         bound = emu.spec.broadcast_time(n, self._world)
         emu.pad(started, bound)
         self.stats.timed("broadcast", self._kind, started, bound)
@@ -516,6 +522,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
             self._lossy_allgather(output_tensors[0], opts)
             emu.payload_bytes_sent += (self._world - 1) * n
             emu.collectives += 1
+        settle([t for row in output_tensors for t in row])
         bound = emu.spec.allgather_time(n, self._world)
         emu.pad(started, bound)
         self.stats.timed("allgather", self._kind, started, bound)
@@ -538,6 +545,10 @@ class LinkProcessGroup(ProcessGroupWrapper):
         ``j``. Counted as the ``W−1`` rows sent to the other ranks."""
         if output_split_sizes or input_split_sizes:
             raise ValueError(f"{self.level} link: alltoall_base with explicit split sizes is not supported")
+        # staged like the other collectives: NCCL's send/recv take device tensors only
+        return self._staged([input_buffer], [output_buffer], lambda i, o: self._alltoall(o[0], i[0], opts))
+
+    def _alltoall(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, opts: AllToAllOptions) -> Work:
         n = self._nbytes([input_buffer])
         row = n // max(1, self._world)
         self.stats.record("alltoall", self._kind, n, sent_per_rank("alltoall", n, self._world))
@@ -554,6 +565,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
                     self._lose(rows[s], emu.stream(self._ids[s], self._ids[self._rank]))
             emu.payload_bytes_sent += (self._world - 1) * row
             emu.collectives += 1
+        settle([output_buffer])
         bound = emu.spec.allgather_time(row, self._world)  # W−1 rows of `row` bytes each way
         emu.pad(started, bound)
         self.stats.timed("alltoall", self._kind, started, bound)
@@ -601,7 +613,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         raw = t.reshape(-1).view(torch.uint8)
         per = max(4, emu.spec.payload_bytes // 4 * 4)
         npk = (raw.numel() + per - 1) // per
-        lost = torch.from_numpy(stream.sample(npk))  # type: ignore[attr-defined]
+        lost = torch.from_numpy(stream.sample(npk)).to(t.device)  # type: ignore[attr-defined]
         emu.zero_packets(raw, lost, per)
         return lost
 
@@ -617,7 +629,8 @@ class LinkProcessGroup(ProcessGroupWrapper):
             raw_len = outs[me].numel() * outs[me].element_size()
             per = max(4, emu.spec.payload_bytes // 4 * 4)
             npk = (raw_len + per - 1) // per
-            mine = torch.from_numpy(emu.stream(self._ids[me]).sample(npk)).to(torch.uint8)
+            # on the payload's device: the backend (NCCL on CUDA) gathers the masks too
+            mine = torch.from_numpy(emu.stream(self._ids[me]).sample(npk)).to(device=outs[me].device, dtype=torch.uint8)
             masks = [torch.empty_like(mine) for _ in range(self._world)]
             ag = AllgatherOptions()
             if getattr(opts, "timeout", None) is not None:

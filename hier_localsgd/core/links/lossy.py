@@ -311,9 +311,10 @@ class LinkEmulation:
         return parts
 
     def zero_packets(self, t: torch.Tensor, lost: torch.Tensor, per: int) -> None:
-        """Zeroes the packets of ``t`` flagged in ``lost`` (one flag per packet)."""
+        """Zeroes the packets of ``t`` flagged in ``lost`` (one flag per packet, on any
+        device: the indices move to ``t``'s, as index_fill_ needs)."""
         for rows, sl in self.packet_rows(t, per):
-            idx = lost[sl].nonzero().view(-1)
+            idx = lost[sl].nonzero().view(-1).to(rows.device)
             if idx.numel():
                 rows.index_fill_(0, idx, 0)
 
@@ -321,7 +322,7 @@ class LinkEmulation:
         """Copies of the packets that will miss a contribution (what a stale fill needs)."""
         if self.spec.fill != "stale":
             return []
-        return [rows[(n - arrived[sl]) > 0].clone() for rows, sl in self.packet_rows(t, per)]
+        return [rows.index_select(0, ((n - arrived[sl]) > 0).nonzero().view(-1).to(rows.device)) for rows, sl in self.packet_rows(t, per)]
 
     def fill_per_sender(self, result: torch.Tensor, arrived: torch.Tensor, n: int, per: int, saved: List[torch.Tensor]) -> None:
         """``result`` holds the sum of arrived contributions; ``arrived`` the per-packet
@@ -331,12 +332,13 @@ class LinkEmulation:
         if fill == "zero":
             return
         for i, (rows, sl) in enumerate(self.packet_rows(result, per)):
-            a = arrived[sl]
+            a = arrived[sl]  # on any device: the indices and counts move to ``result``'s
             hit = (n - a) > 0 if fill == "stale" else ((n - a) > 0) & (a > 0)
-            idx = hit.nonzero().view(-1)
-            if not idx.numel():
+            found = hit.nonzero().view(-1)
+            if not found.numel():
                 continue
-            ah = a[idx].to(rows.dtype)[:, None]
+            ah = a[found].to(device=rows.device, dtype=rows.dtype)[:, None]
+            idx = found.to(rows.device)
             sub = rows.index_select(0, idx)
             if fill == "stale":
                 # saved[i] holds this receiver's values of the rows that missed some

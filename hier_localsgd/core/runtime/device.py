@@ -27,7 +27,7 @@ handed host tensors stages them on the device the same way.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -98,6 +98,14 @@ def comm_device(backend: str) -> torch.device:
     if backend in NCCL_BACKENDS:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def settle(tensors: List[torch.Tensor]) -> None:
+    """Waits until the device work on ``tensors`` is done (nothing to wait for on the host).
+    torchft's baby NCCL ``wait()`` only orders the current stream after the collective: a
+    timer read after it measures when the work was queued, not the transfer."""
+    for dev in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(dev)
 
 
 def wants_pinned(t: torch.Tensor) -> bool:
