@@ -38,10 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_report import rows as report_rows  # noqa: E402
 
-GLOO = ["train.backends.group=gloo", "train.backends.inner=gloo", "train.backends.outer=gloo"]
+GLOO = ["train.backends.group=gloo", "train.backends.inner=gloo", "train.backends.outer=gloo", "train.share_gpus=true"]
 QUIET = ["demo.dashboard=false", "demo.progress=false", "run.tensorboard=false"]
 SMALL = ["model=llama3_debugmodel", "train.batch_size=8", "train.seq_len=128", "sync.inner.every=5", "sync.outer.every=2"]
 ONE_CLUSTER = ["topology.clusters=1", "sync.min_clusters=1"]
+SHARE = ["train.share_gpus=true"]  # several processes on the one GPU
 TWO_BY_ONE = ["topology.replicas_per_cluster=1"]
 
 
@@ -160,7 +161,7 @@ def checks(steps: int) -> List[_Check]:
               "train.backends.inner=nccl", "train.backends.outer=nccl"]),
         Check("nccl_ws1_int8", "NCCL at world size 1 with the int8 outer codec (alltoall path)", ["demo", *SMALL, *ONE_CLUSTER, *TWO_BY_ONE,
               "train.backends.inner=nccl", "train.backends.outer=nccl", "sync.outer.compression=int8"], expect=_all_rounds),
-        Check("nccl_inner_2x1", "2 clusters x 1 group: NCCL inner level (world size 1 each), Gloo outer", ["demo", *SMALL, *TWO_BY_ONE,
+        Check("nccl_inner_2x1", "2 clusters x 1 group: NCCL inner level (world size 1 each), Gloo outer", ["demo", *SMALL, *TWO_BY_ONE, *SHARE,
               "train.backends.inner=nccl", "train.backends.outer=gloo"]),
         *[Check(f"codec_{c}", f"outer codec {c} on device tensors (Gloo)", ["demo", *SMALL, *TWO_BY_ONE, *GLOO, f"sync.outer.compression={c}"],
                 expect=_all_rounds) for c in ("int8", "fp8", "topk2")],

@@ -66,8 +66,15 @@ def config_from_env(overrides: Optional[Sequence[str]] = None) -> "Config":
 
 def process_device(cfg: "Config") -> torch.device:
     """``train.device`` for this process: rank k of a replica group (torchrun's LOCAL_RANK)
-    takes GPU k (mod the GPUs visible); the CUDA device becomes the current one."""
-    device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    takes GPU ``train.gpu_slot``·G + k (GPU k without a slot); the CUDA device becomes the
+    current one. Too few GPUs for the slot: a ConfigError naming ``train.gpu_slot``."""
+    from hier_localsgd.config import ConfigError
+
+    t = cfg.train
+    try:
+        device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")), t.gpu_slot, cfg.topology.ranks_per_replica, t.share_gpus)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

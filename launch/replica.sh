@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start one replica group of one cluster; restart it if it dies.
 #
-#   launch/replica.sh [--no-restart] [--max-restarts N] [--ranks G] [--nnodes N --node-rank K --rdzv HOST:PORT]
+#   launch/replica.sh [--no-restart] [--max-restarts N] [--ranks G] [--gpu-slot S] [--nnodes N --node-rank K --rdzv HOST:PORT]
 #                     CLUSTER REPLICA GLOBAL_ADDR CLUSTER_ADDRS [overrides...] [-- python my_train.py [args...]]
 #
 #   CLUSTER, REPLICA  this replica group's cluster id and index in its cluster (0-based)
@@ -33,13 +33,18 @@
 # exit 2 at once and this script does not restart the group. A group spanning hosts: the
 # same command on each of its N hosts with --nnodes N --node-rank K --rdzv HOST:PORT (a free port on the group's first
 # host). RUN_DIR sets where rank logs go when run.dir is not among the overrides.
+#
+# GPUs: --gpu-slot S (this group's index among the groups started on this host, 0, 1, ...)
+# puts rank k on GPU S*G+k, every process on a GPU of its own (train.gpu_slot); a host with
+# too few GPUs for the slot is refused in one line unless train.share_gpus=true.
 set -uo pipefail
-restart=1; max_restarts=100; ranks=1; nnodes=1; node_rank=0; rdzv=""
+restart=1; max_restarts=100; ranks=1; nnodes=1; node_rank=0; rdzv=""; gpu_slot=""
 while [[ $# -gt 0 && "$1" == --* ]]; do
   case "$1" in
     --no-restart) restart=0; shift ;;
     --max-restarts) max_restarts="$2"; shift 2 ;;
     --ranks) ranks="$2"; shift 2 ;;
+    --gpu-slot) gpu_slot="$2"; shift 2 ;;
     --nnodes) nnodes="$2"; shift 2 ;;
     --node-rank) node_rank="$2"; shift 2 ;;
     --rdzv) rdzv="$2"; shift 2 ;;
@@ -47,7 +52,7 @@ while [[ $# -gt 0 && "$1" == --* ]]; do
   esac
 done
 if [[ $# -lt 4 ]]; then
-  sed -n '2,38p' "$0" >&2; exit 2
+  sed -n '2,39p' "$0" >&2; exit 2
 fi
 cluster="$1"; replica="$2"; global_addr="$3"; cluster_addrs="$4"; shift 4
 overrides=(); program=()
@@ -55,7 +60,7 @@ while [[ $# -gt 0 ]]; do
   if [[ "$1" == "--" ]]; then shift; program=("$@"); break; fi
   overrides+=("$1"); shift
 done
-overrides=("run.cluster=$cluster" "run.replica=$replica"
+overrides=("run.cluster=$cluster" "run.replica=$replica" ${gpu_slot:+"train.gpu_slot=$gpu_slot"}
            "lighthouse.global_addr='$global_addr'"
            "lighthouse.cluster_addrs=[${cluster_addrs}]" ${overrides[@]+"${overrides[@]}"})
 if [[ ${#program[@]} -gt 0 ]]; then

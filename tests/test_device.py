@@ -75,6 +75,62 @@ def test_the_local_launcher_picks_gloo_for_groups_sharing_a_gpu():
     assert one_host_backends("cuda", auto, torch.cuda.device_count() + 1)["group"] == "gloo"
 
 
+# -- placement on a host with several GPUs (the count faked where it is read) -------------
+def test_each_group_on_a_host_gets_gpus_of_its_own_or_a_one_line_refusal():
+    from hier_localsgd.core.runtime.device import group_gpus
+
+    assert [group_gpus(slot, 2, 8) for slot in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match=r"^train.gpu_slot: 2 — group slot 2 of 2 rank\(s\) needs GPUs 4..5, this host has 4"):
+        group_gpus(2, 2, 4)
+    assert [group_gpus(slot, 1, 2, share=True) for slot in range(4)] == [[0], [1], [0], [1]]
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """This CPU machine pretends to have ``n`` GPUs at the one place the count is read."""
+    import hier_localsgd.core.runtime.device as device
+
+    def fake(n: int) -> None:
+        monkeypatch.setattr(device, "cuda_available", lambda: n > 0)
+        monkeypatch.setattr(device, "gpu_count", lambda: n)
+
+    return fake
+
+
+def test_the_local_launcher_places_every_group_on_its_own_gpu(tmp_path, fake_gpus):
+    from hier_localsgd.launch.local import LocalJob
+
+    fake_gpus(8)
+    over = ["model=tiny", "train.device=cuda", "topology.ranks_per_replica=2", f"run.dir={tmp_path}"]
+    job = LocalJob(load_config(over, validate_for="plan"), over, free_ports=True)
+    assert [job._gpu_slot(c, r) for c in (0, 1) for r in (0, 1)] == [[f"train.gpu_slot={i}"] for i in range(4)]
+    # every process its own GPU: nothing forced; each process resolves auto itself (NCCL
+    # inner, Gloo outer: resolve_backend)
+    assert job._backend_overrides() == []
+
+
+def test_the_local_launcher_refuses_a_host_with_too_few_gpus_unless_asked_to_share(tmp_path, fake_gpus):
+    from hier_localsgd.errors import ConfigError
+    from hier_localsgd.launch.local import LocalJob
+
+    fake_gpus(2)
+    over = ["model=tiny", "train.device=cuda", f"run.dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"^train.share_gpus: false — this host has 2 GPU\(s\) and the job's 4 processes"):
+        LocalJob(load_config(over, validate_for="plan"), over, free_ports=True)
+    shared = [*over, "train.share_gpus=true"]
+    job = LocalJob(load_config(shared, validate_for="plan"), shared, free_ports=True)
+    assert job._backend_overrides() == ["train.backends.inner=gloo", "train.backends.outer=gloo"]
+
+
+def test_a_process_with_a_slot_takes_its_groups_gpu(fake_gpus):
+    import hier_localsgd.core.runtime.device as device
+
+    fake_gpus(4)
+    assert device.group_gpus(1, 2, device.gpu_count()) == [2, 3]
+    with pytest.raises(ValueError, match="^train.gpu_slot: 2"):
+        device.resolve_device("cuda", 0, slot=2, ranks=2)
+
+
 # -- host state ---------------------------------------------------------------------------
 def test_level_state_is_a_host_copy_and_pinning_is_a_no_op_without_cuda():
     live = torch.arange(6, dtype=torch.float32)

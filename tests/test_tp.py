@@ -365,3 +365,18 @@ def test_a_lost_all_gather_packet_keeps_the_sites_previous_value_with_the_stale_
             assert bool(((second == 1.0 + j).all(dim=1)).any())  # a packet lost now that had arrived before
     same = torch.equal(ranks[0]["second"], ranks[1]["second"])
     assert same is (where == "per_sender")
+
+
+@pytest.mark.slow
+def test_a_compiled_tp_group_trains_and_ends_consistent(tmp_path):
+    """train.compile with TP: the TP operations (numpy loss sampling, collectives, dict
+    updates) run outside the compiled graphs. Before, dynamo failed inside the first step
+    ("Argument ... does not belong to this Graph", issue #32); this ran on no GPU."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, [*TP_JOB, "topology.clusters=1", "topology.replicas_per_cluster=1", "sync.min_clusters=1",
+                             "lighthouse.cluster_addrs=[http://127.0.0.1:29511]", "train.steps=10", "train.compile=true"],
+                  timeout_s=400)
+    assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    s = run.summary
+    assert s["consistent"] is True and s["final_eval_loss"] < s["eval_loss_start"], s

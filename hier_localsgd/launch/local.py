@@ -152,6 +152,7 @@ class LocalJob:
     _spare_ready_pid: Optional[int] = None  # the spare whose log said it finished its imports
 
     def __post_init__(self) -> None:
+        self._check_gpus()
         self.run_dir = Path(self.run_dir_override or self.cfg.run.dir)
         if not self.cfg.checkpoint.resume:
             archive_previous_run(self.run_dir)
@@ -223,10 +224,35 @@ class LocalJob:
         cannot run over NCCL (core/runtime/device.py one_host_backends)."""
         from hier_localsgd.core.runtime.device import one_host_backends
 
-        b = self.cfg.train.backends
+        b, t = self.cfg.train.backends, self.cfg.topology
         chosen = one_host_backends(self.cfg.train.device, {"group": b.group, "inner": b.inner, "outer": b.outer},
-                                   self.cfg.topology.ranks_per_replica)
+                                   t.ranks_per_replica, t.clusters * t.replicas_per_cluster)
         return [f"train.backends.{lv}={name}" for lv, name in sorted(chosen.items())]
+
+    def _check_gpus(self) -> None:
+        """On CUDA, every process of this host gets a GPU of its own; a host with fewer GPUs
+        than the job's processes is refused here, in one line, before anything starts,
+        unless train.share_gpus is set."""
+        from hier_localsgd.core.runtime.device import gpu_count, resolve_device
+        from hier_localsgd.errors import ConfigError
+
+        t, tr = self.cfg.topology, self.cfg.train
+        if tr.gpu_slot >= 0 or tr.share_gpus or resolve_device(tr.device).type != "cuda":
+            return
+        need, have = t.clusters * t.replicas_per_cluster * t.ranks_per_replica, gpu_count()
+        if need > have:
+            raise ConfigError(f"train.share_gpus: false — this host has {have} GPU(s) and the job's {need} processes "
+                              f"({t.clusters} x {t.replicas_per_cluster} groups x {t.ranks_per_replica} ranks) need one each; "
+                              "set train.share_gpus=true to share them (levels between processes sharing a GPU then use Gloo)")
+
+    def _gpu_slot(self, cluster: int, replica: int) -> List[str]:
+        """Every group of this host its own GPUs (core/runtime/device.py group_gpus), unless
+        the user placed them (train.gpu_slot set) or the job trains on the CPU."""
+        from hier_localsgd.core.runtime.device import resolve_device
+
+        if self.cfg.train.gpu_slot >= 0 or resolve_device(self.cfg.train.device).type != "cuda":
+            return []
+        return [f"train.gpu_slot={cluster * self.cfg.topology.replicas_per_cluster + replica}"]
 
     def _spawn(self, name: str, argv: List[str], where: Union[int, str, None] = None, env: Optional[Dict[str, str]] = None) -> Proc:
         if self.netns is not None and where is not None:
@@ -295,7 +321,8 @@ class LocalJob:
         if prev is not None and not extra:
             extra = prev.extra  # a restart keeps the original arguments
         host = [f"run.hostname={self.netns.service_address(cluster)}"] if self.netns is not None else []  # its namespace's address
-        train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *host, *extra]
+        train = ["-m", "hier_localsgd", "train", *self._args(), f"run.cluster={cluster}", f"run.replica={replica}", *host,
+                 *self._gpu_slot(cluster, replica), *extra]
         env: Dict[str, str] = {}
         if self.cfg.run.program:  # a user's program (job.py): its overrides come in the environment
             env[OVERRIDES_ENV] = json.dumps(train[3:])

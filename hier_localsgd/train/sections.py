@@ -50,6 +50,8 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast of forward and backward)
     param_dtype: str = "fp32"  # the master weights (and the levels' backups): fp32 | bf16
     compile: bool = False  # torch.compile the model
+    gpu_slot: int = -1  # this replica group's index among the groups on its host: rank k takes GPU slot*G+k (-1: GPU k)
+    share_gpus: bool = False  # a host with fewer GPUs than its processes: share them round robin instead of refusing
 
     def check_device(self, trains: bool) -> None:
         """``train.device``, ``train.backends.*``, ``train.precision``, ``train.param_dtype``;
@@ -63,6 +65,8 @@ class TrainConfig:
             fail("train.precision", f"{self.precision!r} — expected one of {PRECISIONS}")
         if self.param_dtype not in PARAM_DTYPES:
             fail("train.param_dtype", f"{self.param_dtype!r} — expected one of {PARAM_DTYPES}")
+        if self.gpu_slot < -1:
+            fail("train.gpu_slot", f"{self.gpu_slot} — expected -1 (unset) or a group's index on its host (0, 1, ...)")
         try:  # the resolvers' messages start with the field
             # a command that does not train here (plan, lighthouse) may name cuda for elsewhere
             device = torch.device("cuda") if self.device == "cuda" and not trains else resolve_device(self.device)

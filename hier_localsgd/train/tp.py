@@ -256,6 +256,25 @@ class GatherFromTP(torch.autograd.Function):
         return grad[..., k * w : (k + 1) * w].contiguous(), None, None, None
 
 
+# The TP operations run outside torch.compile's graphs (train.compile): they sample losses
+# with numpy, call collectives and update dicts, which dynamo cannot trace (on torch 2.13 it
+# failed inside dynamo: "Argument ... does not belong to this Graph"). The model's compute
+# between them is still compiled; each operation is a graph break.
+@torch.compiler.disable
+def copy_to_tp(x: torch.Tensor, tp: TPGroup, op: str) -> torch.Tensor:
+    return CopyToTP.apply(x, tp, op)
+
+
+@torch.compiler.disable
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup, op: str) -> torch.Tensor:
+    return ReduceFromTP.apply(x, tp, op)
+
+
+@torch.compiler.disable
+def gather_from_tp(x: torch.Tensor, tp: TPGroup, op: str, site: str) -> torch.Tensor:
+    return GatherFromTP.apply(x, tp, op, site)
+
+
 class GatheredLinear(nn.Linear):
     """A linear layer holding rows ``[k·out/G, (k+1)·out/G)`` of the full weight; its
     output is all-gathered (``fwd_op``). With ``bwd_op`` its input first goes through f
@@ -269,8 +288,8 @@ class GatheredLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bwd_op is not None:
-            x = CopyToTP.apply(x, self.tp, self.bwd_op)
-        return GatherFromTP.apply(F.linear(x, self.weight), self.tp, self.fwd_op, self.site)
+            x = copy_to_tp(x, self.tp, self.bwd_op)
+        return gather_from_tp(F.linear(x, self.weight), self.tp, self.fwd_op, self.site)
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -302,14 +321,14 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
 
 def _pre_f(tp: TPGroup, op: str) -> Callable[..., Any]:
     def hook(_module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
-        return (CopyToTP.apply(args[0], tp, op), *args[1:])
+        return (copy_to_tp(args[0], tp, op), *args[1:])
 
     return hook
 
 
 def _post_g(tp: TPGroup, op: str) -> Callable[..., Any]:
     def hook(_module: nn.Module, _args: Tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        return ReduceFromTP.apply(out, tp, op)
+        return reduce_from_tp(out, tp, op)
 
     return hook
 

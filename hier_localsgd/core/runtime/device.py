@@ -44,12 +44,38 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> ``cuda`` when available, else ``cpu``. With several GPUs, rank ``k`` of a
-    replica group takes GPU ``k mod count``.
+def gpu_count() -> int:
+    """The GPUs this process sees (0 without CUDA): the one place the count is read."""
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
+def group_gpus(slot: int, ranks: int, gpus: int, share: bool = False) -> List[int]:
+    """The GPUs of the replica group at ``slot`` on its host (its host's groups numbered 0,
+    1, ...): rank ``k`` takes GPU ``slot·ranks + k``, every process a GPU of its own. With
+    ``share``, GPUs are reused round robin when the host has fewer than its processes need
+    (processes sharing a GPU cannot form an NCCL communicator with each other).
 
     Raises:
-        ValueError: naming ``train.device`` for an unknown value or cuda without CUDA.
+        ValueError: naming ``train.gpu_slot`` when the host has fewer GPUs than the slot's
+            ranks need and ``share`` is off.
+    """
+    need = (slot + 1) * ranks
+    if gpus < 1:
+        raise ValueError("train.device: cuda needs a GPU; this host has none")
+    if need > gpus and not share:
+        raise ValueError(f"train.gpu_slot: {slot} — group slot {slot} of {ranks} rank(s) needs GPUs {slot * ranks}..{need - 1}, "
+                         f"this host has {gpus}; run fewer groups on it, or set train.share_gpus=true")
+    return [(slot * ranks + k) % gpus for k in range(ranks)]
+
+
+def resolve_device(name: str, local_rank: int = 0, slot: int = -1, ranks: int = 1, share: bool = False) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``. On CUDA, rank ``k`` of the group at
+    ``slot`` on its host takes :func:`group_gpus`'s ``k``-th GPU; without a slot (-1), GPU
+    ``k mod count``.
+
+    Raises:
+        ValueError: naming ``train.device`` for an unknown value or cuda without CUDA, or
+            ``train.gpu_slot`` (:func:`group_gpus`).
     """
     if name not in DEVICES:
         raise ValueError(f"train.device: {name!r} — expected one of {DEVICES}")
@@ -57,7 +83,9 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if not cuda_available():
         raise ValueError(f"train.device: cuda requested but torch.cuda.is_available() is False (torch {torch.__version__}); use cpu or auto")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if slot >= 0:
+        return torch.device("cuda", group_gpus(slot, ranks, gpu_count(), share)[local_rank % ranks])
+    return torch.device("cuda", local_rank % gpu_count())
 
 
 def resolve_backend(level: str, name: str, device: torch.device) -> str:
@@ -78,16 +106,20 @@ def resolve_backend(level: str, name: str, device: torch.device) -> str:
     return name
 
 
-def one_host_backends(device: str, backends: Dict[str, str], ranks_per_replica: int) -> Dict[str, str]:
-    """Backends for ``auto`` levels when every replica group of a job runs on this host
-    (the local launcher): rank k of every group takes GPU k, so groups share GPUs and
-    processes sharing a GPU cannot form an NCCL communicator. On CUDA the inner and outer
-    levels then use Gloo (device tensors staged through pinned host buffers), and the group
-    level too when a group has more ranks than GPUs. Levels set explicitly are kept."""
+def one_host_backends(device: str, backends: Dict[str, str], ranks_per_replica: int, groups: int = 0) -> Dict[str, str]:
+    """Backends for ``auto`` levels when ``groups`` replica groups of a job run on this host
+    (the local launcher; 0: as many as share GPUs). Each process takes a GPU of its own
+    (:func:`group_gpus`) while there are enough; where there are not, processes share GPUs,
+    and processes sharing a GPU cannot form an NCCL communicator: the inner and outer levels
+    then use Gloo (device tensors staged through pinned host buffers), and the group level
+    too when a group has more ranks than GPUs. Levels set explicitly are kept."""
     if resolve_device(device).type != "cuda":
         return {}
-    out = {lv: "gloo" for lv in ("inner", "outer") if backends.get(lv) == "auto"}
-    if backends.get("group") == "auto" and ranks_per_replica > torch.cuda.device_count():
+    gpus = gpu_count()
+    out = {}
+    if not groups or groups * ranks_per_replica > gpus:
+        out = {lv: "gloo" for lv in ("inner", "outer") if backends.get(lv) == "auto"}
+    if backends.get("group") == "auto" and ranks_per_replica > gpus:
         out["group"] = "gloo"
     return out
 
