@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -159,7 +160,7 @@ def checks(steps: int) -> List[_Check]:
         Check("gloo_2x2", "hier 2x2 on one GPU, every level Gloo on device tensors", ["demo", *SMALL, *GLOO]),
         Check("nccl_ws1", "NCCL at world size 1: inner and outer levels of a 1x1 job", ["demo", *SMALL, *ONE_CLUSTER, *TWO_BY_ONE,
               "train.backends.inner=nccl", "train.backends.outer=nccl"]),
-        Check("nccl_ws1_int8", "NCCL at world size 1 with the int8 outer codec (alltoall path)", ["demo", *SMALL, *ONE_CLUSTER, *TWO_BY_ONE,
+        Check("nccl_ws1_int8", "NCCL at world size 1 with int8: staging of the all-to-all (no peer: no NCCL transfer)", ["demo", *SMALL, *ONE_CLUSTER, *TWO_BY_ONE,
               "train.backends.inner=nccl", "train.backends.outer=nccl", "sync.outer.compression=int8"], expect=_all_rounds),
         Check("nccl_inner_2x1", "2 clusters x 1 group: NCCL inner level (world size 1 each), Gloo outer", ["demo", *SMALL, *TWO_BY_ONE, *SHARE,
               "train.backends.inner=nccl", "train.backends.outer=gloo"]),
@@ -192,6 +193,19 @@ def checks(steps: int) -> List[_Check]:
     ]
 
 
+def _job_pids(run: Path) -> List[int]:
+    """The pids of the replica groups a job left behind (their status files), still alive."""
+    out = []
+    for p in run.glob("**/replicas/**/status.json"):
+        try:
+            pid = int(json.loads(p.read_text()).get("pid") or 0)
+        except (ValueError, OSError):
+            continue
+        if pid > 0 and Path(f"/proc/{pid}").exists():
+            out.append(pid)
+    return out
+
+
 def run_one(check: _Check, out: Path, run: Optional[Path] = None) -> dict:
     run = run or out / check.name
     run.mkdir(parents=True, exist_ok=True)
@@ -204,11 +218,21 @@ def run_one(check: _Check, out: Path, run: Optional[Path] = None) -> dict:
                f"run.dir={run}", f"demo.summary={run / 'summary.json'}", f"demo.timeout_s={check.limit_s - 20}"]
     t0 = time.time()
     log = run / "log.txt"
+    # its own session: on a timeout the whole job goes (lighthouses, groups), not only the
+    # launcher, so nothing it started keeps the GPU during later checks and figures
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=check.limit_s)
-        rc, text = p.returncode, p.stdout
-    except subprocess.TimeoutExpired as e:
-        rc, text = 124, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text, _ = p.communicate(timeout=check.limit_s)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        text, _ = p.communicate()
+        rc = 124
+        for q in _job_pids(run):  # the groups run in sessions of their own
+            try:
+                os.killpg(q, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     log.write_text(text)
     why = [] if rc == 0 else [f"exit {rc}"]
     try:
@@ -219,6 +243,8 @@ def run_one(check: _Check, out: Path, run: Optional[Path] = None) -> dict:
     if why:
         r["tail"] = text[-1500:]
     if check.then is not None and not why:
+        for stale in [run / "summary.json", *run.glob("replicas/**/result.json")]:
+            stale.unlink()  # the second job's verdict reads only what it wrote itself
         return {**r, "then": run_one(check.then, out, run=run)}
     return r
 

@@ -72,7 +72,9 @@ def process_device(cfg: "Config") -> torch.device:
 
     t = cfg.train
     try:
-        device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")), t.gpu_slot, cfg.topology.ranks_per_replica, t.share_gpus)
+        # ranks on this host: a group spanning N hosts runs G/N here (torchrun's LOCAL_WORLD_SIZE)
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.topology.ranks_per_replica))
+        device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")), t.gpu_slot, here, t.share_gpus)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if device.type == "cuda":

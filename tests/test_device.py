@@ -120,6 +120,11 @@ def test_the_local_launcher_refuses_a_host_with_too_few_gpus_unless_asked_to_sha
     shared = [*over, "train.share_gpus=true"]
     job = LocalJob(load_config(shared, validate_for="plan"), shared, free_ports=True)
     assert job._backend_overrides() == ["train.backends.inner=gloo", "train.backends.outer=gloo"]
+    # one slot for every group would put them all on the same GPUs
+    fake_gpus(8)
+    slotted = [*over, "train.gpu_slot=1"]
+    with pytest.raises(ConfigError, match=r"^train.gpu_slot: 1 — a local job places each of its groups itself"):
+        LocalJob(load_config(slotted, validate_for="plan"), slotted, free_ports=True)
 
 
 def test_a_process_with_a_slot_takes_its_groups_gpu(fake_gpus):

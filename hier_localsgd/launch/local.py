@@ -237,6 +237,8 @@ class LocalJob:
         from hier_localsgd.errors import ConfigError
 
         t, tr = self.cfg.topology, self.cfg.train
+        if tr.gpu_slot >= 0 and t.clusters * t.replicas_per_cluster > 1:
+            raise ConfigError(f"train.gpu_slot: {tr.gpu_slot} — a local job places each of its groups itself; leave it at -1")
         if tr.gpu_slot >= 0 or tr.share_gpus or resolve_device(tr.device).type != "cuda":
             return
         need, have = t.clusters * t.replicas_per_cluster * t.ranks_per_replica, gpu_count()

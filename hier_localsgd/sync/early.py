@@ -43,6 +43,8 @@ import time
 from datetime import timedelta
 from typing import Callable, Generic, Optional, TypeVar
 
+from hier_localsgd.core.runtime.device import carry_device
+
 T = TypeVar("T")
 
 
@@ -65,9 +67,11 @@ class EarlyQuorum(Generic[T]):
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
         t0 = time.perf_counter()
+        on_device = carry_device()
 
         def run() -> None:
             try:
+                on_device()  # torchft hands the current device to its NCCL subprocess
                 self._result = call()
             except BaseException as e:  # re-raised on the training thread by result()
                 self._error = e

@@ -92,6 +92,7 @@ import torch
 from hier_localsgd.core.tensors.fragments import Ranges, gather, outer_period, scatter_
 from hier_localsgd.core.tensors.level import Level
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.core.runtime.device import carry_device
 
 logger = logging.getLogger(__name__)
 
@@ -173,9 +174,11 @@ class OuterStage:
             raise RuntimeError("an outer stage is already in flight")
         self._result, self._error = None, None
         self._done.clear()
+        on_device = carry_device()
 
         def run() -> None:
             try:
+                on_device()  # this process's GPU, not GPU 0 (staging, NCCL)
                 self._result = fn(self.tracker)
             except BaseException as e:  # handed to the training thread by collect()
                 self._error = e

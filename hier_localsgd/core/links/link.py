@@ -373,7 +373,9 @@ class LinkProcessGroup(ProcessGroupWrapper):
     def _staged(self, inputs: List[torch.Tensor], outputs: List[torch.Tensor], run: object) -> Work:
         """Runs ``run(staged_inputs, staged_outputs)`` on the backend's device and copies the
         outputs back on completion; without staging, ``run(inputs, outputs)``."""
-        dev = comm_device(self.backend) if self.backend in NCCL_BACKENDS or any(t.is_cuda for t in inputs + outputs) else torch.device("cpu")
+        # NCCL: on the tensors' own GPU (a helper thread's current device may be GPU 0); Gloo: the host
+        cuda = next((t.device for t in inputs + outputs if t.is_cuda), None)
+        dev = (cuda or comm_device(self.backend)) if self.backend in NCCL_BACKENDS else torch.device("cpu")
         if all(t.device == dev for t in inputs + outputs):
             return run(inputs, outputs)  # type: ignore[operator]
         s_in = [self._buffer(i, t, dev) for i, t in enumerate(inputs)]
@@ -592,12 +594,16 @@ class LinkProcessGroup(ProcessGroupWrapper):
         return PeerWork(works, result, timeout)
 
     def _exchange_alltoall(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, opts: object) -> Work:
+        if self.backend in NCCL_BACKENDS:  # its own collective: paired send/recv in order could deadlock
+            return self.parent.alltoall_base(output_buffer, input_buffer, [], [], opts)
         ins, outs = input_buffer.view(self._world, -1), output_buffer.view(self._world, -1)
         outs[self._rank].copy_(ins[self._rank])
         others = [j for j in range(self._world) if j != self._rank]
         return self._exchange({j: ins[j] for j in others}, {j: outs[j] for j in others}, self._TAG_ALLTOALL, opts, [output_buffer])
 
     def _exchange_allgather(self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: object) -> Work:
+        if self.backend in NCCL_BACKENDS:  # as for the all-to-all
+            return self.parent.allgather(output_tensors, input_tensor, opts)
         if len(output_tensors) != 1 or len(input_tensor) != 1:
             raise ValueError(f"{self.level} link: allgather of one tensor only (got {len(input_tensor)})")
         outs, mine = output_tensors[0], input_tensor[0]

@@ -27,7 +27,7 @@ handed host tensors stages them on the device the same way.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -130,6 +130,16 @@ def comm_device(backend: str) -> torch.device:
     if backend in NCCL_BACKENDS:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def carry_device() -> Callable[[], None]:
+    """Captures this thread's current CUDA device; the returned function makes it current in
+    another thread (CUDA's current device is per thread: a new thread starts on GPU 0, and
+    torchft's quorum hands the current device to its NCCL subprocess). No-op without CUDA."""
+    if not (cuda_available() and torch.cuda.is_initialized()):
+        return lambda: None
+    dev = torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(dev)
 
 
 def settle(tensors: List[torch.Tensor]) -> None:
