@@ -32,16 +32,14 @@ from hier_localsgd.experiments.sections import BenchConfig, ChaosConfig, DemoCon
 from hier_localsgd.launch.lighthouse import LighthouseConfig
 from hier_localsgd.launch.tunnel import TunnelConfig
 from hier_localsgd.errors import ConfigError, fail
-from hier_localsgd.core.tensors.sparse import TOPK2
-from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
+from hier_localsgd.core.runtime.choices import TOPK2
+from hier_localsgd.sync.sections import NONE as NO_COMPRESSION
 from hier_localsgd.sync.sections import SyncConfig, TopologyConfig
 from hier_localsgd.tools.dashboard.config import DashboardConfig
 from hier_localsgd.tools.deployment import MODEL_COMMANDS, moved_to
 from hier_localsgd.tools.plan.config import MOVED as PLAN_MOVED, PlanConfig
 from hier_localsgd.tools.simulate.config import MOVED as SIMULATE_MOVED, SimulateConfig
-from hier_localsgd.train.data import DataConfig
-from hier_localsgd.train.model import ModelConfig
-from hier_localsgd.train.sections import GroupConfig, TrainConfig
+from hier_localsgd.train.sections import DataConfig, GroupConfig, ModelConfig, TrainConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "validate", "to_overrides", "dump"]
 

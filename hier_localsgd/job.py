@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import torch
 
-from hier_localsgd.core.runtime.device import resolve_backend, resolve_device
+from hier_localsgd.core.runtime.choices import resolve_backend
+from hier_localsgd.core.runtime.device import resolve_device
 from hier_localsgd.core.runtime.logs import debug, setup_logging
 from hier_localsgd.core.runtime.runtime import EXIT_CONFIG, OVERRIDES_ENV, Runtime
 from hier_localsgd.core.runtime.status import read_json, replica_dir, stop_path

@@ -193,3 +193,29 @@ def test_configs_yaml_and_the_dataclass_defaults_agree():
     loaded, built = flat(asdict(load_config([]))), flat(asdict(Config()))
     assert len(loaded) > 100  # the walk reached the nested sections
     assert {k: (loaded.get(k), built.get(k)) for k in set(loaded) | set(built) if loaded.get(k) != built.get(k)} == {}
+
+
+def test_a_lighthouse_and_a_configuration_check_import_no_torch(tmp_path):
+    """Composing and checking a configuration (every command does, a lighthouse too) and
+    serving lighthouses import neither torch nor torchft's Python package: a lighthouse is
+    up in a fraction of a second instead of after seconds of imports (core/runtime/choices.py,
+    launch/lighthouse.py lighthouse_server_type). A fresh interpreter, since this one has torch."""
+    code = f"""
+import socket, sys
+from hier_localsgd.config import load_config
+from hier_localsgd.launch.lighthouse import start
+cfg = load_config(["lighthouse.serve=all", "lighthouse.global_addr=http://127.0.0.1:0",
+                   "lighthouse.cluster_addrs=[http://127.0.0.1:0,http://127.0.0.1:0]",
+                   "sync.outer.compression=topk2", "group.parallel=dp", "train.device=auto",
+                   "run.dir={tmp_path}"], validate_for="lighthouse")
+servers = start(cfg)
+for s in servers:  # each accepts connections
+    socket.create_connection(("127.0.0.1", int(s.address().rsplit(":", 1)[1])), timeout=5).close()
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.") or m == "torchft")
+for s in servers:
+    s.shutdown()
+print(len(servers), loaded[:3])  # the first few, if any
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "3 []", out.stdout

@@ -14,7 +14,8 @@ from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp, TCPS
 from harness import logs_tail, run_job
 from hier_localsgd.config import ConfigError, load_config
 from hier_localsgd.core.runtime.checkpoint import Checkpointer, LayoutMismatch
-from hier_localsgd.core.runtime.device import host_copy, host_state, one_host_backends, resolve_backend, resolve_device
+from hier_localsgd.core.runtime.choices import resolve_backend
+from hier_localsgd.core.runtime.device import host_copy, host_state, one_host_backends, resolve_device
 from hier_localsgd.core.tensors.level import Level, LevelAlgorithm
 from hier_localsgd.core.links.link import LinkProcessGroup
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec, LossModel

@@ -199,7 +199,7 @@ class TPSweepConfig:
 def check_tp_sweep(sw: "TPSweepConfig") -> None:
     """Checks ``tp_sweep.*``; raises ValueError naming the field."""
     from hier_localsgd.core.links.lossy import FILLS, WHERE, check_sweep_grid
-    from hier_localsgd.train.tp import VARIANTS
+    from hier_localsgd.train.sections import VARIANTS
 
     def err(name: str, msg: str) -> None:
         raise ValueError(f"tp_sweep.{name}: {msg}")

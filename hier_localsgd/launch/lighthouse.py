@@ -146,9 +146,44 @@ def _written_since(path: Path, t: float) -> bool:
         return False
 
 
+def lighthouse_server_type() -> type:
+    """torchft's ``LighthouseServer``, without importing torch where it is not imported yet.
+
+    ``torchft.coordination`` imports the ``torchft`` package, whose ``__init__`` imports torch
+    (3.5 s of CPU on the 2-core VM, 5 to 20 s while jobs train beside it); the server itself is
+    the Rust extension ``torchft._torchft``, which links no torch. A lighthouse process loads
+    just the extension, so it serves within a fraction of a second; a process that has
+    imported torchft gets the same class from torchft itself."""
+    if "torchft" in sys.modules:
+        from torchft.coordination import LighthouseServer
+
+        return LighthouseServer
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    name = "torchft._torchft"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.find_spec("torchft")  # finds the package without running its __init__
+        dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+        found = [f"{d}/_torchft{sfx}" for d in dirs for sfx in importlib.machinery.EXTENSION_SUFFIXES
+                 if os.path.isfile(f"{d}/_torchft{sfx}")]
+        if not found:  # not a wheel with the extension beside it: the ordinary import says why
+            from torchft.coordination import LighthouseServer
+
+            return LighthouseServer
+        loader = importlib.machinery.ExtensionFileLoader(name, found[0])
+        mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, found[0], loader=loader))
+        loader.exec_module(mod)
+        # torchft imported later in this process (the async global model server) reuses it
+        sys.modules[name] = mod
+    return mod.LighthouseServer
+
+
 def start(cfg: Config) -> list:
     """Starts the configured lighthouses in this process; returns the server objects."""
-    from torchft.coordination import LighthouseServer
+    LighthouseServer = lighthouse_server_type()
 
     servers = []
     for sp in specs(cfg):

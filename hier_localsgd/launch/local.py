@@ -276,6 +276,19 @@ class LocalJob:
     def start_lighthouse(self, role: str, timeout_s: float = 60.0) -> Proc:
         """Starts one lighthouse (its own process, so it can fail and return alone) at its
         configured address and waits until it accepts connections."""
+        proc = self._spawn_lighthouse(role)
+        self._await_lighthouse(role, proc, time.time() + timeout_s)
+        return proc
+
+    def start_lighthouses(self, timeout_s: float = 60.0) -> None:
+        """Starts every lighthouse, one process each, all at once (each spends seconds on its
+        imports), and waits until each accepts connections."""
+        procs = [(role, self._spawn_lighthouse(role)) for role, _, _ in self.lighthouse_roles()]
+        deadline = time.time() + timeout_s
+        for role, proc in procs:
+            self._await_lighthouse(role, proc, deadline)
+
+    def _spawn_lighthouse(self, role: str) -> Proc:
         fieldname, addr = next((f, a) for r, f, a in self.lighthouse_roles() if r == role)
         serve = ["lighthouse.serve=global"] if role == "global" else ["lighthouse.serve=cluster", f"lighthouse.cluster={self._where(role)}"]
         prev = self.lighthouses.get(role)
@@ -288,9 +301,14 @@ class LocalJob:
             proc.restarts = prev.restarts + 1
         self.lighthouses[role] = proc
         self._record({"t": proc.started, "event": "restart" if prev else "start", "key": role, "pid": proc.popen.pid})
+        return proc
+
+    def _await_lighthouse(self, role: str, proc: Proc, deadline: float) -> None:
+        """Probes ``role``'s address until it answers; raises if its process exits first or
+        ``deadline`` passes."""
         from datetime import timedelta
 
-        deadline = time.time() + timeout_s
+        fieldname, addr = next((f, a) for r, f, a in self.lighthouse_roles() if r == role)
         while True:
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{fieldname}: lighthouse process exited with {proc.popen.returncode}; see {proc.log}")
@@ -300,16 +318,11 @@ class LocalJob:
                 else:
                     probe_lighthouse(fieldname, addr, timedelta(seconds=1))
                 self._record({"t": time.time(), "event": "up", "key": role, "pid": proc.popen.pid})
-                return proc
+                return
             except LighthouseUnreachable:
                 if time.time() > deadline:
                     raise
-                time.sleep(0.2)
-
-    def start_lighthouses(self, timeout_s: float = 60.0) -> None:
-        """Starts every lighthouse, one process each, and waits until each accepts connections."""
-        for role, _, _ in self.lighthouse_roles():
-            self.start_lighthouse(role, timeout_s)
+                time.sleep(0.1)
 
     def kill_lighthouse(self, role: str, sig: int = signal.SIGKILL) -> None:
         """Signals one lighthouse (SIGKILL: it dies; SIGSTOP: it goes silent) and records it."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from hier_localsgd.core.runtime.device import resolve_backend
+from hier_localsgd.core.runtime.choices import resolve_backend
 from hier_localsgd.core.runtime.faults import FaultPlan
 from hier_localsgd.core.tensors.flat_params import FlatParams
 from hier_localsgd.core.tensors.fragments import flat_ranges, split_fragments

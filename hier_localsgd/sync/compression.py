@@ -55,15 +55,15 @@ import torch
 
 from hier_localsgd.core.ft.comm import LevelComm
 from hier_localsgd.core.tensors.fragments import Ranges, gather, scatter_
-from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FORMATS, ErrorFeedback, check_format
+from hier_localsgd.core.runtime.choices import DEFAULT_BLOCK, DEFAULT_TOPK, TOPK2
+from hier_localsgd.core.tensors.compress import ErrorFeedback, check_format
 from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
-from hier_localsgd.core.tensors.sparse import DEFAULT_TOPK, TOPK2, check_sparse, sparse_allreduce_bytes
+from hier_localsgd.core.tensors.sparse import check_sparse, sparse_allreduce_bytes
 from hier_localsgd.core.links.link import PAYLOAD
+from hier_localsgd.sync.sections import COMPRESSIONS, NONE
 
 logger = logging.getLogger(__name__)
 
-NONE = "none"
-COMPRESSIONS = (NONE, *FORMATS, TOPK2)
 
 
 class OuterCompression:

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from typing import List
 
 from hier_localsgd.core.runtime.addresses import parse_address
-from hier_localsgd.core.tensors.compress import DEFAULT_BLOCK, FormatUnavailable, check_format
-from hier_localsgd.core.tensors.level import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
+from hier_localsgd.core.runtime.choices import (ALGORITHMS, DEFAULT_BLOCK, DEFAULT_TOPK, DILOCO_LR, DILOCO_MOMENTUM, FORMATS, MAX_CHUNK,
+                                        TOPK2, FormatUnavailable)
 from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.errors import fail
-from hier_localsgd.core.tensors.sparse import DEFAULT_TOPK, MAX_CHUNK, TOPK2
-from hier_localsgd.sync.compression import COMPRESSIONS, NONE
+
+NONE = "none"  # sync.outer.compression: the payload as it is
+COMPRESSIONS = (NONE, *FORMATS, TOPK2)
 
 MODES = ("hier", "flat", "ddp")
 
@@ -156,6 +157,8 @@ class LevelConfig:
             if isinstance(self.topk, bool) or not isinstance(self.topk, int) or not 1 <= self.topk <= self.compression_block:
                 fail(f"{path}.topk", f"{self.topk!r} — must be an integer between 1 and {path}.compression_block={self.compression_block}")
         elif self.compression != NONE:
+            from hier_localsgd.core.tensors.compress import check_format  # torch: only where a format is asked for
+
             try:
                 check_format(self.compression, self.compression_block)
             except FormatUnavailable as e:

@@ -32,61 +32,13 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, List, Optional, Protocol, Tuple
 
 import numpy as np
 import torch
 
-from hier_localsgd.errors import ConfigError, fail
-
-DATA_KINDS = ("markov", "text", "parquet")
-TOKENIZERS = ("bytes", "bpe")
-
-
-@dataclass
-class DataConfig:
-    kind: str = "markov"
-    states: int = 128
-    branching: int = 4
-    concentration: float = 0.5
-    seed: int = 1234
-    stream: int = 0  # markov: another order of training samples from the same chain (eval set unchanged)
-    path: str = ""
-    text_column: str = "text"
-    eval_fraction: float = 0.05
-    # text/parquet: bytes (UTF-8 bytes, vocabulary 256) | bpe (a byte-level BPE that the
-    # `tokenizers` library trains on the file at start-up, bpe_vocab tokens; deterministic,
-    # so every replica group gets the same vocabulary)
-    tokenizer: str = "bytes"
-    bpe_vocab: int = 512
-
-    def check(self, seq_len: int, num_shards: int, read_input: bool) -> None:
-        """``read_input``: also vet a text or parquet file itself (:func:`check_input`)."""
-        if self.kind not in DATA_KINDS:
-            fail("data.kind", f"unknown data kind {self.kind!r} (expected one of {DATA_KINDS})")
-        if self.tokenizer not in TOKENIZERS:
-            fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r} (expected one of {TOKENIZERS})")
-        if self.tokenizer == "bpe" and self.kind == "markov":
-            fail("data.tokenizer", "bpe tokenizes a text or parquet file (data.kind=text|parquet); the markov corpus is tokens already")
-        if isinstance(self.bpe_vocab, bool) or not 257 <= self.bpe_vocab <= 65536:
-            fail("data.bpe_vocab", f"{self.bpe_vocab} — must be in [257, 65536] (256 byte tokens plus merges)")
-        if self.kind == "markov":
-            if self.states < 2:
-                fail("data.states", f"{self.states} — need at least 2")
-            if not 1 <= self.branching <= self.states:
-                fail("data.branching", f"{self.branching} — must be in [1, data.states={self.states}]")
-            if self.concentration <= 0:
-                fail("data.concentration", f"{self.concentration} — must be positive")
-            return
-        if self.stream:
-            fail("data.stream", f"{self.stream} — only the markov corpus has sample streams")
-        if not 0 < self.eval_fraction < 1:
-            fail("data.eval_fraction", f"{self.eval_fraction} — must be in (0, 1)")
-        if read_input:
-            try:
-                check_input(self, seq_len, num_shards)
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
+if TYPE_CHECKING:
+    from hier_localsgd.train.sections import DataConfig
 
 EVAL_SHARD = 2**31 - 1
 # check_input reads at most about this much of a text file (more only when a batch needs

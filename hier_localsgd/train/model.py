@@ -18,30 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hier_localsgd.errors import fail
-
-TINY = "tiny"
-LLAMA3_PREFIX = "llama3_"
-
-
-@dataclass
-class ModelConfig:
-    name: str = "llama3_debugmodel"
-    dim: int = 64
-
-    def check(self) -> None:
-        if self.name != TINY and not self.name.startswith(LLAMA3_PREFIX):
-            fail("model.name", f"unknown model {self.name!r} (expected 'tiny' or 'llama3_<flavor>', e.g. llama3_debugmodel)")
-        if self.dim < 1:
-            fail("model.dim", f"{self.dim} — must be positive")
-
+from hier_localsgd.train.sections import LLAMA3_PREFIX, TINY
 
 class TinyLM(nn.Module):
     """Bigram LM: logits for position t depend on token t only."""

@@ -1,7 +1,7 @@
-"""The ``train`` config section and its check.
+"""The ``train``, ``model`` and ``data`` config sections and their checks.
 
-Apart from trainer.py so that composing the configuration (every command, ``plan``
-included) does not import torchft through the training loop.
+Apart from trainer.py, model.py and data.py so that composing the configuration (every
+command, a lighthouse and ``plan`` included) imports neither torch nor torchft.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-from hier_localsgd.core.runtime.device import PARAM_DTYPES, PRECISIONS
+from hier_localsgd.core.runtime.choices import DEVICES, PARAM_DTYPES, PRECISIONS, SHARDINGS, resolve_backend
 from hier_localsgd.core.links.lossy import LinkConfig, LinkSpec
 from hier_localsgd.errors import ConfigError, fail
 from hier_localsgd.sync.sections import SyncConfig
@@ -57,10 +57,6 @@ class TrainConfig:
         """``train.device``, ``train.backends.*``, ``train.precision``, ``train.param_dtype``;
         one line naming the field. ``trains``: this command trains here, so ``cuda`` (also
         what ``auto`` and an NCCL backend need) must be available."""
-        import torch
-
-        from hier_localsgd.core.runtime.device import resolve_backend, resolve_device
-
         if self.precision not in PRECISIONS:
             fail("train.precision", f"{self.precision!r} — expected one of {PRECISIONS}")
         if self.param_dtype not in PARAM_DTYPES:
@@ -68,8 +64,14 @@ class TrainConfig:
         if self.gpu_slot < -1:
             fail("train.gpu_slot", f"{self.gpu_slot} — expected -1 (unset) or a group's index on its host (0, 1, ...)")
         try:  # the resolvers' messages start with the field
-            # a command that does not train here (plan, lighthouse) may name cuda for elsewhere
-            device = torch.device("cuda") if self.device == "cuda" and not trains else resolve_device(self.device)
+            if trains:
+                from hier_localsgd.core.runtime.device import resolve_device  # torch: only where it trains
+
+                device = resolve_device(self.device).type
+            elif self.device not in DEVICES:
+                raise ValueError(f"train.device: {self.device!r} — expected one of {DEVICES}")
+            else:  # a command that does not train here (plan, lighthouse) may name cuda, or auto, for elsewhere
+                device = "cpu" if self.device == "cpu" else "cuda"
             for level in ("group", "inner", "outer"):
                 resolve_backend(level, getattr(self.backends, level), device)
         except ValueError as e:
@@ -101,6 +103,9 @@ class TrainConfig:
             fail("train.steps", f"{self.steps} must be a multiple of sync.flat.every={s.flat.every} so the run ends on a sync "
                  "(torchft's DiLoCo syncs every sync.flat.every steps; sync.mode=hier takes any number)")
 
+
+VARIANTS = ("megatron", "naive")  # group.tp_variant (train/tp.py)
+PARALLEL = ("dp", "tp")  # group.parallel
 
 TP_OPS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")  # the TP collectives with a link each (train/tp.py)
 
@@ -136,9 +141,6 @@ class GroupConfig:
 
     def check(self, ranks_per_replica: int, model_name: str, command: str, mode: str = "hier") -> None:
         """Checks ``group.*`` (and the TP links) against the topology and model; one line naming the field."""
-        from hier_localsgd.core.tensors.fsdp import SHARDINGS
-        from hier_localsgd.train.tp import PARALLEL, VARIANTS
-
         if self.sharding not in SHARDINGS:
             fail("group.sharding", f"{self.sharding!r} — expected one of {SHARDINGS}")
         if self.sharding == "fsdp":
@@ -163,3 +165,73 @@ class GroupConfig:
                 fail("group.parallel", f"tp needs topology.ranks_per_replica >= 2 (got {ranks_per_replica})")
             if not model_name.startswith("llama3_"):
                 fail("group.parallel", f"tp shards a llama3_<flavor> model (model.name={model_name!r})")
+
+
+# -- model (train/model.py builds it) ----------------------------------------------------
+TINY = "tiny"
+LLAMA3_PREFIX = "llama3_"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama3_debugmodel"
+    dim: int = 64
+
+    def check(self) -> None:
+        if self.name != TINY and not self.name.startswith(LLAMA3_PREFIX):
+            fail("model.name", f"unknown model {self.name!r} (expected 'tiny' or 'llama3_<flavor>', e.g. llama3_debugmodel)")
+        if self.dim < 1:
+            fail("model.dim", f"{self.dim} — must be positive")
+
+
+# -- data (train/data.py) -----------------------------------------------------------------
+DATA_KINDS = ("markov", "text", "parquet")
+TOKENIZERS = ("bytes", "bpe")
+
+
+@dataclass
+class DataConfig:
+    kind: str = "markov"
+    states: int = 128
+    branching: int = 4
+    concentration: float = 0.5
+    seed: int = 1234
+    stream: int = 0  # markov: another order of training samples from the same chain (eval set unchanged)
+    path: str = ""
+    text_column: str = "text"
+    eval_fraction: float = 0.05
+    # text/parquet: bytes (UTF-8 bytes, vocabulary 256) | bpe (a byte-level BPE that the
+    # `tokenizers` library trains on the file at start-up, bpe_vocab tokens; deterministic,
+    # so every replica group gets the same vocabulary)
+    tokenizer: str = "bytes"
+    bpe_vocab: int = 512
+
+    def check(self, seq_len: int, num_shards: int, read_input: bool) -> None:
+        """``read_input``: also vet a text or parquet file itself (:func:`check_input`)."""
+        if self.kind not in DATA_KINDS:
+            fail("data.kind", f"unknown data kind {self.kind!r} (expected one of {DATA_KINDS})")
+        if self.tokenizer not in TOKENIZERS:
+            fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r} (expected one of {TOKENIZERS})")
+        if self.tokenizer == "bpe" and self.kind == "markov":
+            fail("data.tokenizer", "bpe tokenizes a text or parquet file (data.kind=text|parquet); the markov corpus is tokens already")
+        if isinstance(self.bpe_vocab, bool) or not 257 <= self.bpe_vocab <= 65536:
+            fail("data.bpe_vocab", f"{self.bpe_vocab} — must be in [257, 65536] (256 byte tokens plus merges)")
+        if self.kind == "markov":
+            if self.states < 2:
+                fail("data.states", f"{self.states} — need at least 2")
+            if not 1 <= self.branching <= self.states:
+                fail("data.branching", f"{self.branching} — must be in [1, data.states={self.states}]")
+            if self.concentration <= 0:
+                fail("data.concentration", f"{self.concentration} — must be positive")
+            return
+        if self.stream:
+            fail("data.stream", f"{self.stream} — only the markov corpus has sample streams")
+        if not 0 < self.eval_fraction < 1:
+            fail("data.eval_fraction", f"{self.eval_fraction} — must be in (0, 1)")
+        if read_input:
+            from hier_localsgd.train.data import check_input  # numpy, torch: only where a file is vetted
+
+            try:
+                check_input(self, seq_len, num_shards)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e

@@ -61,10 +61,9 @@ from torch import nn
 
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec
+from hier_localsgd.train.sections import VARIANTS
 
 OPS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")
-VARIANTS = ("megatron", "naive")
-PARALLEL = ("dp", "tp")
 
 
 # ----------------------------------------------------------------------------- group

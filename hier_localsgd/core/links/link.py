@@ -59,7 +59,8 @@ from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWr
 
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.runtime.addresses import STORE_ATTEMPT_S, connect_store, quorum_tag
-from hier_localsgd.core.runtime.device import NCCL_BACKENDS, comm_device, settle
+from hier_localsgd.core.runtime.choices import NCCL_BACKENDS
+from hier_localsgd.core.runtime.device import comm_device, settle
 from hier_localsgd.core.runtime.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.core.links.works import ChainedWork, DoneWork, FailedWork, PeerWork
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec

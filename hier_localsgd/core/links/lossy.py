@@ -51,12 +51,14 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 
 from hier_localsgd import costs
+
+if TYPE_CHECKING:  # torch is imported where it is used: the configuration imports this module (core/runtime/choices.py)
+    import torch
 
 LOSS_MODELS = ("none", "bernoulli", "gilbert_elliott")
 FILLS = ("zero", "stale", "rescale")
@@ -349,6 +351,8 @@ class LinkEmulation:
 
     def reduce_per_receiver(self, parts: List[torch.Tensor], me: int, ids: List[int], out: torch.Tensor) -> None:
         """Sums ``parts`` (one per sender) as receiver ``me`` sees them, into ``out``."""
+        import torch
+
         n = len(parts)
         per, npk = self.packets(out.numel(), out.element_size())
         dev = out.device  # masks: sampled on the host per collective, used on the tensor's device

@@ -36,13 +36,15 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import numpy as np
-import torch
 import xxhash
 
 from hier_localsgd.errors import fail
+
+if TYPE_CHECKING:  # torch is imported where it is used: the configuration imports this module (core/runtime/choices.py)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ _NAME = re.compile(r"^ckpt_(\d{9})\.pt$")
 
 
 def _tensors(obj: Any) -> List[torch.Tensor]:
+    import torch
+
     out: List[torch.Tensor] = []
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -80,6 +84,8 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
 
 
 def state_checksum(state: Dict[str, Any]) -> str:
+    import torch
+
     h = xxhash.xxh3_64()
     for t in _tensors(state):
         h.update(memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()) if t.numel() else b"")
@@ -87,6 +93,8 @@ def state_checksum(state: Dict[str, Any]) -> str:
 
 
 def rng_state() -> Dict[str, Any]:
+    import torch
+
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
@@ -97,6 +105,8 @@ def rng_state() -> Dict[str, Any]:
 
 
 def set_rng_state(st: Dict[str, Any]) -> None:
+    import torch
+
     torch.set_rng_state(st["torch"])
     n = st["numpy"]
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
@@ -147,6 +157,8 @@ class Checkpointer:
             self._writer = None
 
     def _write(self, step: int, payload: Dict[str, Any]) -> None:
+        import torch
+
         final = self.dir / f"ckpt_{step:09d}.pt"
         tmp = self.dir / f".ckpt_{step:09d}.pt.{os.getpid()}.tmp"
         try:
@@ -179,6 +191,8 @@ class Checkpointer:
 
     def load_latest(self) -> Optional[Dict[str, Any]]:
         """The newest checkpoint that loads and verifies, or None. Skips bad ones loudly."""
+        import torch
+
         for path in self.list():
             try:
                 payload = torch.load(path, map_location="cpu", weights_only=True)

@@ -5,7 +5,7 @@ One home for the device concepts the issue (#15) names:
 * ``train.device`` (``auto | cpu | cuda``; ``auto`` = cuda when available): the model,
   the inner optimizer and the live parameters live there, and the data pipeline feeds
   tensors there (:func:`resolve_device`).
-* Per-level backends (``train.backends.{group,inner,outer}``, :func:`resolve_backend`):
+* Per-level backends (``train.backends.{group,inner,outer}``, ``core/runtime/choices.py`` ``resolve_backend``):
   ``group`` (torch.distributed inside a replica group of several ranks: DDP/FSDP) and
   ``inner`` default to NCCL on CUDA and Gloo on CPU; ``outer`` (the slow WAN level)
   defaults to Gloo over pinned host buffers, NCCL selectable. For the fault-tolerant
@@ -31,12 +31,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
-LEVEL_BACKENDS = ("auto", "gloo", "nccl", "nccl_inproc")  # the inner and outer (fault-tolerant) levels
-GROUP_BACKENDS = ("auto", "gloo", "nccl")  # torch.distributed inside a replica group
-NCCL_BACKENDS = ("nccl", "nccl_inproc")
-PRECISIONS = ("fp32", "bf16")  # train.precision: autocast of forward/backward
-PARAM_DTYPES = ("fp32", "bf16")  # train.param_dtype: the master weights' dtype
+from hier_localsgd.core.runtime.choices import DEVICES, NCCL_BACKENDS
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -86,24 +82,6 @@ def resolve_device(name: str, local_rank: int = 0, slot: int = -1, ranks: int = 
     if slot >= 0:
         return torch.device("cuda", group_gpus(slot, ranks, gpu_count(), share)[local_rank % ranks])
     return torch.device("cuda", local_rank % gpu_count())
-
-
-def resolve_backend(level: str, name: str, device: torch.device) -> str:
-    """The backend of ``level`` (``group``, ``inner``, ``outer``) for ``device``.
-
-    Raises:
-        ValueError: naming ``train.backends.<level>``: unknown, or NCCL without a CUDA device.
-    """
-    allowed = GROUP_BACKENDS if level == "group" else LEVEL_BACKENDS
-    if name not in allowed:
-        raise ValueError(f"train.backends.{level}: {name!r} — expected one of {allowed}")
-    if name == "auto":
-        if device.type != "cuda" or level == "outer":
-            return "gloo"
-        return "nccl"
-    if name in NCCL_BACKENDS and device.type != "cuda":
-        raise ValueError(f"train.backends.{level}: {name} needs a CUDA device (train.device resolves to {device.type} here)")
-    return name
 
 
 def one_host_backends(device: str, backends: Dict[str, str], ranks_per_replica: int, groups: int = 0) -> Dict[str, str]:

@@ -45,9 +45,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, List, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, List, Mapping, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the configuration imports this module (core/runtime/choices.py)
+    import torch
 
 ACTIONS = ("fail", "raise", "hang", "exit", "stop", "poison")
 POISONS = ("nan", "huge")  # what ``poison`` does to the model (poison_model)
@@ -150,6 +151,8 @@ def deliver(inbox: Path, fault: Mapping[str, object]) -> None:
 
 def poison_model(t: torch.Tensor, how: str) -> None:
     """What a ``poison`` fault does to the model's flat parameter vector ``t`` (in place)."""
+    import torch
+
     with torch.no_grad():
         if how == "nan":
             t[::64] = float("nan")

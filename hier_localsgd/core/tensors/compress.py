@@ -48,12 +48,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from hier_localsgd.core.tensors.sparse import TOPK2
-
-INT8 = "int8"
-FP8 = "fp8"
-FORMATS = (INT8, FP8)
-DEFAULT_BLOCK = 256
+from hier_localsgd.core.runtime.choices import DEFAULT_BLOCK, FORMATS, FP8, INT8, TOPK2, FormatUnavailable
 
 # Largest code magnitude the absmax of a block is mapped to.
 _QMAX = {INT8: 127.0, FP8: 448.0}
@@ -62,10 +57,6 @@ _SCALE_BYTES = 4  # fp32 scales: exact, and the same bits on every rank
 # fp32 slack in error_bound: the division x/scale and the product q*scale each round
 # once (relative 2^-24, on values up to QMAX·scale); 2^-16·scale covers both.
 _FP32_SLACK = 2.0**-16
-
-
-class FormatUnavailable(RuntimeError):
-    """The compression format cannot run on this device with this torch build."""
 
 
 def check_format(fmt: str, block: int, device: torch.device | str = "cpu") -> None:

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where it is used: the configuration imports this module (core/runtime/choices.py)
+    import torch
+    from torch import nn
 
 LAYER = "layer"
 CONTIGUOUS = "contiguous"
@@ -292,6 +293,8 @@ def gather(t: torch.Tensor, ranges: Ranges) -> torch.Tensor:
     if len(ranges) == 1:
         a, b = ranges[0]
         return t[a:b].clone()
+    import torch
+
     return torch.cat([t[a:b] for a, b in ranges]) if ranges else t.new_empty(0)
 
 

@@ -32,7 +32,6 @@ from torch import nn
 
 from hier_localsgd.core.runtime.invariants import PARAMETERS_WRITTEN_IN_PLACE, InvariantViolation
 
-SHARDINGS = ("ddp", "fsdp")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -30,16 +30,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from hier_localsgd.core.runtime.choices import ALGORITHMS, DILOCO_LR, DILOCO_MOMENTUM
 from hier_localsgd.core.runtime.device import host_copy, wants_pinned
 from hier_localsgd.core.tensors.flat_params import checksum_int
 from hier_localsgd.core.tensors.fragments import Ranges, gather, scatter_
-
-ALGORITHMS = ("localsgd", "diloco")
-
-
-# DiLoCo's outer optimizer (Douillard et al.): the one home of these defaults.
-DILOCO_LR = 0.7
-DILOCO_MOMENTUM = 0.9
 
 
 @dataclass(frozen=True)

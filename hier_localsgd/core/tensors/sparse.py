@@ -40,9 +40,8 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-TOPK2 = "topk2"
-MAX_CHUNK = 256  # positions fit one byte
-DEFAULT_TOPK = 4  # kept per chunk: 1.6 % of a 256-element chunk
+from hier_localsgd.core.runtime.choices import DEFAULT_TOPK, MAX_CHUNK, TOPK2  # noqa: F401 - sparse.TOPK2 etc. for its callers
+
 _LEVELS = 3.0  # codes 0..3 map to (code / 1.5 − 1) · s: −s, −s/3, s/3, s
 _SCALE_BYTES = 4
 

@@ -8,7 +8,7 @@ from typing import Any, Dict
 
 from hier_localsgd import costs
 from hier_localsgd.core.tensors.fragments import outer_period
-from hier_localsgd.core.tensors.sparse import DEFAULT_TOPK
+from hier_localsgd.core.runtime.choices import DEFAULT_TOPK
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.sync.compression import latency_hops, payload_bytes
 from hier_localsgd.sync.sections import SyncConfig

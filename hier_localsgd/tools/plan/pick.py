@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 from typing import Any, Collection, Dict, List, Tuple
 
 from hier_localsgd.core.links.lossy import LinkSpec
-from hier_localsgd.core.tensors.sparse import MAX_CHUNK, TOPK2
+from hier_localsgd.core.runtime.choices import MAX_CHUNK, TOPK2
 from hier_localsgd.tools.plan.network import OuterVariant, SyncTimes, hier_variant_sync_per_step, outer_round_bytes, outer_round_s
 
 PAYLOADS = ("none", "int8", "topk2")  # in the order of the loss they cost (docs/benchmarks.md)

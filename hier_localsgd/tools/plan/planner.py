@@ -174,7 +174,8 @@ def tp_volumes(d: ModelDims, tokens: int, g: int) -> Dict[str, Any]:
     """TP bytes per rank, per layer and step, for both layouts (train/tp.tp_comm_volume); {} for G = 1."""
     if g < 2:
         return {}
-    from hier_localsgd.train.tp import VARIANTS, tp_comm_volume
+    from hier_localsgd.train.sections import VARIANTS
+    from hier_localsgd.train.tp import tp_comm_volume
 
     return {v: tp_comm_volume(d, tokens, g, v) for v in VARIANTS}
 
