@@ -14,8 +14,9 @@ HB_S = 2.0  # lighthouse.heartbeat_timeout_ms in harness.FAST_JOB
 PHASE_S = 30.0  # the longest single phase timeout in harness.FAST_JOB (quorum, reduce, broadcast)
 PACED = ["train.min_step_time_s=0.05", "sync.inner.every=5", "sync.outer.every=2"]
 # Tests that restart a process need training left after the kill for the restart (delay +
-# ~4 s of imports, more on a loaded machine) to rejoin before the others finish.
-LONG = ["train.min_step_time_s=0.1", "sync.inner.every=5", "sync.outer.every=2", "train.steps=150"]
+# its imports: ~3 s on an idle machine, up to 20 s measured under CI's load) to rejoin
+# before the others finish: 300 paced steps leave about 28 s after a kill at step 12.
+LONG = ["train.min_step_time_s=0.1", "sync.inner.every=5", "sync.outer.every=2", "train.steps=300"]
 ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
@@ -68,7 +69,7 @@ def test_sigkill_non_leader_is_restarted_in_a_warm_spare_and_heals_from_a_peer(t
             kill_at_12(job)
 
     killer.fired = kill_at_12.fired  # type: ignore[attr-defined]
-    run = run_job(tmp_path, [*LONG, "train.steps=300"], during=killer, restart=True, warm_spares=True)
+    run = run_job(tmp_path, LONG, during=killer, restart=True, warm_spares=True)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     t_kill = killer.fired["t"]
     dt = first_commit_after(run, [(0, 0)], t_kill)
@@ -134,7 +135,7 @@ def test_whole_cluster_lost_others_carry_on_and_it_heals_on_return(tmp_path):
     killer = when_step((1, 0), 12, kill_cluster)
     run = run_job(
         tmp_path,
-        [*LONG[:-1], "train.steps=200", "sync.min_clusters=1"],
+        [*LONG, "sync.min_clusters=1"],
         during=killer, restart=True, restart_delay_s=3.0,
     )
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
