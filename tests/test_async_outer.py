@@ -424,3 +424,55 @@ def test_a_cluster_restarted_whole_adopts_the_global_model_and_resumes_its_step_
     refused = [e for k in ((1, 0), (1, 1)) for e in _pushes(run, k) if e["weight"] == 0.0 and "stale" in e.get("refused", "")]
     assert refused, "the restarted cluster's first push was too stale to merge"
     _ends_on_one_version(run)
+
+
+def test_a_healed_member_gets_its_clusters_token_count_with_the_heal():
+    """The group-steps a cluster holds since its last adoption (the weight of its next push)
+    heal with the committed state: a member that joins after a failure and comes to lead
+    (the restarted lowest index retakes the lead) pushes its cluster's count, not the
+    rounds it saw itself. Real HierarchicalSync objects over real lighthouses; the state
+    goes through the heal's wire format (core/security/wire.py), as a heal sends it."""
+    from dataclasses import replace
+    from datetime import timedelta
+
+    from harness import ThreadedHier, Vec
+
+    from hier_localsgd.core.runtime.faults import FaultPlan
+    from hier_localsgd.core.runtime.phases import PhaseTracker
+    from hier_localsgd.core.security import wire
+    from hier_localsgd.core.tensors.flat_params import FlatParams
+    from hier_localsgd.sync.async_outer import AsyncOuterSettings
+    from hier_localsgd.sync.build import hier_settings
+    from hier_localsgd.sync.hier import HierarchicalSync, Identity
+
+    th = ThreadedHier(1, 2, 5, 2)
+    made = []
+    try:
+        for r in range(2):
+            model = Vec(th.numel)
+            flat = FlatParams(model)
+            sync = HierarchicalSync(
+                replace(hier_settings(th.cfg, Identity(0, r), flat, model), **th.direct), Identity(0, r), th.t, flat,
+                torch.optim.SGD(model.parameters(), lr=0.1), PhaseTracker(describe=f"c0r{r}"), lambda kind, **kw: None,
+                FaultPlan([], 0, r), async_outer=AsyncOuterSettings("http://127.0.0.1:9", None, timedelta(seconds=1)))
+            made.append(sync)
+        donor, healed = made
+        a = donor.outer_level.asynchronous
+        for work in (10.0, 10.0):  # two committed inner rounds since the cluster's last adoption
+            a.note_work(work)
+            a.round_ended(committed=True)
+        a.epoch = "server-life-1"
+        sd = wire.decode(wire.encode(donor.committed.state_dict()).to_bytes(), max_bytes=1 << 24)
+        healed.committed.load_state_dict(sd)
+        b = healed.outer_level.asynchronous
+        assert (b.tokens, b.epoch) == (20.0, "server-life-1")
+        # A donor (or checkpoint) from before this field keeps the member's own count.
+        del sd["carried"]
+        b.note_work(5.0)
+        b.round_ended(committed=True)
+        healed.committed.load_state_dict(sd)
+        assert b.tokens == 25.0
+    finally:
+        for s in made:
+            s.close()
+        th.close()

@@ -5,7 +5,7 @@ At its cluster's outer round the leader sends the cluster's pseudo-gradient, mea
 from the global model of version ``base`` (the cluster's ``outer_round`` counter: in this
 mode it counts global versions), with the group-steps it holds (``tokens``, counted by
 every member from the inner rounds' weights since the last adoption: a new leader knows
-them too), to the global model server (global_server.py) and gets the newest global model
+them too, and a member that healed got them with the heal), to the global model server (global_server.py) and gets the newest global model
 back; BROADCAST hands it to the cluster as a synchronous outer result would. No cluster
 Manager, no global quorum: nothing waits for another cluster beyond the server's grace
 window.
@@ -92,6 +92,18 @@ class AsyncOuter:
         if committed:
             self.tokens += self.round_work
         self.round_work = 0.0
+
+    def state_dict(self) -> dict:
+        """What heals and checkpoints with the committed state (committed.py ``carry``): the
+        cluster's group-steps since its last adoption and the server life of its base."""
+        return {"tokens": self.tokens, "epoch": self.epoch}
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        """A heal's or checkpoint's; None (a donor or checkpoint without it) keeps this
+        member's own count."""
+        if sd is None:
+            return
+        self.tokens, self.epoch = float(sd["tokens"]), str(sd["epoch"])
 
     def adopted(self, final: bool = False) -> None:
         """The cluster adopted a global model: its work so far is in it (or was refused)."""

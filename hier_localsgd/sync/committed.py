@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -27,6 +27,15 @@ from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.state import SyncState
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
+
+
+class Carried(Protocol):
+    """State another part of the round owns that heals and checkpoints with the committed
+    state (:meth:`CommittedState.carry`): plain values the heal format carries."""
+
+    def state_dict(self) -> Dict[str, object]: ...
+
+    def load_state_dict(self, sd: Optional[Dict[str, object]]) -> None: ...
 
 
 class CommittedState:
@@ -55,6 +64,13 @@ class CommittedState:
         self.serve_step: Optional[int] = None
         self.kept_sent = False
         self.round_start_hash: Optional[int] = None
+        self.carried: Dict[str, Carried] = {}
+
+    def carry(self, name: str, part: Carried) -> None:
+        """``part``'s state heals and checkpoints with the committed state, under ``name``
+        (the asynchronous outer level's token count: a healed member that comes to lead
+        pushes what its cluster holds, not what it saw since it joined)."""
+        self.carried[name] = part
 
     def discard_local_work(self, why: str) -> None:
         """Counts the local steps since the last commit as discarded; a ``discard`` event
@@ -316,6 +332,7 @@ class CommittedState:
             "eager": None if st.stand_in is None else {
                 "stand_in": st.stand_in.clone(), "momentum": None if st.outer.momentum is None else st.outer.momentum.clone()},
             "user": st.user.served(),
+            "carried": {name: part.state_dict() for name, part in self.carried.items()},
         }
 
     def load_state_dict(self, sd: Dict[str, object]) -> None:
@@ -353,6 +370,9 @@ class CommittedState:
         if st.stand_in is not None:
             self._load_eager(sd.get("eager"))
         st.user.load(sd.get("user"), "the healing donor or checkpoint", step=st.counters.step)  # type: ignore[arg-type]
+        carried = sd.get("carried")
+        for name, part in self.carried.items():  # a donor or checkpoint without it: None
+            part.load_state_dict(carried.get(name) if isinstance(carried, dict) else None)  # type: ignore[arg-type]
         self.model.copy_(sd["model"])  # type: ignore[arg-type]
         if st.stand_in is None:
             self._drop_foreign_stand_in(sd.get("eager"))

@@ -67,6 +67,8 @@ class OuterLevel:
         self.stats = LinkStats()
         # sync.async_outer: pushes to the global model server instead of a global quorum.
         self.asynchronous: Optional[AsyncOuter] = None if asynchronous is None else AsyncOuter(st, asynchronous, self.stats)
+        if self.asynchronous is not None:
+            committed.carry("async_outer", self.asynchronous)
         self.link: Optional[LinkProcessGroup] = None
         self.mgr: Optional[LevelManager] = None
         self.comm: Optional[LevelComm] = None
