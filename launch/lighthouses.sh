@@ -26,14 +26,5 @@ if [[ "$role" == "cluster" ]]; then
 fi
 cmd=("${PYTHON:-python3}" -m hier_localsgd lighthouse "${args[@]}" "$@")
 if [[ $restart -eq 0 ]]; then exec "${cmd[@]}"; fi
-child=0
-trap 'if [[ $child -ne 0 ]]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 143' TERM INT
-restarts=0
-while true; do
-  "${cmd[@]}" & child=$!
-  wait "$child"; rc=$?; child=0
-  if [[ $rc -eq 0 || $rc -eq 2 ]]; then exit "$rc"; fi   # done, or a configuration error
-  restarts=$((restarts + 1))
-  echo "lighthouses.sh: $role lighthouse exited with $rc; restart $restarts in ${RESTART_DELAY:-2}s" >&2
-  sleep "${RESTART_DELAY:-2}"
-done
+source "$(dirname "${BASH_SOURCE[0]}")/supervise.sh"
+supervise "lighthouses.sh: $role lighthouse" "${cmd[@]}"

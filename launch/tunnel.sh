@@ -18,14 +18,5 @@ restart=1
 if [[ "${1:-}" == "--no-restart" ]]; then restart=0; shift; fi
 cmd=("${PYTHON:-python3}" -m hier_localsgd tunnel "$@")
 if [[ $restart -eq 0 ]]; then exec "${cmd[@]}"; fi
-child=0
-trap 'if [[ $child -ne 0 ]]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 143' TERM INT
-restarts=0
-while true; do
-  "${cmd[@]}" & child=$!
-  wait "$child"; rc=$?; child=0
-  if [[ $rc -eq 0 || $rc -eq 2 ]]; then exit "$rc"; fi   # stopped, or a configuration error
-  restarts=$((restarts + 1))
-  echo "tunnel.sh: the tunnel exited with $rc; restart $restarts in ${RESTART_DELAY:-2}s" >&2
-  sleep "${RESTART_DELAY:-2}"
-done
+source "$(dirname "${BASH_SOURCE[0]}")/supervise.sh"
+supervise "tunnel.sh: the tunnel" "${cmd[@]}"
