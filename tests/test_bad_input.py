@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa

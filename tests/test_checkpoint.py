@@ -1,14 +1,12 @@
 """Durable checkpoints: atomic files, corrupt ones skipped, exact resume after a full stop."""
 
-import shutil
-import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import logs_tail, run_job, when_step
+from harness import logs_tail, run_job
 from hier_localsgd.core.runtime.checkpoint import Checkpointer
 
 

@@ -1,8 +1,6 @@
 """Every failure mode, with real processes: exception, SIGTERM, SIGKILL, hang, a leader kill, a whole cluster lost, and the start orders of seed 004."""
 
-import os
 import signal
-import time
 
 import pytest
 

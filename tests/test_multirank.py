@@ -1,6 +1,5 @@
 """Replica groups of several ranks, launched by torchrun: 2 clusters x 2 groups x 2 ranks."""
 
-import json
 import os
 import signal
 import time

@@ -13,7 +13,6 @@ import torch
 from harness import ThreadedHier, local_steps, logs_tail, run_job
 from hier_localsgd.core.tensors.guard import NONFINITE, Fingerprint, accepted_median, plan, screen
 from hier_localsgd.core.tensors.level import LevelAlgorithm
-from hier_localsgd.core.runtime.status import read_events, replica_dir
 from hier_localsgd.sync.common import PoisonLimit
 from hier_localsgd.sync.sections import PoisonConfig
 

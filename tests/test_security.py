@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 import torch
 
-from hier_localsgd.core.ft.heals import MAC_BYTES, HealRefused, HealTransport, payload_limit
+from hier_localsgd.core.ft.heals import MAC_BYTES, HealRefused, HealTransport
 from hier_localsgd.core.security.secret import SECRET_ENV, derive, keygen, load_secret, read_secret_file, SecurityConfig
-from hier_localsgd.core.security.wire import DTYPES, MAX_DEPTH, WireError, decode, encode, tensor_bytes
+from hier_localsgd.core.security.wire import DTYPES, MAX_DEPTH, WireError, decode, encode
 from hier_localsgd.errors import ConfigError
 
 LIMIT = 1 << 30
@@ -157,6 +157,13 @@ def _payload(header: dict, body: bytes = b"") -> bytearray:
     return bytearray(b"HLW1" + struct.pack("<Q", len(h)) + h + body)
 
 
+def _nest(n: int):
+    t = None
+    for _ in range(n):
+        t = {"L": [t]}
+    return t
+
+
 CRAFTED = [
     ("bad magic", bytearray(b"HLW2" + bytes(60))),
     ("short", bytearray(b"HLW1")),
@@ -186,18 +193,10 @@ CRAFTED = [
     ("list key", _payload({"tree": {"D": [[{"L": []}, 1]]}, "tensors": []})),
     ("tuple key holding a list", _payload({"tree": {"D": [[{"T": [{"L": []}]}, 1]]}, "tensors": []})),
     ("bad dict item", _payload({"tree": {"D": [[1]]}, "tensors": []})),
-    ("too deep", _payload({"tree": _nest(MAX_DEPTH + 5) if False else None, "tensors": []})),
+    ("too deep", _payload({"tree": _nest(MAX_DEPTH + 5), "tensors": []})),
 ]
 
 
-def _nest(n: int):
-    t = None
-    for _ in range(n):
-        t = {"L": [t]}
-    return t
-
-
-CRAFTED[-1] = ("too deep", _payload({"tree": _nest(MAX_DEPTH + 5), "tensors": []}))
 CRAFTED.append(("json bomb", bytearray(b"HLW1" + struct.pack("<Q", 200_000) + b"[" * 200_000)))
 
 
@@ -391,8 +390,6 @@ class _Attacker:
     """An HTTP server that answers every heal request with ``body`` (a crafted payload)."""
 
     def __init__(self, body: bytes, length: int | None = None) -> None:
-        outer = self
-
         class H(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
@@ -437,7 +434,6 @@ def test_a_crafted_heal_payload_is_refused_by_the_healing_replica(name, body, le
     if body is None:  # a well-formed answer MACed under another job's key: replay or a foreign donor
         other = transport(key=OTHER)
         other.send_checkpoint([0], 4, STATE, timedelta(seconds=5))
-        path = "/heal/4"
         ts, nonce = f"{time.time():.3f}", "ef" * 16
         req = urllib.request.Request(other.metadata() + "4", headers={"Authorization": signed(OTHER, other.metadata() + "4", ts, nonce)})
         body = urllib.request.urlopen(req, timeout=5).read()

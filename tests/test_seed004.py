@@ -8,7 +8,6 @@ for it until the quorum timed out — and again at every retry.
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
