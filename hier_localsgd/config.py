@@ -179,10 +179,10 @@ def _render(v: Any) -> str:
     return str(v)
 
 
-def _check_fragments(cfg: Config, runs: bool, path: str = "sync.outer.fragments") -> None:
+def _check_fragments(cfg: Config, splits: bool, path: str = "sync.outer.fragments") -> None:
     """``sync.outer.fragments`` > 1: hier only; ``sync.flat.fragments`` > 1: flat only; and no
     more fragments than the model has layer units (core/tensors/fragments.py; the model is built on
-    the meta device: no memory)."""
+    the meta device: no memory), checked where ``splits`` (the commands that train here)."""
     s = cfg.sync
     F = s.flat.fragments if path == "sync.flat.fragments" else s.outer.fragments
     mode = "flat" if path == "sync.flat.fragments" else "hier"
@@ -191,7 +191,7 @@ def _check_fragments(cfg: Config, runs: bool, path: str = "sync.outer.fragments"
         fail(path, f"{F} — streams {what}; needs sync.mode={mode} (got {s.mode!r})")
     if cfg.group.rank_shards(cfg.topology.ranks_per_replica) and cfg.group.sharding == "fsdp":
         fail(path, f"{F} — not supported with group.sharding=fsdp yet (its parameters are DTensor shards)")
-    if not runs:
+    if not splits:
         return
     import torch
 
@@ -266,10 +266,15 @@ def validate(cfg: Config, command: str = "train") -> None:
     if cfg.group.rank_shards(t.ranks_per_replica) and cfg.group.sharding == "fsdp" and (cfg.checkpoint.every or cfg.checkpoint.resume):
         fail("group.sharding", "fsdp with durable checkpoints is not supported yet (the optimizer state is DTensor shards); set checkpoint.every=0")
 
+    # Proving a format and splitting the model build torch objects: the commands that train
+    # here do it, a lighthouse (or plan) does not import torch for it.
+    trains = command in TRAINING_COMMANDS
+    if trains:
+        s.outer.prove_compression("sync.outer")
     if s.outer.fragments > 1:
-        _check_fragments(cfg, runs)
+        _check_fragments(cfg, trains)
     if s.flat.fragments > 1:
-        _check_fragments(cfg, runs, "sync.flat.fragments")
+        _check_fragments(cfg, trains, "sync.flat.fragments")
 
     if command == "chaos" and s.mode not in ("hier", "flat"):
         fail("sync.mode", f"{s.mode!r} — chaos runs measure hier, or flat torchft DiLoCo (chaos.compare_flat)")

@@ -26,5 +26,5 @@ if [[ "$role" == "cluster" ]]; then
 fi
 cmd=("${PYTHON:-python3}" -m hier_localsgd lighthouse "${args[@]}" "$@")
 if [[ $restart -eq 0 ]]; then exec "${cmd[@]}"; fi
-source "$(dirname "${BASH_SOURCE[0]}")/supervise.sh"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/supervise.sh" || exit 1
 supervise "lighthouses.sh: $role lighthouse" "${cmd[@]}"

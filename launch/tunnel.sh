@@ -18,5 +18,5 @@ restart=1
 if [[ "${1:-}" == "--no-restart" ]]; then restart=0; shift; fi
 cmd=("${PYTHON:-python3}" -m hier_localsgd tunnel "$@")
 if [[ $restart -eq 0 ]]; then exec "${cmd[@]}"; fi
-source "$(dirname "${BASH_SOURCE[0]}")/supervise.sh"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/supervise.sh" || exit 1
 supervise "tunnel.sh: the tunnel" "${cmd[@]}"

@@ -179,3 +179,23 @@ def test_state_dict_carries_the_residual_to_a_new_leader_bitwise():
         assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and torch.equal(a.scales, b.scales)
     with pytest.raises(ValueError, match="int8"):
         ErrorFeedback(INT8, 64).load_state_dict(old.state_dict())
+
+
+def test_the_commands_that_train_prove_fp8_and_a_lighthouse_does_not(monkeypatch):
+    """A torch build that cannot cast fp8 is a one-line configuration error naming the field
+    for a command that trains here; a lighthouse's configuration check does not cast (it
+    imports no torch: tests/test_config.py)."""
+    from hier_localsgd.config import ConfigError, load_config
+
+    real_to = torch.Tensor.to
+
+    def broken_to(self, *args, **kwargs):
+        if args and args[0] is torch.float8_e4m3fn:
+            raise RuntimeError("no kernel")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", broken_to)
+    fp8 = ["sync.outer.compression=fp8", "model=tiny"]
+    with pytest.raises(ConfigError, match=r"^sync\.outer\.compression: 'fp8' — .*no kernel"):
+        load_config(fp8, validate_for="demo")
+    assert load_config(fp8, validate_for="lighthouse").sync.outer.compression == "fp8"

@@ -204,10 +204,12 @@ def test_a_lighthouse_and_a_configuration_check_import_no_torch(tmp_path):
 import socket, sys
 from hier_localsgd.config import load_config
 from hier_localsgd.launch.lighthouse import start
-cfg = load_config(["lighthouse.serve=all", "lighthouse.global_addr=http://127.0.0.1:0",
-                   "lighthouse.cluster_addrs=[http://127.0.0.1:0,http://127.0.0.1:0]",
-                   "sync.outer.compression=topk2", "group.parallel=dp", "train.device=auto",
-                   "run.dir={tmp_path}"], validate_for="lighthouse")
+common = ["lighthouse.serve=all", "lighthouse.global_addr=http://127.0.0.1:0",
+          "lighthouse.cluster_addrs=[http://127.0.0.1:0,http://127.0.0.1:0]", "train.device=auto", "run.dir={tmp_path}"]
+for extra in (["sync.outer.compression=topk2", "group.parallel=dp"],
+              ["sync.outer.compression=int8", "sync.outer.every=2", "sync.outer.fragments=2"],
+              ["sync.outer.compression=fp8", "train.backends.inner=nccl"]):  # nccl: cuda is for elsewhere
+    cfg = load_config([*common, *extra], validate_for="lighthouse")
 servers = start(cfg)
 for s in servers:  # each accepts connections
     socket.create_connection(("127.0.0.1", int(s.address().rsplit(":", 1)[1])), timeout=5).close()

@@ -175,9 +175,13 @@ def lighthouse_server_type() -> type:
             return LighthouseServer
         loader = importlib.machinery.ExtensionFileLoader(name, found[0])
         mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, found[0], loader=loader))
-        loader.exec_module(mod)
         # torchft imported later in this process (the async global model server) reuses it
         sys.modules[name] = mod
+        try:
+            loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
     return mod.LighthouseServer
 
 

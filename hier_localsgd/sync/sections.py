@@ -156,13 +156,19 @@ class LevelConfig:
                 fail(f"{path}.compression_block", f"{self.compression_block} — topk2 chunks hold at most {MAX_CHUNK} elements (a position is one byte)")
             if isinstance(self.topk, bool) or not isinstance(self.topk, int) or not 1 <= self.topk <= self.compression_block:
                 fail(f"{path}.topk", f"{self.topk!r} — must be an integer between 1 and {path}.compression_block={self.compression_block}")
-        elif self.compression != NONE:
-            from hier_localsgd.core.tensors.compress import check_format  # torch: only where a format is asked for
 
-            try:
-                check_format(self.compression, self.compression_block)
-            except FormatUnavailable as e:
-                fail(f"{path}.compression", f"{self.compression!r} — {e}")
+    def prove_compression(self, path: str) -> None:
+        """That an int8 or fp8 payload works with this torch build (fp8: a cast on the CPU
+        and back); one line naming the field. Run by the commands that train here (config.py),
+        not by a lighthouse, which would import torch for it."""
+        if self.compression not in FORMATS:
+            return
+        from hier_localsgd.core.tensors.compress import check_format
+
+        try:
+            check_format(self.compression, self.compression_block)
+        except FormatUnavailable as e:
+            fail(f"{path}.compression", f"{self.compression!r} — {e}")
 
 
 @dataclass
