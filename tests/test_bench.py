@@ -40,6 +40,7 @@ def test_the_asynchronous_arms_curve_is_in_training_time_with_the_slow_bytes_so_
     assert to_target(curve, 2.5) == (19.0, 2000.0)  # cluster 0 got there first
 
 
+@pytest.mark.timeout(900)  # as the bench subprocess below: 189 s, and 290 s under CI's heaviest load
 def test_quick_bench_runs_every_arm_and_writes_table_json_and_plots(tmp_path):
     p = subprocess.run([sys.executable, "-m", "hier_localsgd", "bench", f"run.dir={tmp_path}", "bench.mode=quick"],
                        capture_output=True, text=True, timeout=900)

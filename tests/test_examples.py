@@ -71,6 +71,7 @@ def _kill(key):
     return act
 
 
+@pytest.mark.timeout(900)  # torchtitan's took 236 s on CI (its job's own bound: 400 s)
 @pytest.mark.parametrize("name, extra", [
     ("plain_loop.py", ["model.dim=32"]),
     ("torchtitan_llama3.py", ["model.name=llama3_debugmodel", "train.lr=1e-3"]),
