@@ -101,7 +101,9 @@ def test_fp8_casts_on_cpu_without_triton():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_check_format_reports_a_wrong_cast_as_unavailable(monkeypatch):
+@pytest.fixture
+def no_fp8_cast(monkeypatch):
+    """A torch build whose fp8 cast fails ("no kernel")."""
     real_to = torch.Tensor.to
 
     def broken_to(self, *args, **kwargs):
@@ -110,6 +112,9 @@ def test_check_format_reports_a_wrong_cast_as_unavailable(monkeypatch):
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", broken_to)
+
+
+def test_check_format_reports_a_wrong_cast_as_unavailable(no_fp8_cast):
     with pytest.raises(FormatUnavailable, match="no kernel"):
         check_format(FP8, 256)
 
@@ -181,20 +186,12 @@ def test_state_dict_carries_the_residual_to_a_new_leader_bitwise():
         ErrorFeedback(INT8, 64).load_state_dict(old.state_dict())
 
 
-def test_the_commands_that_train_prove_fp8_and_a_lighthouse_does_not(monkeypatch):
+def test_the_commands_that_train_prove_fp8_and_a_lighthouse_does_not(no_fp8_cast):
     """A torch build that cannot cast fp8 is a one-line configuration error naming the field
     for a command that trains here; a lighthouse's configuration check does not cast (it
     imports no torch: tests/test_config.py)."""
     from hier_localsgd.config import ConfigError, load_config
 
-    real_to = torch.Tensor.to
-
-    def broken_to(self, *args, **kwargs):
-        if args and args[0] is torch.float8_e4m3fn:
-            raise RuntimeError("no kernel")
-        return real_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", broken_to)
     fp8 = ["sync.outer.compression=fp8", "model=tiny"]
     with pytest.raises(ConfigError, match=r"^sync\.outer\.compression: 'fp8' — .*no kernel"):
         load_config(fp8, validate_for="demo")
