@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-from hier_localsgd.core.runtime.choices import DEVICES, PARAM_DTYPES, PRECISIONS, SHARDINGS, resolve_backend
+from hier_localsgd.core.runtime.choices import PARAM_DTYPES, PRECISIONS, SHARDINGS, check_device_name, resolve_backend
 from hier_localsgd.core.links.lossy import LinkConfig, LinkSpec
 from hier_localsgd.errors import ConfigError, fail
 from hier_localsgd.sync.sections import SyncConfig
@@ -64,12 +64,11 @@ class TrainConfig:
         if self.gpu_slot < -1:
             fail("train.gpu_slot", f"{self.gpu_slot} — expected -1 (unset) or a group's index on its host (0, 1, ...)")
         try:  # the resolvers' messages start with the field
+            check_device_name(self.device)
             if trains:
                 from hier_localsgd.core.runtime.device import resolve_device  # torch: only where it trains
 
                 device = resolve_device(self.device).type
-            elif self.device not in DEVICES:
-                raise ValueError(f"train.device: {self.device!r} — expected one of {DEVICES}")
             else:  # a command that does not train here (plan, lighthouse) may name cuda, or auto, for elsewhere
                 device = "cpu" if self.device == "cpu" else "cuda"
             for level in ("group", "inner", "outer"):

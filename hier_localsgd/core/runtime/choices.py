@@ -21,6 +21,12 @@ PRECISIONS = ("fp32", "bf16")  # train.precision: autocast of forward/backward
 PARAM_DTYPES = ("fp32", "bf16")  # train.param_dtype: the master weights' dtype
 
 
+def check_device_name(name: str) -> None:
+    """Raises ValueError naming ``train.device`` unless ``name`` is one of :data:`DEVICES`."""
+    if name not in DEVICES:
+        raise ValueError(f"train.device: {name!r} — expected one of {DEVICES}")
+
+
 def resolve_backend(level: str, name: str, device: Any) -> str:
     """The backend of ``level`` (``group``, ``inner``, ``outer``) for ``device`` (a
     ``torch.device``, or its type: ``"cpu"``, ``"cuda"``).

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from hier_localsgd.core.runtime.choices import DEVICES, NCCL_BACKENDS
+from hier_localsgd.core.runtime.choices import NCCL_BACKENDS, check_device_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -73,8 +73,7 @@ def resolve_device(name: str, local_rank: int = 0, slot: int = -1, ranks: int = 
         ValueError: naming ``train.device`` for an unknown value or cuda without CUDA, or
             ``train.gpu_slot`` (:func:`group_gpus`).
     """
-    if name not in DEVICES:
-        raise ValueError(f"train.device: {name!r} — expected one of {DEVICES}")
+    check_device_name(name)
     if name == "cpu" or (name == "auto" and not cuda_available()):
         return torch.device("cpu")
     if not cuda_available():
