@@ -31,6 +31,7 @@ consistency check reports it).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,9 +57,10 @@ class AsyncOuterSettings:
     url: str
     key: Optional[bytes]
     grace: timedelta
+    match_pace: bool = False  # sync.async_outer.match_pace: the outer period follows the cluster's pace
 
     def __repr__(self) -> str:  # settings get logged: never the key
-        return f"AsyncOuterSettings(url={self.url!r}, grace={self.grace})"
+        return f"AsyncOuterSettings(url={self.url!r}, grace={self.grace}, match_pace={self.match_pace})"
 
 
 class AsyncOuter:
@@ -73,42 +75,98 @@ class AsyncOuter:
     def __init__(self, st: SyncState, settings: AsyncOuterSettings, stats: LinkStats) -> None:
         self.st, self.url, self._key = st, settings.url, settings.key
         self.stats = stats  # the outer level's account: a push's bytes both ways are WAN traffic
-        self.grace = settings.grace
+        self.grace, self.match_pace = settings.grace, settings.match_pace
         self.tokens = 0.0  # committed group-steps since the cluster last adopted a global model (every member counts)
         self.round_work = 0.0  # this round's, counted once its inner round commits
         self.pulling = False  # finish(): join rounds that ask for the final version
         self.final = False  # this member adopted the job's final version
         self.heard = 0.0  # when this cluster last heard the server at the end (the leader's header says)
         self.since = time.time()  # when this member last adopted a global model (or began): its period
+        self.since_step = st.counters.step  # the step it was at then
         self.epoch = ""  # the server life that gave the cluster's base (global_server.py); "": unknown
+        # The push schedule (:meth:`is_push_step`): from step `due` on, every `period` steps.
+        # Without match_pace: every H_inner·H_outer steps from step 0, as a synchronous
+        # cluster's outer rounds; with it, every member sets it from the leader's header.
+        s = st.settings
+        self.full = s.h_inner * s.h_outer
+        self.period = self.due = self.full
+        self.last_round = st.counters.step  # the step of this cluster's last inner round
         st.tracker.set_extra(asynchronous=True)  # the dashboard shows versions and their lag
 
-    def note_work(self, group_steps: float) -> None:
-        """This inner round's weight sum × H_inner: the group-steps it merges."""
-        self.round_work = group_steps
+    def started(self, step: int) -> None:
+        """Training begins (or resumes) at ``step``: the first period starts here."""
+        self.since, self.since_step, self.last_round = time.time(), step, step
 
-    def round_ended(self, committed: bool) -> None:
-        """The inner round committed (its work counts) or rolled back (it does not)."""
+    def note_work(self, total_weight: float, step: int) -> None:
+        """This inner round's work: its weight sum × its steps (the group-steps it merges)."""
+        self.round_work = total_weight * max(0, step - self.last_round)
+
+    def round_ended(self, committed: bool, step: int) -> None:
+        """The inner round at ``step`` committed (its work counts) or rolled back (it does not)."""
         if committed:
             self.tokens += self.round_work
         self.round_work = 0.0
+        self.last_round = step
 
     def state_dict(self) -> dict:
         """What heals and checkpoints with the committed state (committed.py ``carry``): the
-        cluster's group-steps since its last adoption and the server life of its base."""
-        return {"tokens": self.tokens, "epoch": self.epoch}
+        cluster's group-steps since its last adoption, the server life of its base, and its
+        push schedule."""
+        return {"tokens": self.tokens, "epoch": self.epoch, "period": self.period, "due": self.due, "last_round": self.last_round}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
         """A heal's or checkpoint's; None (a donor or checkpoint without it) keeps this
-        member's own count."""
+        member's own count (and a state without a schedule, this member's schedule)."""
         if sd is None:
             return
         self.tokens, self.epoch = float(sd["tokens"]), str(sd["epoch"])
+        if all(k in sd for k in ("period", "due", "last_round")):
+            self.period, self.due, self.last_round = int(sd["period"]), int(sd["due"]), int(sd["last_round"])
 
-    def adopted(self, final: bool = False) -> None:
-        """The cluster adopted a global model: its work so far is in it (or was refused)."""
+    def is_push_step(self, step: int) -> bool:
+        """Whether a round at ``step`` carries this cluster's push: from ``due`` on, every
+        ``period`` steps (a push the server did not answer is tried again one period later,
+        never at every round). With match_pace ``due`` need not be on the inner rounds' grid:
+        the cluster runs an inner round there (hier.py ``is_sync_step``). Every member holds
+        the same schedule."""
+        return step > 0 and step >= self.due and (step - self.due) % self.period == 0
+
+    def next_push(self, pace_to: object, period_s: float, period_steps: int) -> int:
+        """The leader's steps to its next push with match_pace (0: unchanged): it ends where
+        the fastest cluster's next push is expected (the server's ``pace_to``), at this
+        cluster's pace over its last period (``period_s`` for ``period_steps``), so the
+        pushes meet in one batch; at least ``H_inner / 2`` steps (a nearer push of the
+        fastest: the one after it), at most ``H_inner · H_outer``. The fastest cluster
+        (``pace_to`` None) keeps ``H_inner · H_outer``.
+
+        Each answer aims at the fastest cluster's next push afresh, so the periods line up
+        in phase as well as in length: two clusters that started apart meet from the second
+        push on, and a period's error is not carried into the next. In steps, not inner
+        rounds: a cluster at 0.7 of the fastest's speed cannot meet it on a grid of rounds.
+        """
+        if not self.match_pace:
+            return 0
+        if not isinstance(pace_to, dict) or period_steps <= 0 or period_s <= 0:
+            return self.full
+        nxt, per = pace_to.get("next_s"), pace_to.get("period_s")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in (nxt, per)):
+            return self.full
+        pace = period_s / period_steps  # seconds per step at this cluster's pace
+        steps = round(nxt / pace)
+        if steps < max(1, self.st.settings.h_inner // 2):
+            steps = round((nxt + per) / pace)
+        return max(1, min(self.full, int(steps)))
+
+    def adopted(self, final: bool = False, step: Optional[int] = None, push_in: int = 0) -> None:
+        """The cluster adopted a global model at ``step``: its work so far is in it (or was
+        refused). ``push_in`` > 0 (the leader's header, match_pace): the next push comes that
+        many steps after ``step``, and again every ``push_in`` steps until one is answered."""
         self.tokens = self.round_work = 0.0
         self.since = time.time()
+        if step is not None:
+            self.since_step = self.last_round = step
+        if push_in > 0 and step is not None:
+            self.period, self.due = push_in, step + push_in
         if final:
             self.final = True
 
@@ -159,7 +217,8 @@ class AsyncOuter:
         delta = st.outer.pseudo_grad(cluster_model).to("cpu", torch.float32) if contribute else None
         tokens = self.tokens + self.round_work if contribute else 0.0
         req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": tokens,
-               "period_s": time.time() - self.since, "final": final, "delta": delta, "model": None}
+               "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
+               "share": min(1.0, self.period / self.full), "match_pace": self.match_pace, "final": final, "delta": delta, "model": None}
         t0 = time.time()
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
@@ -179,9 +238,10 @@ class AsyncOuter:
         version, weight, staleness = int(ans["version"]), float(ans.get("weight", 0.0)), int(ans.get("staleness", 0))
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
+        push_in = self.next_push(ans.get("pace_to"), req["period_s"], req["period_steps"])
         st.events("commit", level="outer", outer_round=version, step=c.step, base=req["base"], staleness=staleness,
                   weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
-                  asynchronous=True, refused=str(ans.get("refused") or "")[:100])
+                  asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period)
         # A cluster restarted whole (behind the steps it had pushed before) resumes its count there.
         ahead = ans.get("cluster_step")
         last = st.settings.final_step
@@ -189,7 +249,7 @@ class AsyncOuter:
         if step > c.step:
             st.events("resume_step", level="outer", step=c.step, to=step, version=version)
             logger.info("%s resumes its step count at %d (this cluster's furthest push) with version %d", st.id, step, version)
-        return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, step, weight)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, step, weight, push_in=push_in)
 
     def pull_final(self, cluster_model: torch.Tensor) -> OuterResult:
         """The leader's poll for the job's final version: OUTER_COMMITTED with it, or

@@ -59,7 +59,8 @@ def async_outer_settings(cfg: Config) -> Optional[AsyncOuterSettings]:
     if not a.enabled:
         return None
     key = global_model_key(cfg.security)
-    return AsyncOuterSettings(url=a.addr, key=None if key is None else key.bytes(), grace=timedelta(seconds=a.grace_s))
+    return AsyncOuterSettings(url=a.addr, key=None if key is None else key.bytes(), grace=timedelta(seconds=a.grace_s),
+                              match_pace=a.match_pace)
 
 
 def outer_fragment_ranges(model: torch.nn.Module, flat: FlatParams, fragments: int) -> tuple:

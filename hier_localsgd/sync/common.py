@@ -82,21 +82,22 @@ class OuterResult:
     residual: Optional[torch.Tensor] = None  # compressed: the leader's committed residual, as received
     momentum: Optional[torch.Tensor] = None  # eager updates: the leader's committed outer momentum, as received
     fragment: Optional[int] = None  # streaming fragments: the one this round synced (None: the whole model)
+    push_in: int = 0  # asynchronous, sync.async_outer.match_pace: steps to the cluster's next push (0: unchanged)
 
     def header(self) -> torch.Tensor:
         """What BROADCAST sends the cluster before the model (:meth:`from_header` reads it)."""
         frag = -1 if self.fragment is None else self.fragment
-        return torch.tensor([int(self.status), self.outer_round, self.step, self.cluster_weight, frag], dtype=torch.float64)
+        return torch.tensor([int(self.status), self.outer_round, self.step, self.cluster_weight, frag, self.push_in], dtype=torch.float64)
 
     @staticmethod
     def empty_header() -> torch.Tensor:
-        return torch.zeros(5, dtype=torch.float64)
+        return torch.zeros(6, dtype=torch.float64)
 
     @staticmethod
     def from_header(header: torch.Tensor, params: Optional[torch.Tensor], **kw: object) -> "OuterResult":
         frag = int(header[4])
         return OuterResult(Status(int(header[0])), params, int(header[1]), int(header[2]), float(header[3]),
-                           fragment=None if frag < 0 else frag, **kw)  # type: ignore[arg-type]
+                           fragment=None if frag < 0 else frag, push_in=int(header[5]), **kw)  # type: ignore[arg-type]
 
 
 # What a replica announces as its step at the inner quorum (torchft heals every member

@@ -4,8 +4,8 @@ at ``sync.async_outer.addr``, and the leaders' client call (:func:`call`).
 
 Requests (``POST``, body and answer in the no-code wire format, core/security/wire.py)::
 
-    /push   {cluster, base, step, tokens, period_s, final, delta|None, model|None}
-            -> {version, model, weight, staleness, final, need_model, refused, epoch, cluster_step}
+    /push   {cluster, base, step, tokens, period_s, period_steps, share, final, delta|None, model|None}
+            -> {version, model, weight, staleness, final, need_model, refused, epoch, cluster_step, pace_to}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
 
 ``/push``: the contribution is weighed and added to the open batch (global_model.py);
@@ -17,6 +17,13 @@ sends the same request again with ``model`` (its copy of the global model of ver
 trained its last step; once every cluster is final, or the ones that are not have been
 silent for ``sync.final_wait_s`` and three of their own periods, the job's final version is fixed: every later request
 gets it and merges nothing, so every cluster ends on one model.
+
+``pace_to``: when the fastest live cluster (the least seconds per step over its last
+period, ``period_s / period_steps``) is expected to push next, ``{next_s, period_s}``
+seconds from this answer, or None when this cluster is the fastest or nothing is known yet:
+with match_pace the leader ends its next period there (async_outer.py), so the clusters'
+pushes meet in one batch. ``share``: the period the cluster pushed on, as a share of
+``sync.outer.every`` (the merge's ``F``, global_model.py).
 
 ``cluster_step``: the furthest step the cluster has pushed at: a cluster that restarted
 whole (every group lost, back at step 0) resumes its step count there when it adopts the
@@ -83,6 +90,11 @@ UNKNOWN_MODEL_LIMIT = 8 << 30  # a body before any model is known (a registratio
 _OPENER = no_redirect_opener()
 
 
+def _positive(x: Any) -> bool:
+    """A finite number above 0 (not a bool): a request's period, steps or share."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 class GlobalModelUnavailable(RuntimeError):
     """The global model server could not be reached, refused, or answered malformed."""
 
@@ -126,6 +138,9 @@ class GlobalModelServer:
         self._batch_opened: Optional[float] = None
         self._last: Dict[int, float] = {}  # cluster -> time of its last push
         self._period: Dict[int, float] = {}  # cluster -> its push period (moving average)
+        self._pace: Dict[int, float] = {}  # cluster -> seconds per step over its periods (moving average)
+        self._share: Dict[int, float] = {}  # cluster -> the share of a full period it pushes on (1 unless match_pace)
+        self._expect: Dict[int, float] = {}  # match_pace cluster -> when its next push is due (the fastest's next)
         self._finals: set = set()
         self._merged: Dict[int, int] = {}  # cluster -> the base of its last merged push
         self._steps: Dict[int, int] = {}  # cluster -> the furthest step it pushed at (a cluster restarted whole resumes there)
@@ -275,11 +290,11 @@ class GlobalModelServer:
                 # the same number here may be another model. Measured from the one both share.
                 # (A leader that never pushed does not know its base's server: taken as is.)
                 base = self._adopted_at
-            self._arrived(cluster, now, req.get("period_s"))
+            self._arrived(cluster, now, req.get("period_s"), req.get("period_steps"), req.get("share"))
             if final:
                 self._finals.add(cluster)
             if self.final_version is not None or (delta is None and not final):
-                return self._answer(gm, cluster, weight=0.0, staleness=gm.version - base)
+                return self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base)
             if delta is not None and self._merged.get(cluster) == base:
                 # A second push from the same version: the cluster never adopted the answer
                 # to its first (its leader died after the push, or the answer was lost), so
@@ -304,7 +319,7 @@ class GlobalModelServer:
                 logger.warning("global model server: cluster %d's contribution from version %d not merged (%s): it adopts version %d",
                                cluster, base, c.refused, gm.version)
             self._maybe_final(time.time())
-            return self._answer(gm, cluster, weight=c.weight, staleness=c.staleness, refused=c.refused)
+            return self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused)
 
     def final(self, req: Dict[str, Any]) -> Dict[str, Any]:
         """Waits up to ``wait_s`` for the job's final version (module doc)."""
@@ -328,18 +343,57 @@ class GlobalModelServer:
     def _answer(self, gm: GlobalModel, cluster: int, weight: float, staleness: int, refused: str = "") -> Dict[str, Any]:
         return {"need_model": False, "version": gm.version, "model": gm.params.clone(), "weight": float(weight),
                 "staleness": int(staleness), "final": self.final_version is not None, "refused": refused, "epoch": self.epoch,
-                "cluster_step": self._steps.get(cluster, 0)}
+                "cluster_step": self._steps.get(cluster, 0), "pace_to": self._pace_to(cluster, time.time())}
 
-    def _arrived(self, cluster: int, now: float, period_s: Any = None) -> None:
+    def _answer_push(self, gm: GlobalModel, cluster: int, req: Dict[str, Any], weight: float, staleness: int,
+                     refused: str = "") -> Dict[str, Any]:
+        """A push's answer; a match_pace cluster is expected back when the fastest
+        cluster's next push is (the grace window waits for it then, :meth:`_should_close`)."""
+        ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused)
+        if req.get("match_pace") is True and ans["pace_to"] is not None:
+            self._expect[cluster] = time.time() + ans["pace_to"]["next_s"]
+        else:
+            self._expect.pop(cluster, None)
+        return ans
+
+    def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None, share: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
         cluster measured it (``period_s``: since it last adopted a model, or since it began
-        training) or, without one, the gap since its last push (moving average)."""
+        training) or, without one, the gap since its last push (moving average); its pace
+        over ``period_steps`` steps, and the ``share`` of a full period it pushed on."""
         last = self._last.get(cluster)
-        gap = float(period_s) if isinstance(period_s, (int, float)) and not isinstance(period_s, bool) and period_s > 0 else (
-            None if last is None or cluster in self._finals else now - last)
+        gap = float(period_s) if _positive(period_s) else (None if last is None or cluster in self._finals else now - last)
         if gap is not None:
             self._period[cluster] = gap if cluster not in self._period else 0.5 * self._period[cluster] + 0.5 * gap
+        if _positive(period_s) and _positive(period_steps):
+            pace = float(period_s) / float(period_steps)
+            self._pace[cluster] = pace if cluster not in self._pace else 0.5 * self._pace[cluster] + 0.5 * pace
+        if _positive(share) and share <= 1:
+            self._share[cluster] = float(share)
         self._last[cluster] = now
+
+    def _pace_to(self, cluster: int, now: float) -> Optional[Dict[str, float]]:
+        """The fastest live cluster's next expected push (module doc), None if ``cluster``
+        is the fastest or a pace or period is unknown. A cluster silent for three of its
+        periods (dead, partitioned) or final no longer sets the pace."""
+        mine = self._pace.get(cluster)
+        live = {k: p for k, p in self._pace.items() if k != cluster and k in self._period and k not in self._finals
+                and now - self._last.get(k, 0.0) < SILENT_PERIODS * self._period[k]}
+        if mine is None or not live:
+            return None
+        fast = min(live, key=lambda k: live[k])
+        if live[fast] >= mine:
+            return None
+        period = self._period[fast]
+        nxt = self._last[fast] + period - now
+        while nxt <= 0:  # overdue: the push after it
+            nxt += period
+        return {"next_s": nxt, "period_s": period}
+
+    def _floor(self) -> float:
+        """``F`` of the merge rule (global_model.py): every cluster's scheduled share, 1 for
+        one not heard yet."""
+        return sum(self._share.get(k, 1.0) for k in range(self.clusters))
 
     def _should_close(self, now: float) -> bool:
         """Whether the open batch closes now: its window is over, or every cluster that
@@ -357,13 +411,13 @@ class GlobalModelServer:
                 continue
             if k not in self._period:  # not heard yet: its pace is unknown, so it may come
                 return False
-            if self._last[k] + self._period[k] <= self._batch_opened + window:
-                return False  # expected inside the window
+            if self._expect.get(k, self._last[k] + self._period[k]) <= self._batch_opened + window:
+                return False  # expected inside the window (or late)
         return True
 
     def _close(self) -> None:
         assert self.model is not None
-        if self.model.apply():
+        if self.model.apply(self._floor()):
             h = self.model.history[-1]
             logger.info("global model server: version %d from clusters %s (weights %s, staleness %s)",
                         h["version"], h["clusters"], h["weights"], h["staleness"])

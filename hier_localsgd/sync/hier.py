@@ -263,7 +263,7 @@ class HierarchicalSync:
             self._start()
         finally:
             if self.outer_level.asynchronous is not None:
-                self.outer_level.asynchronous.since = time.time()  # its first period starts with training
+                self.outer_level.asynchronous.started(self.st.counters.step)  # its first period starts with training
 
     def _start(self) -> None:
         st = self.st
@@ -329,8 +329,10 @@ class HierarchicalSync:
 
     def is_sync_step(self, step: int) -> bool:
         """A round ends at ``step``: every ``h_inner`` steps, and at the run's last step
-        (``final_step``), which need not be a multiple of anything: a final partial round."""
-        return step % self.st.settings.h_inner == 0 or self._is_final(step)
+        (``final_step``), which need not be a multiple of anything: a final partial round;
+        with the asynchronous level, also at its cluster's push steps (async_outer.py)."""
+        asy = self.outer_level.asynchronous
+        return step % self.st.settings.h_inner == 0 or self._is_final(step) or (asy is not None and asy.is_push_step(step))
 
     def _is_final(self, step: int) -> bool:
         return self.st.settings.final_step > 0 and step == self.st.settings.final_step
@@ -340,6 +342,9 @@ class HierarchicalSync:
         cluster computes alike (overlap.is_launch_round), and at the run's last step, so the
         run ends on one synced model whatever ``train.steps`` is."""
         s, step = self.st.settings, self.st.counters.step
+        asy = self.outer_level.asynchronous
+        if asy is not None:  # each cluster's own push schedule (async_outer.py)
+            return asy.is_push_step(step) or self._is_final(step)
         return is_launch_round(step, s.h_inner, s.h_outer, s.num_fragments) or self._is_final(step)
 
     def is_apply_round(self) -> bool:
@@ -437,7 +442,7 @@ class HierarchicalSync:
         sent = plan.total_weight > 0 and plan.weights[q.rank] > 0
         asy = ol.asynchronous
         if asy is not None:
-            asy.note_work(plan.total_weight * st.settings.h_inner)  # the tokens the next push carries
+            asy.note_work(plan.total_weight, c.step)  # the tokens the next push carries
         stale_steps = st.work["steps_since_commit"] if stale is not None and sent else 0
         # Each rank saw its own ring: the group takes one path (group_vote.py). A rank whose
         # inner level failed fails the group's round; a rank whose consistency exchange
@@ -499,7 +504,7 @@ class HierarchicalSync:
                              adopt=ol.adopt, carried_at_launch=ol.snap_since_outer)
         cs.inner_stale = None
         if asy is not None:
-            asy.round_ended(committed)
+            asy.round_ended(committed, c.step)
         if async_pull and committed and result is not None and result.status == Status.OUTER_COMMITTED:
             asy.final = True  # type: ignore[union-attr]  # every member: the job's final version
         if not committed and sent and st.work["steps_since_commit"] > 0:

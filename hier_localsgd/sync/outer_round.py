@@ -529,17 +529,17 @@ class OuterLevel:
             return  # the cluster's own outer round is still in flight
         live = self.committed.without_stand_in(host_copy(st.flat.data[st.part]))
         if self.asynchronous is not None:  # its own steps since its last commit are in `live`
-            self.asynchronous.note_work(float(st.work["steps_since_commit"]))
+            self.asynchronous.note_work(1.0, c.step)  # its own steps since the cluster's last round
         result = self.run(live, contribute=True, inner_ok=True)
         if self.asynchronous is not None:
-            self.asynchronous.round_ended(committed=False)
+            self.asynchronous.round_ended(committed=False, step=c.step)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
         if st.stand_in is not None:
             st.stand_in.zero_()  # taken out of `live`, which the global model now replaces
         self.adopt_into_inner(result.params, result.fragment, base=live)
-        if self.asynchronous is not None:
-            self.asynchronous.adopted()
+        if self.asynchronous is not None:  # its peers hear nothing: the push schedule stays theirs
+            self.asynchronous.adopted(step=result.step)
         c.outer_round, c.step = result.outer_round, result.step
         # The leader's steps since its last inner commit reached the global model.
         st.work["steps_since_commit"] = 0
@@ -568,8 +568,8 @@ class OuterLevel:
             self._stage_outer, self._stage_comp = None, None
         else:
             self.adopt_into_inner(result.params, result.fragment, base=now)
-        if self.asynchronous is not None:
-            self.asynchronous.adopted()
+        if self.asynchronous is not None:  # every member, from the header: one schedule per cluster
+            self.asynchronous.adopted(step=result.step, push_in=result.push_in)
         if result.momentum is not None and not st.leader:
             st.outer.set_momentum(result.momentum)  # eager updates: in step with the leader's
         st.outer.set_backup(result.params)  # the whole global model: other fragments' entries are unchanged in it

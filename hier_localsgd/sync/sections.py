@@ -214,6 +214,11 @@ class AsyncOuterConfig:
     # Versions a contribution may be behind and still merge (down-weighted 1/(1+s)); a
     # cluster twice as slow as another is two versions behind at each of its pushes.
     max_staleness: int = 4
+    # Dynamic local updates (Liu et al. 2024, arXiv 2401.09135): each cluster pushes after
+    # round(sync.outer.every x its pace relative to the fastest cluster) inner rounds (at
+    # least 1), so clusters of different speeds push together, fresh, into one batch; the
+    # fastest keeps sync.outer.every. Off: every cluster pushes every sync.outer.every rounds.
+    match_pace: bool = False
 
     def check(self, mode: str, outer: LevelConfig, t: TopologyConfig) -> None:
         if not self.enabled:
@@ -237,6 +242,8 @@ class AsyncOuterConfig:
             fail("sync.async_outer.min_clusters", f"{self.min_clusters} — must be in [1, topology.clusters={t.clusters}]")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             fail("sync.async_outer.max_staleness", f"{self.max_staleness!r} — must be an integer of at least 0 (versions)")
+        if not isinstance(self.match_pace, bool):
+            fail("sync.async_outer.match_pace", f"{self.match_pace!r} — must be true or false")
 
 
 @dataclass
