@@ -8,7 +8,11 @@ time: bench.py), cluster 0's steps per second over its loop (the status field
 ``loop_steps / loop_s``), the final eval loss, the loss each arm had reached at the same
 wall time (the earlier arm's end), and whether every group ended on one model.
 
-    python benchmarks/async_outer.py [--speeds "[1.0,0.5]|[]"] [--seeds 0,1,2] [--wan-gbps 0.1] [--target 0.9375]
+    python benchmarks/async_outer.py [--speeds "[1.0,0.5]|[]"] [--seeds 0,1,2] [--wan-gbps 0.1] [--target 0.9375] \
+        [--extra sync.async_outer.match_pace=true ...]
+
+``--extra``: more overrides for every arm of the bench (the synchronous arm ignores
+``sync.async_outer.*``).
 
 Each bench runs with ``bench.links=kernel`` (network namespaces, tbf; root) unless
 ``--emulated``. About 15 minutes per seed at half speed on this 2-core machine.
@@ -44,7 +48,7 @@ def run(args: argparse.Namespace, speeds: str, seed: int, out: Path) -> Dict[str
     argv = [sys.executable, "-m", "hier_localsgd", "bench", "bench.mode=full", f"bench.links={'emulated' if args.emulated else 'kernel'}",
             f"bench.wan_gbps={args.wan_gbps}", "bench.arms=[hier,hier_async]", f"bench.target_loss={args.target}",
             # a seed sets the init and the sample order, as bench_sweep.py does
-            f"train.seed={seed}", f"data.stream={seed}", f"run.dir={d}", *([f"topology.cluster_speed={speeds}"] if speeds != "[]" else [])]
+            f"train.seed={seed}", f"data.stream={seed}", f"run.dir={d}", *([f"topology.cluster_speed={speeds}"] if speeds != "[]" else []), *args.extra]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
     if p.returncode != 0:
         raise SystemExit(f"bench exited {p.returncode}: {(p.stdout + p.stderr).strip()[-1500:]}")
@@ -69,9 +73,11 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.9375)
     ap.add_argument("--emulated", action="store_true", help="user-space WAN emulation instead of kernel-shaped links")
     ap.add_argument("--timeout-s", type=float, default=3600)
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every arm (key=value)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="async_outer_"))
-    print(f"debugmodel 2 x 2, WAN {args.wan_gbps} Gbit/s ({'emulated' if args.emulated else 'kernel tbf'}), target {args.target}, runs in {out}", flush=True)
+    print(f"debugmodel 2 x 2, WAN {args.wan_gbps} Gbit/s ({'emulated' if args.emulated else 'kernel tbf'}), target {args.target}, "
+          f"extra {args.extra}, runs in {out}", flush=True)
     print("| speeds | seed | arm | s to target | cluster 0 steps/s | final eval loss | loss at equal wall time (s) | wall s | slow MB | consistent |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []

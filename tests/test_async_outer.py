@@ -5,6 +5,7 @@ over real HTTP on loopback (batches, a restart, the final version, refusals), an
 from __future__ import annotations
 
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -471,6 +472,8 @@ def test_a_healed_member_gets_its_clusters_token_count_with_the_heal():
         b = healed.outer_level.asynchronous
         assert (b.tokens, b.epoch) == (20.0, "server-life-1")
         assert (b.period, b.due, b.last_round) == (7, 17, 10) and b.is_push_step(17) and b.is_push_step(24) and not b.is_push_step(20)
+        # Grid rounds (H_inner 5) within half a round of a push step are left out: none shorter than 2.5 steps.
+        assert b.skips_round(15) and not b.skips_round(20) and b.skips_round(25)
         # A donor (or checkpoint) from before this field keeps the member's own count.
         del sd["carried"]
         b.note_work(1.0, 15)  # one group's 5 steps since step 10
@@ -503,29 +506,36 @@ def test_matched_paces_merge_as_a_token_weighted_mean_against_a_hand_computation
     assert [h["floor"] for h in gm.history] == [1.5, 1.5]
 
 
-def test_the_server_tells_a_slower_cluster_when_the_fastest_pushes_next_and_merges_on_its_share():
+def test_the_server_schedules_a_slower_cluster_to_meet_the_fastests_next_push_and_merges_on_its_share():
     """The server's side of match_pace over real HTTP: paces from each push's period, the
-    fastest's next expected push for the slower cluster (None for the fastest), and F from
-    the shares the clusters push on."""
+    steps to the fastest's next expected push for the slower cluster (the fastest keeps its
+    full period), and F from the shares the clusters push on."""
     srv = _server(grace_s=0.0)
     url = f"http://127.0.0.1:{srv.port}"
 
     def push(cluster, base, period_s, steps, share, model=None):
         return call(url, "/push", {"cluster": cluster, "base": base, "tokens": 10.0 * share, "final": False, "period_s": period_s,
-                                   "period_steps": steps, "share": share, "match_pace": True, "delta": torch.ones(2) * (cluster + 1),
-                                   "model": model}, b"k" * 32, 30.0)
+                                   "period_steps": steps, "share": share, "match_pace": True, "min_steps": 5, "full_steps": 30,
+                                   "delta": torch.ones(2) * (cluster + 1), "model": model}, b"k" * 32, 30.0)
 
     try:
         a = push(0, 0, 3.0, 30, 1.0, model=torch.zeros(2))  # 0.1 s a step
-        assert a["version"] == 1 and a["pace_to"] is None  # the only pace known: its own
+        assert a["version"] == 1 and a["push_in"] == 30  # the only pace known: the fastest, its full period
         b = push(1, 1, 6.0, 30, 1.0)  # 0.2 s a step: the slower one
-        assert b["version"] == 2 and b["pace_to"] is not None
-        # Cluster 0 pushed ~now and pushes every 3 s: expected within (0, 3] s from this answer.
-        assert 0 < b["pace_to"]["next_s"] <= 3.0 and b["pace_to"]["period_s"] == 3.0
-        c = push(0, 2, 3.0, 30, 1.0)
-        assert c["pace_to"] is None  # the fastest keeps its period
-        push(1, 3, 3.0, 15, 0.5)  # cluster 1 now on half a period
-        assert [h["floor"] for h in srv.status()["history"]] == [2.0, 2.0, 2.0, 1.5]
+        assert b["version"] == 2 and b["push_in"] == 30  # cluster 0's time between pushes is not known yet
+        time.sleep(2.0)
+        c = push(0, 2, 3.0, 30, 1.0)  # 2 s after its first push (on the server's clock)
+        assert c["push_in"] == 30  # the fastest keeps its period
+        d = push(1, 3, 6.0, 30, 1.0)
+        # Cluster 0 pushed a moment ago and pushes every ~2 s: 2 s at 0.2 s a step is 10
+        # steps, fewer as time passes between the two pushes (never under min_steps 5).
+        assert d["version"] == 4 and 5 <= d["push_in"] <= 10, d["push_in"]
+        push(1, 4, 1.0, 5, 1 / 6)  # cluster 1 pushing on 5 of 30 steps
+        assert [h["floor"] for h in srv.status()["history"]] == [2.0, 2.0, 2.0, 2.0, 1 + round(1 / 6, 6)]
+        # A push without match_pace gets no schedule.
+        e = call(url, "/push", {"cluster": 0, "base": 4, "tokens": 10.0, "final": False, "delta": torch.ones(2), "model": None},
+                 b"k" * 32, 30.0)
+        assert e["push_in"] == 0
     finally:
         srv.shutdown()
 

@@ -31,7 +31,6 @@ consistency check reports it).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,12 +100,15 @@ class AsyncOuter:
         """This inner round's work: its weight sum × its steps (the group-steps it merges)."""
         self.round_work = total_weight * max(0, step - self.last_round)
 
-    def round_ended(self, committed: bool, step: int) -> None:
-        """The inner round at ``step`` committed (its work counts) or rolled back (it does not)."""
+    def round_ended(self, committed: bool, step: Optional[int]) -> None:
+        """The inner round at ``step`` committed (its work counts) or rolled back (it does
+        not); ``step`` None: not a round of the cluster (the leader's push alone while its
+        cluster lighthouse is out), which leaves the count where the members have it."""
         if committed:
             self.tokens += self.round_work
         self.round_work = 0.0
-        self.last_round = step
+        if step is not None:
+            self.last_round = step
 
     def state_dict(self) -> dict:
         """What heals and checkpoints with the committed state (committed.py ``carry``): the
@@ -131,31 +133,26 @@ class AsyncOuter:
         the same schedule."""
         return step > 0 and step >= self.due and (step - self.due) % self.period == 0
 
-    def next_push(self, pace_to: object, period_s: float, period_steps: int) -> int:
-        """The leader's steps to its next push with match_pace (0: unchanged): it ends where
-        the fastest cluster's next push is expected (the server's ``pace_to``), at this
-        cluster's pace over its last period (``period_s`` for ``period_steps``), so the
-        pushes meet in one batch; at least ``H_inner / 2`` steps (a nearer push of the
-        fastest: the one after it), at most ``H_inner · H_outer``. The fastest cluster
-        (``pace_to`` None) keeps ``H_inner · H_outer``.
+    def skips_round(self, step: int) -> bool:
+        """Whether the inner round due at ``step`` on the H_inner grid is left out: it falls
+        within half a round of a push step off the grid (match_pace), so no round is shorter
+        than half of H_inner steps (a few-step round's norm would skew the poison screen's
+        reference, guard.py). Never on the default schedule, whose pushes are on the grid."""
+        if step >= self.due:
+            prev = self.due + (step - self.due) // self.period * self.period
+            nxt = prev + self.period
+        else:
+            prev, nxt = self.due - self.period, self.due
+        half = self.st.settings.h_inner / 2
+        return 0 < step - prev < half or 0 < nxt - step < half
 
-        Each answer aims at the fastest cluster's next push afresh, so the periods line up
-        in phase as well as in length: two clusters that started apart meet from the second
-        push on, and a period's error is not carried into the next. In steps, not inner
-        rounds: a cluster at 0.7 of the fastest's speed cannot meet it on a grid of rounds.
-        """
-        if not self.match_pace:
+    def next_push(self, push_in: object) -> int:
+        """The server's ``push_in`` (match_pace: the steps to this cluster's next push, so it
+        meets the fastest cluster's; global_server.py ``_push_in``) if it is one, else 0
+        (unchanged)."""
+        if not self.match_pace or isinstance(push_in, bool) or not isinstance(push_in, int) or not 1 <= push_in <= self.full:
             return 0
-        if not isinstance(pace_to, dict) or period_steps <= 0 or period_s <= 0:
-            return self.full
-        nxt, per = pace_to.get("next_s"), pace_to.get("period_s")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in (nxt, per)):
-            return self.full
-        pace = period_s / period_steps  # seconds per step at this cluster's pace
-        steps = round(nxt / pace)
-        if steps < max(1, self.st.settings.h_inner // 2):
-            steps = round((nxt + per) / pace)
-        return max(1, min(self.full, int(steps)))
+        return push_in
 
     def adopted(self, final: bool = False, step: Optional[int] = None, push_in: int = 0) -> None:
         """The cluster adopted a global model at ``step``: its work so far is in it (or was
@@ -218,7 +215,8 @@ class AsyncOuter:
         tokens = self.tokens + self.round_work if contribute else 0.0
         req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": tokens,
                "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
-               "share": min(1.0, self.period / self.full), "match_pace": self.match_pace, "final": final, "delta": delta, "model": None}
+               "share": min(1.0, self.period / self.full), "match_pace": self.match_pace,
+               "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full, "final": final, "delta": delta, "model": None}
         t0 = time.time()
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
@@ -238,7 +236,7 @@ class AsyncOuter:
         version, weight, staleness = int(ans["version"]), float(ans.get("weight", 0.0)), int(ans.get("staleness", 0))
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
-        push_in = self.next_push(ans.get("pace_to"), req["period_s"], req["period_steps"])
+        push_in = self.next_push(ans.get("push_in"))
         st.events("commit", level="outer", outer_round=version, step=c.step, base=req["base"], staleness=staleness,
                   weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
                   asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
@@ -104,7 +105,8 @@ class CommittedState:
                 # The outer commit is final even though our cluster's round failed.
                 assert result is not None and result.params is not None
                 self.take_out_stand_in()
-                adopt(result, st.inner.backup)
+                # Alone: the push schedule stays the cluster's (its members roll back).
+                adopt(replace(result, push_in=0), st.inner.backup)
             self.rollback("inner commit vote failed")
             return False
 

@@ -4,8 +4,9 @@ at ``sync.async_outer.addr``, and the leaders' client call (:func:`call`).
 
 Requests (``POST``, body and answer in the no-code wire format, core/security/wire.py)::
 
-    /push   {cluster, base, step, tokens, period_s, period_steps, share, final, delta|None, model|None}
-            -> {version, model, weight, staleness, final, need_model, refused, epoch, cluster_step, pace_to}
+    /push   {cluster, base, step, tokens, period_s, period_steps, share, match_pace, min_steps, full_steps,
+             final, delta|None, model|None}
+            -> {version, model, weight, staleness, final, need_model, refused, epoch, cluster_step, push_in}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
 
 ``/push``: the contribution is weighed and added to the open batch (global_model.py);
@@ -18,12 +19,11 @@ trained its last step; once every cluster is final, or the ones that are not hav
 silent for ``sync.final_wait_s`` and three of their own periods, the job's final version is fixed: every later request
 gets it and merges nothing, so every cluster ends on one model.
 
-``pace_to``: when the fastest live cluster (the least seconds per step over its last
-period, ``period_s / period_steps``) is expected to push next, ``{next_s, period_s}``
-seconds from this answer, or None when this cluster is the fastest or nothing is known yet:
-with match_pace the leader ends its next period there (async_outer.py), so the clusters'
-pushes meet in one batch. ``share``: the period the cluster pushed on, as a share of
-``sync.outer.every`` (the merge's ``F``, global_model.py).
+``push_in`` (a request with ``match_pace``: sync.async_outer.match_pace): the steps the
+cluster trains before its next push, so that it arrives with the fastest live cluster's
+next push (:meth:`_push_in`); 0 for a request without it. The leader hands it to its
+cluster in BROADCAST's header (async_outer.py). ``share``: the period the cluster pushed
+on, as a share of ``sync.outer.every`` (the merge's ``F``, global_model.py).
 
 ``cluster_step``: the furthest step the cluster has pushed at: a cluster that restarted
 whole (every group lost, back at step 0) resumes its step count there when it adopts the
@@ -141,6 +141,9 @@ class GlobalModelServer:
         self._pace: Dict[int, float] = {}  # cluster -> seconds per step over its periods (moving average)
         self._share: Dict[int, float] = {}  # cluster -> the share of a full period it pushes on (1 unless match_pace)
         self._expect: Dict[int, float] = {}  # match_pace cluster -> when its next push is due (the fastest's next)
+        self._gap: Dict[int, float] = {}  # cluster -> time between its pushes of work, on this server's clock (moving average)
+        self._pushed: Dict[int, float] = {}  # cluster -> when it last pushed work (a delta; not a registration or pull)
+        self._fastest: Optional[int] = None  # the cluster the others' pushes meet (_push_in)
         self._finals: set = set()
         self._merged: Dict[int, int] = {}  # cluster -> the base of its last merged push
         self._steps: Dict[int, int] = {}  # cluster -> the furthest step it pushed at (a cluster restarted whole resumes there)
@@ -291,6 +294,8 @@ class GlobalModelServer:
                 # (A leader that never pushed does not know its base's server: taken as is.)
                 base = self._adopted_at
             self._arrived(cluster, now, req.get("period_s"), req.get("period_steps"), req.get("share"))
+            if delta is not None and not final:
+                self._pushed_work(cluster, now)
             if final:
                 self._finals.add(cluster)
             if self.final_version is not None or (delta is None and not final):
@@ -343,18 +348,48 @@ class GlobalModelServer:
     def _answer(self, gm: GlobalModel, cluster: int, weight: float, staleness: int, refused: str = "") -> Dict[str, Any]:
         return {"need_model": False, "version": gm.version, "model": gm.params.clone(), "weight": float(weight),
                 "staleness": int(staleness), "final": self.final_version is not None, "refused": refused, "epoch": self.epoch,
-                "cluster_step": self._steps.get(cluster, 0), "pace_to": self._pace_to(cluster, time.time())}
+                "cluster_step": self._steps.get(cluster, 0), "push_in": 0}
 
     def _answer_push(self, gm: GlobalModel, cluster: int, req: Dict[str, Any], weight: float, staleness: int,
                      refused: str = "") -> Dict[str, Any]:
-        """A push's answer; a match_pace cluster is expected back when the fastest
-        cluster's next push is (the grace window waits for it then, :meth:`_should_close`)."""
+        """A push's answer; with match_pace, its ``push_in``, and the cluster is expected back
+        when it aims to be (the grace window waits for it then, :meth:`_should_close`)."""
         ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused)
-        if req.get("match_pace") is True and ans["pace_to"] is not None:
-            self._expect[cluster] = time.time() + ans["pace_to"]["next_s"]
-        else:
-            self._expect.pop(cluster, None)
+        lo, full = req.get("min_steps"), req.get("full_steps")
+        if req.get("match_pace") is True and isinstance(lo, int) and isinstance(full, int) and 1 <= lo <= full:
+            now = time.time()
+            ans["push_in"] = self._push_in(cluster, now, lo, full)
+            if cluster != self._fastest and cluster in self._pace:
+                self._expect[cluster] = now + ans["push_in"] * self._pace[cluster]
+            else:
+                self._expect.pop(cluster, None)
         return ans
+
+    def _push_in(self, cluster: int, now: float, lo: int, full: int) -> int:
+        """match_pace's schedule (docs/architecture.md "Matched paces"): the fastest live
+        cluster (least seconds per step; it stays the fastest until another is 5 % faster,
+        so near-equal clusters do not trade the role at every push) trains ``full`` steps
+        between pushes; any other cluster ``round(t_f / pace)`` steps, ``t_f`` the time to
+        the fastest's next push (its last push plus its time between pushes), or to the
+        one after it if that is under ``lo`` steps away; clamped to ``[lo, full]``."""
+        live = {k: p for k, p in self._pace.items() if k not in self._finals
+                and (k == cluster or now - self._last.get(k, 0.0) < SILENT_PERIODS * self._period.get(k, 0.0))}
+        if cluster not in live:
+            return full
+        best = min(live, key=lambda k: live[k])
+        if self._fastest not in live or live[best] < 0.95 * live[self._fastest]:
+            self._fastest = best
+        f = self._fastest
+        gap = self._gap.get(f)
+        if f == cluster or not gap or f not in self._pushed:
+            return full
+        nxt = self._pushed[f] + gap - now
+        while nxt <= 0:  # overdue: the push after it
+            nxt += gap
+        steps = round(nxt / live[cluster])
+        if steps < lo:
+            steps = round((nxt + gap) / live[cluster])
+        return max(lo, min(full, int(steps)))
 
     def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None, share: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
@@ -372,23 +407,13 @@ class GlobalModelServer:
             self._share[cluster] = float(share)
         self._last[cluster] = now
 
-    def _pace_to(self, cluster: int, now: float) -> Optional[Dict[str, float]]:
-        """The fastest live cluster's next expected push (module doc), None if ``cluster``
-        is the fastest or a pace or period is unknown. A cluster silent for three of its
-        periods (dead, partitioned) or final no longer sets the pace."""
-        mine = self._pace.get(cluster)
-        live = {k: p for k, p in self._pace.items() if k != cluster and k in self._period and k not in self._finals
-                and now - self._last.get(k, 0.0) < SILENT_PERIODS * self._period[k]}
-        if mine is None or not live:
-            return None
-        fast = min(live, key=lambda k: live[k])
-        if live[fast] >= mine:
-            return None
-        period = self._period[fast]
-        nxt = self._last[fast] + period - now
-        while nxt <= 0:  # overdue: the push after it
-            nxt += period
-        return {"next_s": nxt, "period_s": period}
+    def _pushed_work(self, cluster: int, now: float) -> None:
+        """A push that carries work: the time between such pushes (a registration or a
+        pull a moment before would read as a gap of milliseconds)."""
+        prev = self._pushed.get(cluster)
+        if prev is not None:
+            self._gap[cluster] = now - prev if cluster not in self._gap else 0.5 * self._gap[cluster] + 0.5 * (now - prev)
+        self._pushed[cluster] = now
 
     def _floor(self) -> float:
         """``F`` of the merge rule (global_model.py): every cluster's scheduled share, 1 for

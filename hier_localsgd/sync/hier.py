@@ -10,7 +10,9 @@ one model per cluster whatever the number of replica groups. With streaming
 fragments (``sync.outer.fragments = F``, core/tensors/fragments.py) an outer round comes every
 ``h_inner * h_outer / F`` steps and carries one fragment (the run's last round the
 whole model); with the early inner quorum (early.py) INNER_QUORUM collects a request
-made during the round's last local step.
+made during the round's last local step. With the asynchronous outer level each cluster
+pushes on its own schedule (async_outer.py ``is_push_step``; with ``match_pace`` its push
+steps need not be on the ``h_inner`` grid, and it runs an inner round there).
 
 One round (the phases are in :mod:`hier_localsgd.core.runtime.phases`)::
 
@@ -332,7 +334,9 @@ class HierarchicalSync:
         (``final_step``), which need not be a multiple of anything: a final partial round;
         with the asynchronous level, also at its cluster's push steps (async_outer.py)."""
         asy = self.outer_level.asynchronous
-        return step % self.st.settings.h_inner == 0 or self._is_final(step) or (asy is not None and asy.is_push_step(step))
+        if asy is None:
+            return step % self.st.settings.h_inner == 0 or self._is_final(step)
+        return (step % self.st.settings.h_inner == 0 and not asy.skips_round(step)) or self._is_final(step) or asy.is_push_step(step)
 
     def _is_final(self, step: int) -> bool:
         return self.st.settings.final_step > 0 and step == self.st.settings.final_step

@@ -531,8 +531,8 @@ class OuterLevel:
         if self.asynchronous is not None:  # its own steps since its last commit are in `live`
             self.asynchronous.note_work(1.0, c.step)  # its own steps since the cluster's last round
         result = self.run(live, contribute=True, inner_ok=True)
-        if self.asynchronous is not None:
-            self.asynchronous.round_ended(committed=False, step=c.step)
+        if self.asynchronous is not None:  # not a cluster round: its members' count stays theirs
+            self.asynchronous.round_ended(committed=False, step=None)
         if result.status != Status.OUTER_COMMITTED or result.params is None:
             return
         if st.stand_in is not None:

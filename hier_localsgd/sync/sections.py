@@ -214,10 +214,11 @@ class AsyncOuterConfig:
     # Versions a contribution may be behind and still merge (down-weighted 1/(1+s)); a
     # cluster twice as slow as another is two versions behind at each of its pushes.
     max_staleness: int = 4
-    # Dynamic local updates (Liu et al. 2024, arXiv 2401.09135): each cluster pushes after
-    # round(sync.outer.every x its pace relative to the fastest cluster) inner rounds (at
-    # least 1), so clusters of different speeds push together, fresh, into one batch; the
-    # fastest keeps sync.outer.every. Off: every cluster pushes every sync.outer.every rounds.
+    # Dynamic local updates (Liu et al. 2024, arXiv 2401.09135): the fastest cluster pushes
+    # every H_inner·H_outer steps; each slower one is told, with each answer, the steps to
+    # train so that its next push meets the fastest's next push (global_server.py _push_in),
+    # so clusters of different speeds push together, fresh, into one batch. Off: every
+    # cluster pushes every H_inner·H_outer steps.
     match_pace: bool = False
 
     def check(self, mode: str, outer: LevelConfig, t: TopologyConfig) -> None:
