@@ -143,6 +143,8 @@ class GlobalModelServer:
         self._expect: Dict[int, float] = {}  # match_pace cluster -> when its next push is due (the fastest's next)
         self._gap: Dict[int, float] = {}  # cluster -> time between its pushes of work, on this server's clock (moving average)
         self._pushed: Dict[int, float] = {}  # cluster -> when it last pushed work (a delta; not a registration or pull)
+        self._answered: Dict[int, float] = {}  # cluster -> when its last push was answered
+        self._transit: Dict[int, float] = {}  # cluster -> answer to next arrival less its training (moving average)
         self._fastest: Optional[int] = None  # the cluster the others' pushes meet (_push_in)
         self._finals: set = set()
         self._merged: Dict[int, int] = {}  # cluster -> the base of its last merged push
@@ -295,7 +297,7 @@ class GlobalModelServer:
                 base = self._adopted_at
             self._arrived(cluster, now, req.get("period_s"), req.get("period_steps"), req.get("share"))
             if delta is not None and not final:
-                self._pushed_work(cluster, now)
+                self._pushed_work(cluster, now, req.get("period_s"))
             if final:
                 self._finals.add(cluster)
             if self.final_version is not None or (delta is None and not final):
@@ -355,12 +357,13 @@ class GlobalModelServer:
         """A push's answer; with match_pace, its ``push_in``, and the cluster is expected back
         when it aims to be (the grace window waits for it then, :meth:`_should_close`)."""
         ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused)
+        now = time.time()
+        self._answered[cluster] = now
         lo, full = req.get("min_steps"), req.get("full_steps")
         if req.get("match_pace") is True and isinstance(lo, int) and isinstance(full, int) and 1 <= lo <= full:
-            now = time.time()
             ans["push_in"] = self._push_in(cluster, now, lo, full)
             if cluster != self._fastest and cluster in self._pace:
-                self._expect[cluster] = now + ans["push_in"] * self._pace[cluster]
+                self._expect[cluster] = now + self._transit.get(cluster, 0.0) + ans["push_in"] * self._pace[cluster]
             else:
                 self._expect.pop(cluster, None)
         return ans
@@ -369,9 +372,12 @@ class GlobalModelServer:
         """match_pace's schedule (docs/architecture.md "Matched paces"): the fastest live
         cluster (least seconds per step; it stays the fastest until another is 5 % faster,
         so near-equal clusters do not trade the role at every push) trains ``full`` steps
-        between pushes; any other cluster ``round(t_f / pace)`` steps, ``t_f`` the time to
-        the fastest's next push (its last push plus its time between pushes), or to the
-        one after it if that is under ``lo`` steps away; clamped to ``[lo, full]``."""
+        between pushes; any other cluster ``round((t_f - transit) / pace)`` steps, ``t_f``
+        the time to the fastest's next push's arrival (its last arrival plus its time between
+        arrivals), ``transit`` the cluster's own time from an answer to its next arrival
+        that is not training (the model down the WAN and to its groups, its push up: seconds
+        on a slow link); the push after that if under ``lo`` steps are left; clamped to
+        ``[lo, full]``."""
         live = {k: p for k, p in self._pace.items() if k not in self._finals
                 and (k == cluster or now - self._last.get(k, 0.0) < SILENT_PERIODS * self._period.get(k, 0.0))}
         if cluster not in live:
@@ -383,13 +389,11 @@ class GlobalModelServer:
         gap = self._gap.get(f)
         if f == cluster or not gap or f not in self._pushed:
             return full
-        nxt = self._pushed[f] + gap - now
-        while nxt <= 0:  # overdue: the push after it
-            nxt += gap
-        steps = round(nxt / live[cluster])
-        if steps < lo:
-            steps = round((nxt + gap) / live[cluster])
-        return max(lo, min(full, int(steps)))
+        pace = live[cluster]
+        avail = self._pushed[f] + gap - now - self._transit.get(cluster, 0.0)
+        while avail < lo * pace:  # too near (or past): meet the push after it
+            avail += gap
+        return max(lo, min(full, int(round(avail / pace))))
 
     def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None, share: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
@@ -407,9 +411,14 @@ class GlobalModelServer:
             self._share[cluster] = float(share)
         self._last[cluster] = now
 
-    def _pushed_work(self, cluster: int, now: float) -> None:
+    def _pushed_work(self, cluster: int, now: float, period_s: Any) -> None:
         """A push that carries work: the time between such pushes (a registration or a
-        pull a moment before would read as a gap of milliseconds)."""
+        pull a moment before would read as a gap of milliseconds), and the part of the time
+        since the last answer that was not its training (``period_s``): the transit."""
+        answered = self._answered.get(cluster)
+        if answered is not None and _positive(period_s) and now - answered - float(period_s) >= 0:
+            t = now - answered - float(period_s)
+            self._transit[cluster] = t if cluster not in self._transit else 0.5 * self._transit[cluster] + 0.5 * t
         prev = self._pushed.get(cluster)
         if prev is not None:
             self._gap[cluster] = now - prev if cluster not in self._gap else 0.5 * self._gap[cluster] + 0.5 * (now - prev)
