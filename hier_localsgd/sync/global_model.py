@@ -32,8 +32,8 @@ staleness-aware rule of asynchronous SGD (Zhang et al., IJCAI 2016); the bound k
 cluster back from a long partition from pulling the model toward where it was long ago.
 
 With ``sync.async_outer.match_pace`` (dynamic local updates, Liu et al. 2024) a slower
-cluster pushes after fewer inner rounds, ``r_k = every_k / sync.outer.every`` of a period
-(async_outer.py), so its fresh pushes arrive with the fastest cluster's, into one batch. Its
+cluster pushes after fewer steps, ``r_k = push_in_k / (H_inner · H_outer)`` of a period
+(global_server.py ``_push_in``), so its fresh pushes arrive with the fastest cluster's, into one batch. Its
 ``n_i`` is that smaller period's group-steps, so a batch of every cluster, on schedule, is
 the token-weighted mean ``Σ n_i Δ_i / Σ n_i`` (``Σ a_i = F``): each cluster's work counts
 by the tokens it holds, none is stale, and no cluster waits. ``F`` is what a batch of every
