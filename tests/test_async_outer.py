@@ -528,8 +528,9 @@ def test_the_server_schedules_a_slower_cluster_to_meet_the_fastests_next_push_an
         assert c["push_in"] == 30  # the fastest keeps its period
         d = push(1, 3, 6.0, 30, 1.0)
         # Cluster 0 pushed a moment ago and pushes every ~2 s: 2 s at 0.2 s a step is 10
-        # steps, fewer as time passes between the two pushes (never under min_steps 5).
-        assert d["version"] == 4 and 5 <= d["push_in"] <= 10, d["push_in"]
+        # steps, fewer as time passes between the two pushes, never under min_steps 5 (the
+        # push after, up to 20 steps, if over a second passed): not the full 30.
+        assert d["version"] == 4 and 5 <= d["push_in"] <= 20, d["push_in"]
         push(1, 4, 1.0, 5, 1 / 6)  # cluster 1 pushing on 5 of 30 steps
         assert [h["floor"] for h in srv.status()["history"]] == [2.0, 2.0, 2.0, 2.0, 1 + round(1 / 6, 6)]
         # A push without match_pace gets no schedule.
