@@ -95,6 +95,11 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+def _average(d: Dict[int, float], k: int, x: float) -> None:
+    """``d[k]``'s moving average takes ``x`` (the first value as is, then halves)."""
+    d[k] = x if k not in d else 0.5 * d[k] + 0.5 * x
+
+
 class GlobalModelUnavailable(RuntimeError):
     """The global model server could not be reached, refused, or answered malformed."""
 
@@ -403,10 +408,10 @@ class GlobalModelServer:
         last = self._last.get(cluster)
         gap = float(period_s) if _positive(period_s) else (None if last is None or cluster in self._finals else now - last)
         if gap is not None:
-            self._period[cluster] = gap if cluster not in self._period else 0.5 * self._period[cluster] + 0.5 * gap
+            _average(self._period, cluster, gap)
         if _positive(period_s) and _positive(period_steps):
             pace = float(period_s) / float(period_steps)
-            self._pace[cluster] = pace if cluster not in self._pace else 0.5 * self._pace[cluster] + 0.5 * pace
+            _average(self._pace, cluster, pace)
         if _positive(share) and share <= 1:
             self._share[cluster] = float(share)
         self._last[cluster] = now
@@ -418,10 +423,10 @@ class GlobalModelServer:
         answered = self._answered.get(cluster)
         if answered is not None and _positive(period_s) and now - answered - float(period_s) >= 0:
             t = now - answered - float(period_s)
-            self._transit[cluster] = t if cluster not in self._transit else 0.5 * self._transit[cluster] + 0.5 * t
+            _average(self._transit, cluster, t)
         prev = self._pushed.get(cluster)
         if prev is not None:
-            self._gap[cluster] = now - prev if cluster not in self._gap else 0.5 * self._gap[cluster] + 0.5 * (now - prev)
+            _average(self._gap, cluster, now - prev)
         self._pushed[cluster] = now
 
     def _floor(self) -> float:
