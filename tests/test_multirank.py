@@ -13,6 +13,13 @@ from hier_localsgd.core.runtime.status import read_events, read_json, replica_di
 pytestmark = pytest.mark.slow
 
 G2 = ["topology.ranks_per_replica=2", "sync.inner.every=5", "sync.outer.every=2"]
+# A restarted group must find the job still running, or it finds it done, exits 0 without a
+# result and the run counts as inconsistent. A race against the others' remaining steps lost
+# in CI (two cold torchrun workers took 47 s to come back under load, stop 40), so the others
+# wait for it instead: each cluster's inner quorum needs both its groups (sync.min_replicas),
+# the outer quorum both clusters (sync.min_clusters, the default), and the quorum deadlines
+# outlast any cold restart.
+WAIT_FOR_RESTART = ["sync.min_replicas=2", "timeouts.inner_quorum=240", "timeouts.outer_quorum=240"]
 
 
 def rank_pid(job, key, rank):
@@ -51,8 +58,7 @@ def test_a_dead_rank_takes_its_group_down_and_the_group_restarts_and_heals(tmp_p
             os.kill(pid, signal.SIGKILL)
 
     killer = when_step((0, 1), 12, kill_rank1)
-    # long enough for torchrun's cold restart of both ranks under a CI load (the agent-kill test below)
-    run = run_job(tmp_path, [*G2, "train.min_step_time_s=0.1", "train.steps=300"], during=killer)
+    run = run_job(tmp_path, [*G2, *WAIT_FOR_RESTART, "train.steps=60"], during=killer)
     assert killed, "never killed rank 1"
     assert all(c == 0 for c in run.codes.values()), logs_tail(run)
     # The surviving rank went down cleanly — its group collective failed (or torchrun sent
@@ -81,10 +87,7 @@ def test_workers_exit_when_their_torchrun_agent_is_killed(tmp_path):
         os.kill(job.replicas[(1, 1)].popen.pid, signal.SIGKILL)  # the agent only
 
     killer = when_step((1, 1), 12, kill_agent)
-    # 300 steps of >= 0.1 s: the restarted group (two cold torchrun workers: 20 s under a CI
-    # load, issue #30) must be back before the others finish, or it finds the job done, exits 0
-    # without a result, and the run counts as inconsistent (a failed CI run, read from its files).
-    run = run_job(tmp_path, [*G2, "train.min_step_time_s=0.1", "train.steps=300"], during=killer, restart=True, restart_delay_s=1.0)
+    run = run_job(tmp_path, [*G2, *WAIT_FOR_RESTART, "train.steps=60"], during=killer, restart=True, restart_delay_s=1.0)
     assert seen and all(seen["pids"])
     for pid in seen["pids"]:  # the orphaned workers are gone
         with pytest.raises(ProcessLookupError):
