@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -97,13 +98,24 @@ def group_place(cfg: "Config", device: torch.device) -> GroupPlace:
             f"launch the replica group with torchrun --nproc-per-node {g} (launch/replica.sh --ranks {g})"
         )
     t = cfg.timeouts_obj()
+    timeout = max(t.inner_reduce, t.local_step)
+    rank = int(os.environ["RANK"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and int(os.environ.get("LOCAL_WORLD_SIZE", g)) == g:
+        # Launched by launch/rendezvous.py's arguments (one host, no agent store): rank 0
+        # hosts the group's store on this process's address only, not every interface.
+        from hier_localsgd.core.ft.managers import bound_store
+
+        host, port = cfg.run.hostname or socket.gethostname(), int(os.environ["MASTER_PORT"])
+        store = (bound_store(host, port, timeout, cfg.run.bind) if rank == 0
+                 else dist.TCPStore(host, port, is_master=False, timeout=timeout))
+    else:  # torchrun's own store (its agent's, or a group spanning hosts)
+        store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun's shared store outlives a restart of the group's workers, and the default
     # process group's keys are not per attempt: a restarted rank would read the previous
     # attempt's (dead) peers' addresses. Every attempt gets a key space of its own.
-    store, rank, _ = next(dist.rendezvous("env://", timeout=max(t.inner_reduce, t.local_step)))
     store = dist.PrefixStore(f"hier/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     backend = resolve_backend("group", cfg.train.backends.group, device)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=g, timeout=max(t.inner_reduce, t.local_step),
+    dist.init_process_group(backend, store=store, rank=rank, world_size=g, timeout=timeout,
                             **({"device_id": device} if backend == "nccl" else {}))
     return GroupPlace(rank=rank, size=g, pg=dist.group.WORLD, store=store)
 

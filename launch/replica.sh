@@ -78,7 +78,13 @@ if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
     [[ -n "$rdzv" ]] || { echo "replica.sh: --nnodes needs --rdzv HOST:PORT" >&2; exit 2; }
     where=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d --rdzv-endpoint "$rdzv" --rdzv-id "c${cluster}r${replica}")
   else
-    where=(--standalone)
+    # One host: the rendezvous in a file, no listener on every interface
+    # (hier_localsgd/launch/rendezvous.py); a fresh file for every launch (the loop below).
+    rdzv_file="$run_dir/logs/c${cluster}r${replica}.ranks/rendezvous"
+    mkdir -p "$(dirname "$rdzv_file")"
+    mapfile -t where < <("${PYTHON:-python3}" -m hier_localsgd.launch.rendezvous "$rdzv_file")
+    [[ ${#where[@]} -gt 0 ]] || { echo "replica.sh: python -m hier_localsgd.launch.rendezvous failed" >&2; exit 2; }
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   fi
   py="${PYTHON:-python3}"
   if [[ ${#program[@]} -gt 0 ]]; then  # torchrun runs a script with the program's python, or a command with --no-python
@@ -100,6 +106,7 @@ restarts=0
 child=0
 trap 'if [[ $child -ne 0 ]]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 143' TERM INT
 while true; do
+  [[ -z "${rdzv_file:-}" ]] || rm -f "$rdzv_file"  # an earlier launch's rendezvous
   "${cmd[@]}" & child=$!
   wait "$child"; rc=$?; child=0
   if [[ $rc -eq 0 ]]; then exit 0; fi

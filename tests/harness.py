@@ -11,6 +11,7 @@ restarts) is tested with real processes through ``hier_localsgd.launch.local``.
 from __future__ import annotations
 
 import re
+import subprocess
 import threading
 import time
 import traceback
@@ -249,6 +250,15 @@ FAST_JOB = [
 ]
 
 
+# A restarted replica group must find the job still running, or it finds it done, exits 0
+# without a result and the run counts as inconsistent. A race against the others' remaining
+# steps lost in CI (two cold torchrun workers took 47 s to come back under load, stop 40),
+# so the others wait for it instead: each cluster's inner quorum needs both its groups
+# (sync.min_replicas), the outer quorum both clusters (sync.min_clusters, the default), and
+# the quorum deadlines outlast any cold restart.
+WAIT_FOR_RESTART = ["sync.min_replicas=2", "timeouts.inner_quorum=240", "timeouts.outer_quorum=240"]
+
+
 @dataclass
 class JobRun:
     job: LocalJob
@@ -320,3 +330,43 @@ def logs_tail(run: JobRun, n: int = 3000) -> str:
     for p in sorted((run.job.run_dir / "logs").glob("*.log")):
         out.append(f"==== {p.name}\n{p.read_text(errors='replace')[-n:]}")
     return "\n".join(out)
+
+
+def listeners() -> list:
+    """(local address, pid) of every listening TCP socket on this host (ss)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    found = []
+    for line in out.splitlines():
+        parts = line.split()
+        for pid in (int(p) for p in re.findall(r"pid=(\d+)", line)):
+            found.append((parts[3], pid))
+    return found
+
+
+def process_tree(pid: int) -> set:
+    """``pid`` and its descendants."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict = {}
+    for line in out.splitlines():
+        p, pp = map(int, line.split())
+        children.setdefault(pp, []).append(p)
+    seen, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in seen:
+            seen.add(p)
+            todo.extend(children.get(p, []))
+    return seen
+
+def job_listeners(job: LocalJob) -> Dict[str, int]:
+    """{local address: pid} of every listening TCP socket of the job's processes (its
+    lighthouses, replica groups, and their children: torchrun's agents and workers)."""
+    pids: set = set()
+    for proc in [*job.lighthouses.values(), *job.replicas.values()]:
+        pids |= process_tree(proc.popen.pid)
+    return {addr: pid for addr, pid in listeners() if pid in pids}
+
+
+def wildcard(seen: Dict[str, int]) -> Dict[str, int]:
+    """Those of ``seen`` (:func:`job_listeners`) that listen on every interface."""
+    return {a: p for a, p in seen.items() if a.rsplit(":", 1)[0] in ("0.0.0.0", "*", "[::]", "::")}

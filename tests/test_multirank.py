@@ -6,20 +6,13 @@ import time
 
 import pytest
 
-from harness import logs_tail, run_job, when_step
+from harness import WAIT_FOR_RESTART, job_listeners, logs_tail, run_job, when_step, wildcard
 from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.runtime.status import read_events, read_json, replica_dir
 
 pytestmark = pytest.mark.slow
 
 G2 = ["topology.ranks_per_replica=2", "sync.inner.every=5", "sync.outer.every=2"]
-# A restarted group must find the job still running, or it finds it done, exits 0 without a
-# result and the run counts as inconsistent. A race against the others' remaining steps lost
-# in CI (two cold torchrun workers took 47 s to come back under load, stop 40), so the others
-# wait for it instead: each cluster's inner quorum needs both its groups (sync.min_replicas),
-# the outer quorum both clusters (sync.min_clusters, the default), and the quorum deadlines
-# outlast any cold restart.
-WAIT_FOR_RESTART = ["sync.min_replicas=2", "timeouts.inner_quorum=240", "timeouts.outer_quorum=240"]
 
 
 def rank_pid(job, key, rank):
@@ -28,8 +21,29 @@ def rank_pid(job, key, rank):
 
 
 def test_two_ranks_per_group_train_consistently_with_one_model_per_cluster_on_slow_links(tmp_path):
-    run = run_job(tmp_path, [*G2, "train.steps=40"])
+    seen: dict = {}
+    ports: dict = {}  # each group's store: where its rank 0's torchrun told it (MASTER_PORT)
+
+    def during(job):
+        seen.update(job_listeners(job))
+        for k in job.keys():
+            pid = rank_pid(job, k, 0)
+            try:
+                env = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
+                ports[k] = (pid, env["MASTER_PORT"])
+            except (OSError, KeyError, TypeError):
+                pass  # not started yet, or gone
+
+    run = run_job(tmp_path, [*G2, "train.steps=40"], during=during)
     assert all(c == 0 for c in run.codes.values()), logs_tail(run)
+    # No listener of the job on every interface, torchrun's included (launch/rendezvous.py:
+    # its agent hosts no store; each group's rank 0 hosts the group's on run.hostname).
+    assert not wildcard(seen), f"listeners on every interface: {wildcard(seen)}"
+    agents = {p.popen.pid for p in run.job.replicas.values()}
+    assert not agents & set(seen.values()), seen
+    assert len(ports) == 4, ports
+    for k, (pid, port) in ports.items():
+        assert [a for a, p in seen.items() if p == pid and a.endswith(f":{port}")], (k, pid, port, seen)
     s = run.summary
     assert s["consistent"] is True and len(s["checksums"]) == 8  # every rank of every group
     # Each rank syncs half of the model over its own ring: together one model per cluster.

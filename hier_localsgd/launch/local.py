@@ -36,6 +36,7 @@ from hier_localsgd.core.runtime.addresses import LighthouseUnreachable, parse_ad
 from hier_localsgd.core.runtime.runtime import OVERRIDES_ENV
 from hier_localsgd.core.runtime.status import AUTO_FILE, JOB_EVENTS_FILE, read_json, replica_dir, stop_path
 from hier_localsgd.launch.lighthouse import port_in_use
+from hier_localsgd.launch.rendezvous import ENV as RENDEZVOUS_ENV, one_host_args
 from hier_localsgd.errors import fail
 
 if TYPE_CHECKING:
@@ -349,12 +350,18 @@ class LocalJob:
         if g > 1:
             # One replica group = one torchrun: a dying rank takes the group down and
             # torchrun restarts all of it (it then heals as one). One log file per rank;
-            # the group's log shows rank 0.
+            # the group's log shows rank 0. No listener on every interface (rendezvous.py):
+            # the rendezvous in a file of this launch's own.
+            ranks_dir = self.run_dir / "logs" / f"c{cluster}r{replica}.ranks"
+            ranks_dir.mkdir(parents=True, exist_ok=True)
+            store_file = ranks_dir / f"rendezvous.{(prev.restarts + 1) if prev is not None else 0}"
+            store_file.unlink(missing_ok=True)  # one left by an earlier launch of this run directory
             train = [
-                "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}",
+                "-m", "torch.distributed.run", *one_host_args(str(store_file)), f"--nproc-per-node={g}",
                 f"--max-restarts={self.torchrun_restarts}", "--tee=3", "--local-ranks-filter=0",
-                f"--log-dir={self.run_dir / 'logs' / f'c{cluster}r{replica}.ranks'}", *train,
+                f"--log-dir={ranks_dir}", *train,
             ]
+            env.update(RENDEZVOUS_ENV)
         name = f"c{cluster}r{replica}"
         if prev is None:
             stop_path(self.run_dir, cluster, replica).unlink(missing_ok=True)  # one left by an earlier launch

@@ -30,6 +30,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
+from hier_localsgd.launch.rendezvous import ENV as RENDEZVOUS_ENV, one_host_args
+
 DEFAULT_GLOBAL = "http://localhost:29510"
 DEFAULT_CLUSTER_PORT = 29511
 
@@ -94,7 +96,8 @@ def job_roles(
     for c in range(clusters):
         for r in range(replicas):
             # torchrun even for one rank: it is what restarts the group on every scheduler.
-            torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={max_restarts}"]
+            # one_host_args: no listener on every interface (launch/rendezvous.py)
+            torchrun = ["-m", "torch.distributed.run", *one_host_args(), f"--nproc-per-node={ranks}", f"--max-restarts={max_restarts}"]
             if ranks > 1:
                 torchrun += ["--tee=3", "--local-ranks-filter=0"]
             mine = [*common, f"run.cluster={c}", f"run.replica={r}"]
@@ -102,7 +105,7 @@ def job_roles(
             # them there too): a scheduler may pass the environment comma-separated (Slurm's
             # srun --export), and a JSON list has commas.
             train = [program, *mine] if program else ["-m", "hier_localsgd", "train", *mine]
-            roles.append(RoleSpec(f"c{c}r{r}", python, [*torchrun, *train], {"PYTHONUNBUFFERED": "1"}))
+            roles.append(RoleSpec(f"c{c}r{r}", python, [*torchrun, *train], {"PYTHONUNBUFFERED": "1", **RENDEZVOUS_ENV}))
     return roles
 
 

@@ -114,6 +114,20 @@ class QuorumView:
     healed: bool  # whether this replica loaded state from a peer in this quorum
 
 
+def bound_store(hostname: str, port: int, timeout: timedelta, bind: str = "") -> TCPStore:
+    """A c10d store hosted here, listening on ``bind`` (or ``hostname``) at ``port`` (0: any
+    free one) and nowhere else. c10d's store listens on every interface unless handed a
+    socket: it is handed one (docs/security.md). Clients connect to ``hostname``."""
+    fam, addr = bind_family(bind or hostname)
+    with socket.socket(fam, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr[0], port, *addr[2:]))
+        sock.listen(512)
+        store = TCPStore(host_name=hostname, port=sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=timeout, master_listen_fd=sock.fileno())
+        sock.detach()  # the store owns the descriptor now (on failure above, `with` closes it)
+    return store
+
 
 def _group_rank0_store(
     level: str, hostname: str, group_rank: int, group_store: Optional[Any], store_key: str, connect_timeout: timedelta,
@@ -128,17 +142,7 @@ def _group_rank0_store(
     a failure (docs/runbook.md)."""
     store_timeout = max(connect_timeout, STORE_TIMEOUT_FLOOR)
     if group_rank == 0:
-        # c10d's store listens on every interface unless handed a socket: hand it one bound
-        # to this process's address (docs/security.md).
-        fam, addr = bind_family(bind or hostname)
-        with socket.socket(fam, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(512)
-            port = sock.getsockname()[1]
-            store = TCPStore(host_name=hostname, port=port, is_master=True, wait_for_workers=False, timeout=store_timeout,
-                             master_listen_fd=sock.fileno())
-            sock.detach()  # the store owns the descriptor now (on failure above, `with` closes it)
+        store = bound_store(hostname, 0, store_timeout, bind)
         if group_store is not None:
             group_store.set(store_key, f"{hostname}:{store.port}")
         return store, hostname, store.port
@@ -147,6 +151,7 @@ def _group_rank0_store(
     group_store.wait([store_key], store_timeout)
     host, _, port = group_store.get(store_key).decode().rpartition(":")
     return None, host, int(port)
+
 
 _said_unauthenticated = False
 
