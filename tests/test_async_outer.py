@@ -420,7 +420,8 @@ def test_a_cluster_restarted_whole_adopts_the_global_model_and_resumes_its_step_
             for k in ((1, 0), (1, 1)):
                 job.kill(k, signal.SIGKILL)
 
-    run = run_job(tmp_path, [*ASYNC, "train.steps=200"], during=during, restart=True, timeout_s=300)
+    # the server's final wait for a silent cluster outlasts any cold restart of its groups
+    run = run_job(tmp_path, [*ASYNC, "train.steps=200", "sync.final_wait_s=240"], during=during, restart=True, timeout_s=400)
     assert seen and all(code == 0 for code in run.codes.values()), logs_tail(run)
     resumed = [e for k in ((1, 0), (1, 1)) for e in run.kinds(k, "resume_step")]
     assert resumed and all(e["to"] >= 40 > e["step"] for e in resumed), resumed

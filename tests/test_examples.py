@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import hier_localsgd
-from tests.harness import logs_tail, run_job, when_step
+from tests.harness import WAIT_FOR_RESTART, logs_tail, run_job, when_step
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -85,9 +85,8 @@ def test_an_example_trains_ends_consistent_and_a_killed_group_heals_with_its_sta
                                      "sync.outer.every=2", "train.eval_every=0", "run.tensorboard=false",
                                      "train.min_step_time_s=0.1",  # emulated compute
                                      # The victim's cluster waits for it: its peer cannot form an inner quorum alone, so
-                                     # the restarted group rejoins mid-run however long its start-up takes (up to
-                                     # sync.max_quorum_failures x timeouts.inner_quorum = 90 s).
-                                     "sync.min_replicas=2",
+                                     # the restarted group rejoins mid-run however long its start-up takes (harness.py).
+                                     *WAIT_FOR_RESTART,
                                      *extra],
                   timeout_s=400, during=kill, restart=True)
     tail = logs_tail(run)

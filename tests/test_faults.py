@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from harness import first_commit_after, logs_tail, run_job, when_step
+from harness import WAIT_FOR_RESTART, first_commit_after, logs_tail, run_job, when_step
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,7 @@ def test_sigkill_non_leader_is_restarted_in_a_warm_spare_and_heals_from_a_peer(t
 def test_hang_inside_a_phase_is_ended_by_the_watchdog(tmp_path):
     run = run_job(
         tmp_path,
-        [*LONG, "timeouts.inner_reduce=5", "timeouts.watchdog_grace=3",
+        [*LONG, *WAIT_FOR_RESTART, "timeouts.inner_reduce=5", "timeouts.watchdog_grace=3",
          "faults=[{cluster:0,replica:1,step:10,action:hang,phase:INNER_REDUCE}]"],
         restart=True,
     )

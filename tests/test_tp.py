@@ -216,7 +216,7 @@ def test_a_dead_tp_rank_takes_its_group_down_and_the_group_restarts_and_heals(tm
     import signal
     import time
 
-    from harness import logs_tail, run_job, when_step
+    from harness import WAIT_FOR_RESTART, logs_tail, run_job, when_step
 
     from hier_localsgd.core.runtime.status import read_json, replica_dir
 
@@ -229,7 +229,8 @@ def test_a_dead_tp_rank_takes_its_group_down_and_the_group_restarts_and_heals(tm
             os.kill(pid, signal.SIGKILL)
 
     run = run_job(tmp_path, [*TP_JOB, "topology.clusters=1", "topology.replicas_per_cluster=2", "sync.min_clusters=1",
-                             "lighthouse.cluster_addrs=[http://127.0.0.1:29511]", "train.min_step_time_s=0.2", "train.steps=150"],
+                             "lighthouse.cluster_addrs=[http://127.0.0.1:29511]", "train.min_step_time_s=0.2", "train.steps=60",
+                             *WAIT_FOR_RESTART],  # the other group waits for the restart (harness.py)
                   during=when_step((0, 1), 12, kill_rank1), timeout_s=500)
     assert killed, "never killed rank 1"
     assert all(c == 0 for c in run.codes.values()), logs_tail(run)
