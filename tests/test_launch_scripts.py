@@ -81,6 +81,17 @@ def test_replica_script_runs_a_two_rank_group_under_torchrun(tmp_path):
     assert results[0]["checksum"] == results[1]["checksum"]
     assert len(list((tmp_path / "logs" / "c0r0.ranks").rglob("stderr.log"))) == 2
     assert "[c0r0g0 leader]" in p.stderr and "[c0r0g1 " not in p.stderr  # the console shows rank 0 only
+    # torchrun's rendezvous went through a file (launch/rendezvous.py), not a store on every interface
+    assert (tmp_path / "logs" / "c0r0.ranks" / "rendezvous").exists()
+
+
+def test_replica_script_sets_the_rendezvous_environment_of_its_one_home():
+    """launch/replica.sh writes rendezvous.ENV in bash; it must say what the module says."""
+    from hier_localsgd.launch.rendezvous import ENV
+
+    text = SCRIPT.read_text()
+    for k, v in ENV.items():
+        assert f"export {k}={v}\n" in text, k
 
 
 LIGHTHOUSES = Path(__file__).resolve().parent.parent / "launch" / "lighthouses.sh"
