@@ -17,7 +17,8 @@ what was measured.
     python benchmarks/heterogeneous.py [--speeds "[],[1.0,0.5]"] [--seeds 0,1,2] [--steps 200] [--extra OVERRIDE ...]
 
 ``--extra`` adds overrides to every run, e.g. ``sync.async_outer.enabled=true`` for the
-asynchronous outer level, which the simulator does not model (``--no-simulate``).
+asynchronous outer level (and ``sync.async_outer.match_pace=true``), which the simulator
+models too (tools/simulate/engine.py; not its grace window); ``--no-simulate`` skips it.
 """
 
 from __future__ import annotations
@@ -115,18 +116,20 @@ def main() -> None:
     first = runs[settings[0]][0]
     overhead = calibrate(args, settings[0], first["model_params"], first["loop_s"])
     print(f"\nsimulator: plan.round_overhead_s = {overhead * 1e3:.1f} ms, fitted on {settings[0]} seed {first['seed']} (calibration)")
-    print("| speeds | what | loop s, measured (median) | simulated | cluster 0 steps/s, measured | simulated | share in sync, all groups, measured | simulated |")
+    print("| speeds | what | loop s, measured (median) | simulated | steps/s per cluster, measured (median) | simulated | share in sync, all groups, measured | simulated |")
     print("|---|---|---|---|---|---|---|---|")
     for s in settings:
         sim = simulate(args, s, first["model_params"], overhead)
         m_loop = statistics.median(r["loop_s"] for r in runs[s])
-        m_rate = statistics.median(r["clusters"][0]["rate"] for r in runs[s])
+        clusters = sorted(runs[s][0]["clusters"])
+        m_rates = [statistics.median(r["clusters"][c]["rate"] for r in runs[s]) for c in clusters]
         m_share = statistics.median(r["sync_share"] for r in runs[s])
         what = "calibration" if s == settings[0] else "prediction"
-        # cluster 0's own pace: until it finished its steps (the asynchronous level lets it finish first)
-        sim_rate = args.steps / sim.cluster_end_s[0] if sim.cluster_end_s and sim.cluster_end_s[0] < float("inf") else sim.final_step / sim.end_s
-        print(f"| {s} | {what} | {m_loop:.1f} | {sim.end_s:.1f} | {m_rate:.2f} | {sim_rate:.2f} | "
-              f"{100 * m_share:.0f} % | {100 * (sim.sync + sim.wait) / sim.capacity:.0f} % |")
+        # each cluster's own pace: until it finished its steps (the asynchronous level lets a fast one finish first)
+        sim_rates = [args.steps / sim.cluster_end_s[c] if c < len(sim.cluster_end_s) and sim.cluster_end_s[c] < float("inf")
+                     else sim.final_step / sim.end_s for c in clusters]
+        print(f"| {s} | {what} | {m_loop:.1f} | {sim.end_s:.1f} | {' / '.join(format(x, '.2f') for x in m_rates)} | "
+              f"{' / '.join(format(x, '.2f') for x in sim_rates)} | {100 * m_share:.0f} % | {100 * (sim.sync + sim.wait) / sim.capacity:.0f} % |")
 
 
 if __name__ == "__main__":

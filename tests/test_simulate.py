@@ -409,6 +409,23 @@ def test_a_half_speed_cluster_holds_the_fast_one_at_the_outer_barrier_as_compute
     a = one_run(cfg)
     assert (a.end_s, a.final_step, a.outer_rounds, a.wait, a.goodput, a.expected_no_failure_goodput) == (120.0, 120, 6, 0.0, 1.0, 1.0)
     assert a.lost == {} and a.balance_error < 1e-12
+    # Matched paces (sync.async_outer.match_pace), over 180 s: the server learns the paces
+    # from the pushes (1 and 2 s per step; no transit on a free network). Cluster 0, the
+    # fastest, pushes every 30 steps (30, 60, ..., 180 s). Cluster 1's first push (60 s,
+    # handled before cluster 0's push at the same second) finds no gap of cluster 0's yet:
+    # the full 30 steps again (120 s). There the fastest's next arrival is 90 + 30 = 120 s,
+    # now: under the 5-step floor, so it aims at the one after, 30 s = 15 of its steps
+    # (step 75, 150 s), then again 15 (step 90, 180 s): from 120 s on both push together.
+    cfg.sync.async_outer.match_pace, cfg.simulate.duration_s = True, 180.0
+    sim = engine.Simulation(params.resolve(cfg), 0)
+    m = sim.run()
+    assert sim.pushes_at == {0: [30.0, 60.0, 90.0, 120.0, 150.0, 180.0], 1: [60.0, 120.0, 150.0, 180.0]}, dict(sim.pushes_at)
+    assert (m.final_step, m.wait, m.goodput, m.lost) == (180, 0.0, 1.0, {})
+    # Without it, cluster 1 pushes every 30 of its steps: every 60 s.
+    cfg.sync.async_outer.match_pace = False
+    plain = engine.Simulation(params.resolve(cfg), 0)
+    plain.run()
+    assert plain.pushes_at[1] == [60.0, 120.0, 180.0], dict(plain.pushes_at)
     # Beyond the staleness bound: cluster 1 at a fifth of the speed pushes once, at 150 s,
     # from version 0 when the model is at version 4 or 5 (bound 2): not merged, its 300
     # replica-seconds are discarded; cluster 0's 300 are kept.

@@ -62,6 +62,36 @@ class AsyncOuterSettings:
         return f"AsyncOuterSettings(url={self.url!r}, grace={self.grace}, match_pace={self.match_pace})"
 
 
+def is_push_step(step: int, due: int, period: int) -> bool:
+    """Whether a round at ``step`` carries a push on the schedule (``due``, ``period``): from
+    ``due`` on, every ``period`` steps (a push the server did not answer is tried again one
+    period later, never at every round). With match_pace ``due`` need not be on the inner
+    rounds' grid: the cluster runs an inner round there (hier.py ``is_sync_step``)."""
+    return step > 0 and step >= due and (step - due) % period == 0
+
+
+def skips_round(step: int, due: int, period: int, h_inner: int) -> bool:
+    """Whether the inner round due at ``step`` on the H_inner grid is left out: it falls
+    within half a round of a push step off the grid (match_pace), so no round is shorter
+    than half of H_inner steps (a few-step round's norm would skew the poison screen's
+    reference, guard.py). Never on the default schedule, whose pushes are on the grid."""
+    if step >= due:
+        prev = due + (step - due) // period * period
+        nxt = prev + period
+    else:
+        prev, nxt = due - period, due
+    return 0 < step - prev < h_inner / 2 or 0 < nxt - step < h_inner / 2
+
+
+def next_round_step(step: int, due: int, period: int, h_inner: int) -> int:
+    """The step at which the next inner round after ``step`` ends on the schedule: a grid
+    step not left out, or a push step (hier.py ``is_sync_step``; the simulator's rounds)."""
+    s = step + 1
+    while not ((s % h_inner == 0 and not skips_round(s, due, period, h_inner)) or is_push_step(s, due, period)):
+        s += 1
+    return s
+
+
 class AsyncOuter:
     """The leader's pushes and final pulls (module doc).
 
@@ -126,25 +156,13 @@ class AsyncOuter:
             self.period, self.due, self.last_round = int(sd["period"]), int(sd["due"]), int(sd["last_round"])
 
     def is_push_step(self, step: int) -> bool:
-        """Whether a round at ``step`` carries this cluster's push: from ``due`` on, every
-        ``period`` steps (a push the server did not answer is tried again one period later,
-        never at every round). With match_pace ``due`` need not be on the inner rounds' grid:
-        the cluster runs an inner round there (hier.py ``is_sync_step``). Every member holds
-        the same schedule."""
-        return step > 0 and step >= self.due and (step - self.due) % self.period == 0
+        """Whether a round at ``step`` carries this cluster's push (:func:`is_push_step`).
+        Every member holds the same schedule."""
+        return is_push_step(step, self.due, self.period)
 
     def skips_round(self, step: int) -> bool:
-        """Whether the inner round due at ``step`` on the H_inner grid is left out: it falls
-        within half a round of a push step off the grid (match_pace), so no round is shorter
-        than half of H_inner steps (a few-step round's norm would skew the poison screen's
-        reference, guard.py). Never on the default schedule, whose pushes are on the grid."""
-        if step >= self.due:
-            prev = self.due + (step - self.due) // self.period * self.period
-            nxt = prev + self.period
-        else:
-            prev, nxt = self.due - self.period, self.due
-        half = self.st.settings.h_inner / 2
-        return 0 < step - prev < half or 0 < nxt - step < half
+        """Whether the inner round due at ``step`` on the H_inner grid is left out (:func:`skips_round`)."""
+        return skips_round(step, self.due, self.period, self.st.settings.h_inner)
 
     def next_push(self, push_in: object) -> int:
         """The server's ``push_in`` (match_pace: the steps to this cluster's next push, so it

@@ -95,9 +95,27 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
-def _average(d: Dict[int, float], k: int, x: float) -> None:
+def average(d: Dict[int, float], k: int, x: float) -> None:
     """``d[k]``'s moving average takes ``x`` (the first value as is, then halves)."""
     d[k] = x if k not in d else 0.5 * d[k] + 0.5 * x
+
+
+def fastest(paces: Dict[int, float], current: Optional[int]) -> int:
+    """match_pace's fastest cluster among ``paces`` (seconds per step of the live ones):
+    ``current`` stays it until another is 5 % faster, so near-equal clusters do not trade
+    the role at every push."""
+    best = min(paces, key=lambda k: paces[k])
+    return best if current not in paces or paces[best] < 0.95 * paces[current] else current  # type: ignore[return-value]
+
+
+def meet_in(avail_s: float, pace: float, gap: float, lo: int, full: int) -> int:
+    """match_pace's ``push_in`` for a cluster of ``pace`` seconds per step: the steps that
+    fill ``avail_s`` (the seconds to the fastest cluster's next arrival less this cluster's
+    transit); the push after that (``gap`` seconds later) if under ``lo`` steps are left;
+    clamped to ``[lo, full]`` (docs/architecture.md "Matched paces")."""
+    while avail_s < lo * pace:  # too near (or past): meet the push after it
+        avail_s += gap
+    return max(lo, min(full, int(round(avail_s / pace))))
 
 
 class GlobalModelUnavailable(RuntimeError):
@@ -387,18 +405,11 @@ class GlobalModelServer:
                 and (k == cluster or now - self._last.get(k, 0.0) < SILENT_PERIODS * self._period.get(k, 0.0))}
         if cluster not in live:
             return full
-        best = min(live, key=lambda k: live[k])
-        if self._fastest not in live or live[best] < 0.95 * live[self._fastest]:
-            self._fastest = best
-        f = self._fastest
+        f = self._fastest = fastest(live, self._fastest)
         gap = self._gap.get(f)
         if f == cluster or not gap or f not in self._pushed:
             return full
-        pace = live[cluster]
-        avail = self._pushed[f] + gap - now - self._transit.get(cluster, 0.0)
-        while avail < lo * pace:  # too near (or past): meet the push after it
-            avail += gap
-        return max(lo, min(full, int(round(avail / pace))))
+        return meet_in(self._pushed[f] + gap - now - self._transit.get(cluster, 0.0), live[cluster], gap, lo, full)
 
     def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None, share: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
@@ -408,10 +419,10 @@ class GlobalModelServer:
         last = self._last.get(cluster)
         gap = float(period_s) if _positive(period_s) else (None if last is None or cluster in self._finals else now - last)
         if gap is not None:
-            _average(self._period, cluster, gap)
+            average(self._period, cluster, gap)
         if _positive(period_s) and _positive(period_steps):
             pace = float(period_s) / float(period_steps)
-            _average(self._pace, cluster, pace)
+            average(self._pace, cluster, pace)
         if _positive(share) and share <= 1:
             self._share[cluster] = float(share)
         self._last[cluster] = now
@@ -423,10 +434,10 @@ class GlobalModelServer:
         answered = self._answered.get(cluster)
         if answered is not None and _positive(period_s) and now - answered - float(period_s) >= 0:
             t = now - answered - float(period_s)
-            _average(self._transit, cluster, t)
+            average(self._transit, cluster, t)
         prev = self._pushed.get(cluster)
         if prev is not None:
-            _average(self._gap, cluster, now - prev)
+            average(self._gap, cluster, now - prev)
         self._pushed[cluster] = now
 
     def _floor(self) -> float:

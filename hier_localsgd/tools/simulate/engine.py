@@ -50,7 +50,11 @@ the leader sends its pseudo-gradient to the global model server and gets the new
 back (two WAN transfers of the model, ``SimParams.push_time``), nobody waits for another
 cluster, and the cluster keeps its own step count. The push is merged, one version each,
 if the cluster's base is at most ``sync.async_outer.max_staleness`` versions behind; beyond
-that its work since its last push is discarded (sync/global_model.py). Not modelled there:
+that its work since its last push is discarded (sync/global_model.py). With
+``sync.async_outer.match_pace`` the server sets each cluster's push schedule as the real one
+does (:meth:`Simulation.set_schedule`: the paces, transits and the fastest cluster's gap
+learnt from the pushes, with global_server.py's rules), and a cluster's rounds end on the
+H_inner grid and at its push steps (async_outer.py ``next_round_step``). Not modelled there:
 the grace window that merges equal-speed pushes into one version, the server's own link
 (pushes do not compete for it), and the end's wait for the final version.
 
@@ -109,7 +113,7 @@ Layout: config.py (``simulate.*``), params.py (the shared deployment, ``plan.*``
 ``simulate.*`` resolved into one run's figures), state.py (the lighthouse rule, event kinds,
 clusters, the result), engine.py (this: the event loop, the round, the accounting),
 barrier.py (the outer barrier at the global lighthouse), failures.py (failure processes
-and their consequences), report.py (many runs, the report, validation set-ups).
+and their consequences), paces.py (match_pace's push schedule), report.py (many runs, the report, validation set-ups).
 :class:`Simulation` is one class whose outer-barrier and failure handlers come from the
 mixins of barrier.py and failures.py: every handler works on the whole state of the run
 (clusters, members, the event queue, the counters), so they share it through ``self``
@@ -124,11 +128,13 @@ from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from hier_localsgd import costs
+from hier_localsgd.sync.async_outer import is_push_step, next_round_step
 from hier_localsgd.sync.global_model import staleness_factor
 from hier_localsgd.tools.plan.network import comm_fraction
 from hier_localsgd.tools.simulate.barrier import OuterBarrier
 from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.failures import Failures
+from hier_localsgd.tools.simulate.paces import PaceServer
 from hier_localsgd.tools.simulate.params import SimParams
 from hier_localsgd.tools.simulate.state import (  # noqa: F401  (lighthouse_forms_at: re-exported)
     ABORT, BARRIER, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_DONE, QUORUM, RESTART,
@@ -179,6 +185,10 @@ class Simulation(OuterBarrier, Failures):
         self.truncated = False
         self.step_kills: Dict[int, List[Tuple[int, int, str]]] = defaultdict(list)  # cluster -> [(step, replica, phase)]
         self.cluster_end = [INF] * p.clusters  # when each cluster finished its steps
+        self.paces = PaceServer(p.period, p.h_inner)  # match_pace: the global model server's schedule
+        self.pushes_at: Dict[int, List[float]] = defaultdict(list)  # the asynchronous level: when each cluster pushed
+        for c in self.clusters:
+            self.reset_schedule(c, 0.0)
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: int, a: int = 0, b: int = 0, token: int = 0) -> None:
@@ -245,13 +255,19 @@ class Simulation(OuterBarrier, Failures):
         c.round_step_s = p.step_s / p.speed(c.idx)  # topology.cluster_speed
         if p.step_jitter > 0:
             c.round_step_s *= max(0.05, 1.0 + self.jitter_rng.gauss(0.0, p.step_jitter))
-        self.push(t + p.h_inner * c.round_step_s, COMPUTE_DONE, c.idx, 0, c.epoch)
+        # match_pace: rounds end on the grid and at the cluster's push steps (async_outer.py)
+        c.round_len = p.h_inner
+        if p.match_pace:
+            c.round_len = next_round_step(c.step, c.due, c.push_period, p.h_inner) - c.step
+            if p.steps:
+                c.round_len = min(c.round_len, p.steps - c.step)  # the run's last step ends a round
+        self.push(t + c.round_len * c.round_step_s, COMPUTE_DONE, c.idx, 0, c.epoch)
         for r, _ in c.armed:  # armed for a sync phase the failed round never reached
             self.kill_at(c, t, r)
         c.armed = []
         kills = self.step_kills.get(c.idx)
         if kills:
-            for k, r, ph in [x for x in kills if c.step <= x[0] < c.step + p.h_inner and x[2] == "LOCAL"]:
+            for k, r, ph in [x for x in kills if c.step <= x[0] < c.step + c.round_len and x[2] == "LOCAL"]:
                 kills.remove((k, r, ph))
                 self.kill_at(c, t + (k - c.step + 0.5) * c.round_step_s, r)  # half-way through local step k+1
 
@@ -261,9 +277,9 @@ class Simulation(OuterBarrier, Failures):
             return
         p = self.p
         n = len(c.active)
-        c.step += p.h_inner
+        c.step += c.round_len
         c.round_compute = n * (t - c.round_start)
-        self.steps_run += n * p.h_inner
+        self.steps_run += n * c.round_len
         if c.early_broken >= 0:
             # A member failed during the last local step, after its early quorum request
             # joined the round's quorum (sync/early.py): the round's collectives fail and
@@ -336,7 +352,7 @@ class Simulation(OuterBarrier, Failures):
             m.joining = False
             self.totals["wait"] += t - m.back_at
             self.ledger[m.fid]["down"] += t - m.down_at
-            m.acc0 = c.outer_acc + p.h_inner  # it computed nothing this round (weight 0)
+            m.acc0 = c.outer_acc + c.round_len  # it computed nothing this round (weight 0)
             c.acc0_sum += m.acc0
             c.active.add(r)
         c.joiners = [r for r in c.joiners if r not in joiners and c.members[r].alive]
@@ -370,6 +386,8 @@ class Simulation(OuterBarrier, Failures):
         self.push(t + heal + reconf + p.inner_time(len(c.active)), SYNC_DONE, c.idx, 0, c.epoch)
 
     def is_outer_round(self, c: Cluster) -> bool:
+        if self.p.match_pace:  # and the run's last step (hier.py is_outer_round)
+            return is_push_step(c.step, c.due, c.push_period) or 0 < self.p.steps <= c.step
         return self.hier and c.step % self.p.period == 0
 
     def on_sync_done(self, t: float, ci: int, _b: int, epoch: int) -> None:
@@ -378,7 +396,8 @@ class Simulation(OuterBarrier, Failures):
             return
         if self.is_outer_round(c) and self.p.asynchronous:
             c.state = S_OUTER
-            c.phase_start = t
+            c.phase_start = c.push_start = t
+            self.pushes_at[ci].append(t)
             self.enter(c, t, "sync")
             self.fire(c, t, ("OUTER_QUORUM",))
             self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
@@ -406,6 +425,8 @@ class Simulation(OuterBarrier, Failures):
         else:
             c.stale_cause = c.delay_cause if c.stale_cause < 0 else c.stale_cause
         c.outer_weight = 1.0 if merged else 0.0
+        if p.match_pace:
+            self.set_schedule(c, t - p.push_time() / 2)  # answered as the push arrives (its upload: half the exchange)
         self.outer_rounds += 1
         self.slow_bytes += p.ranks * 2 * p.sync_bytes
         c.outer_outcome = "committed"
@@ -418,7 +439,6 @@ class Simulation(OuterBarrier, Failures):
 
     def commit(self, c: Cluster, t: float) -> None:
         """INNER_COMMIT: adopt the round (and the outer outcome, if any); next round."""
-        p = self.p
         n = len(c.active)
         outcome = c.outer_outcome
         if c.outer_join:  # a restarted cluster's join round: no work in it, nothing to discard
@@ -438,7 +458,7 @@ class Simulation(OuterBarrier, Failures):
         c.armed = [x for x in c.armed if x[1] != "INNER_COMMIT"]
         if c.broken:
             # The cluster's inner round failed; an outer commit holding its work stands.
-            self.steps_discarded += (n - c.round_joiners) * p.h_inner
+            self.steps_discarded += (n - c.round_joiners) * c.round_len
             if outcome == "committed" and c.outer_weight > 0:
                 self.committed += c.pending + c.round_compute
             elif outcome == "committed":
@@ -450,7 +470,7 @@ class Simulation(OuterBarrier, Failures):
                 self.adopt(c)
         else:
             c.pending += c.round_compute
-            c.outer_acc += p.h_inner
+            c.outer_acc += c.round_len
             c.inner_rounds += 1
             if not self.hier:
                 self.committed += c.pending
@@ -470,13 +490,26 @@ class Simulation(OuterBarrier, Failures):
             return
         self.start_round(c, t)
         for r in at_commit:
-            self.steps_discarded += p.h_inner * (len(c.active) if r < 0 else int(r in c.active))
+            self.steps_discarded += c.round_len * (len(c.active) if r < 0 else int(r in c.active))
             self.kill_at(c, t, r)
         if self.hier and self.stop_pending and not self.outstanding:
             self.end = t
 
+    def set_schedule(self, c: Cluster, now: float) -> None:
+        """match_pace: the global model server takes the push arriving at ``now`` and sets
+        the cluster's next push (paces.py); the cluster's period runs from its last adoption."""
+        running = lambda j: self.cluster_end[j] == INF  # noqa: E731
+        push_in = self.paces.push(c.idx, now, c.push_start - c.period_t0, c.step - c.period_step0, running)
+        c.push_period, c.due = push_in, c.step + push_in
+
+    def reset_schedule(self, c: Cluster, t: float) -> None:
+        """The default push schedule (every H_inner·H_outer steps from ``c.step``); a period from ``t``."""
+        c.push_period, c.due = self.p.period, c.step + self.p.period
+        c.period_t0, c.period_step0 = t, c.step
+
     def adopt(self, c: Cluster) -> None:
-        """The cluster now holds the current global model and step."""
+        """The cluster now holds the current global model and step (its period starts now)."""
+        c.period_t0, c.period_step0 = self.now, c.step
         c.base = self.round_no
         c.step = max(c.step, self.global_step)
         c.outer_acc = 0

@@ -188,7 +188,7 @@ class Failures:
             # It finished computing the round; its process has not committed it. Its steps
             # count as discarded (chaos.py's uncommitted_at_death) even where an outer
             # commit already holds its work; only then is the compute not lost.
-            self.steps_discarded += p.h_inner
+            self.steps_discarded += c.round_len
             if not (c.state == S_COMMIT and c.outer_outcome == "committed"):
                 share = c.round_compute / len(c.active) if c.active else 0.0
                 c.round_compute -= share
@@ -222,7 +222,7 @@ class Failures:
         if c.state == S_COMPUTE:
             # sync.inner.early_quorum: the round's last local step asked for the quorum
             # (sync/early.py), so a member that dies in it is in the quorum its peers get.
-            if p.early_quorum and t >= c.round_start + (p.h_inner - 1) * c.round_step_s - 1e-9:
+            if p.early_quorum and t >= c.round_start + (c.round_len - 1) * c.round_step_s - 1e-9:
                 c.early_broken, c.early_hang = fid, hang
         elif c.state == S_QUORUM:
             self.schedule_quorum(c, t)  # waits for the lighthouse to drop it
@@ -269,7 +269,7 @@ class Failures:
     def abort(self, c: Cluster, t: float, fid: int) -> None:
         """The round failed for the cluster: roll back to the last commit, next round."""
         self.book(c, t)
-        self.steps_discarded += (len(c.active) - c.round_joiners) * self.p.h_inner
+        self.steps_discarded += (len(c.active) - c.round_joiners) * c.round_len
         self.lose("rollback", c.round_compute, fid)
         c.round_compute = 0.0
         c.delay_cause = fid
@@ -369,6 +369,7 @@ class Failures:
         c.cat_since = t
         if self.hier:
             c.step = 0  # flat/ddp: a total loss resumes from the last commit (as from a checkpoint)
+            self.reset_schedule(c, t)  # fresh processes: the default push schedule
         c.pending = 0.0
         c.outer_acc = 0
         c.acc0_sum = 0

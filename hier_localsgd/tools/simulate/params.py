@@ -69,6 +69,7 @@ class SimParams:
     # sync.async_outer: each leader pushes to the global model server and goes on (engine.py)
     asynchronous: bool = False
     max_staleness: int = 0  # sync.async_outer.max_staleness (versions)
+    match_pace: bool = False  # sync.async_outer.match_pace: the server sets each cluster's push schedule
 
     def speed(self, cluster: int) -> float:
         return self.speeds[cluster] if self.speeds else 1.0
@@ -250,6 +251,7 @@ def resolve(cfg: "Config") -> SimParams:
         kills=kills, early_quorum=hier and s.inner.early_quorum, hang_fraction=f.hang_fraction, duration_s=sim.duration_s, steps=0 if sim.duration_s > 0 else cfg.train.steps,
         speeds=tuple(tp.speed(c) for c in range(tp.clusters)) if hier else (),
         asynchronous=hier and s.async_outer.enabled, max_staleness=s.async_outer.max_staleness,
+        match_pace=hier and s.async_outer.enabled and s.async_outer.match_pace,
     )
     check_size(p)
     return p

@@ -73,6 +73,11 @@ class Cluster:
         self.round_step_s = 0.0
         self.phase_start = 0.0
         self.step = 0
+        self.round_len = 0  # steps in the current round (H_inner; with match_pace, to its next sync step)
+        # match_pace (engine.py): the push schedule (async_outer.py: from step `due` on, every
+        # `push_period` steps) and where the cluster's period began (its last adoption)
+        self.due = self.push_period = 0
+        self.period_t0, self.period_step0, self.push_start = 0.0, 0, 0.0
         self.leader = 0
         self.inner_rounds = 0
         # outer level

@@ -1,0 +1,52 @@
+"""The global model server's push schedule under ``sync.async_outer.match_pace``, simulated.
+
+What sync/global_server.py learns from each push (``_arrived``, ``_pushed_work``) and the
+``push_in`` it answers (``_push_in``), with its rules (:func:`fastest`, :func:`meet_in`,
+:func:`average`), on the simulator's clock. The engine (engine.py) calls :meth:`PaceServer.push`
+as each push arrives and sets the cluster's schedule from the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+from hier_localsgd.sync.global_server import SILENT_PERIODS, average, fastest, meet_in
+
+
+class PaceServer:
+    """Per cluster: its period between pushes and pace (seconds per step, as its leader
+    reports them), its transit (from an answer to its next arrival, less its training), the
+    time of its last push, and the gap between its pushes; the fastest cluster."""
+
+    def __init__(self, full: int, h_inner: int) -> None:
+        self.full, self.lo = full, max(1, h_inner // 2)  # the request's full_steps and min_steps (async_outer.py)
+        self.period: Dict[int, float] = {}
+        self.pace: Dict[int, float] = {}
+        self.transit: Dict[int, float] = {}
+        self.gap: Dict[int, float] = {}
+        self.pushed: Dict[int, float] = {}
+        self.answered: Dict[int, float] = {}
+        self.fastest: Optional[int] = None
+
+    def push(self, k: int, now: float, period_s: float, steps: int, running: Callable[[int], bool]) -> int:
+        """Cluster ``k``'s push arrives at ``now``, ``period_s`` seconds and ``steps`` steps
+        after it last adopted a model; answered at once. Returns its ``push_in``.
+        ``running(j)``: whether cluster j has steps left (a finished one is not waited for)."""
+        if period_s > 0:
+            average(self.period, k, period_s)
+            if steps > 0:
+                average(self.pace, k, period_s / steps)
+            if k in self.answered and now - self.answered[k] - period_s >= 0:
+                average(self.transit, k, now - self.answered[k] - period_s)
+        if k in self.pushed:
+            average(self.gap, k, now - self.pushed[k])
+        self.pushed[k] = self.answered[k] = now
+        live = {j: x for j, x in self.pace.items() if running(j)
+                and (j == k or now - self.pushed[j] < SILENT_PERIODS * self.period.get(j, 0.0))}
+        if k not in live:
+            return self.full
+        f = self.fastest = fastest(live, self.fastest)
+        gap = self.gap.get(f)
+        if f == k or not gap:
+            return self.full
+        return meet_in(self.pushed[f] + gap - now - self.transit.get(k, 0.0), live[k], gap, self.lo, self.full)
