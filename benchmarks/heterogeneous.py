@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from hier_localsgd.config import load_config
 from hier_localsgd.tools.simulate import engine, params
@@ -58,25 +59,33 @@ def run(args: argparse.Namespace, speeds: str, seed: int, out: Path) -> Dict[str
     per = {c: {"rate": statistics.mean(r["loop_steps"] / r["loop_s"] for r in rs),
                "sync_share": statistics.mean(r["sync_s"] / r["loop_s"] for r in rs),
                "loop_s": max(r["loop_s"] for r in rs)} for c, rs in sorted(clusters.items())}
+    # the asynchronous level: each cluster's pushes merged into a version (the server's log lines)
+    log = d / "logs" / "lighthouse_global.log"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        m = re.search(r"global model server: version \d+ from clusters \[([\d, ]+)\]", line)
+        for k in (int(x) for x in m.group(1).split(",")) if m else ():
+            per[k]["pushes"] = per[k].get("pushes", 0) + 1
     return {"speeds": speeds, "seed": seed, "clusters": per, "loop_s": max(v["loop_s"] for v in per.values()),
             "sync_share": sum(r["sync_s"] for r in results) / sum(r["loop_s"] for r in results),
             "consistent": len({r["checksum"] for r in results}) == 1, "model_params": results[0]["model_params"]}
 
 
-def simulate(args: argparse.Namespace, speeds: str, model_params: int, overhead_s: float) -> engine.RunResult:
+def simulate(args: argparse.Namespace, speeds: str, model_params: int, overhead_s: float) -> Tuple[engine.RunResult, Dict[int, List[float]]]:
+    """One simulated run of the deployment: its result, and when each cluster pushed (the asynchronous level)."""
     free = ["links.inner.bandwidth_gbps=1e6", "links.inner.latency_ms=0", "links.outer.bandwidth_gbps=1e6", "links.outer.latency_ms=0"]
     cfg = load_config([*common(args, speeds), *free, f"simulate.params={model_params}", f"plan.hardware.step_time_s={args.step_s}",
                        f"plan.round_overhead_s={overhead_s}", "plan.train.sync_dtype=float32", "plan.sharding=replicate",
                        "simulate.failures.model=none", "simulate.sensitivity=[]", "simulate.runs=1", "sync.min_clusters=2"],
                       validate_for="simulate")
-    return engine.simulate_once(params.resolve(cfg), 0)
+    sim = engine.Simulation(params.resolve(cfg), 0)
+    return sim.run(), dict(sim.pushes_at)
 
 
 def calibrate(args: argparse.Namespace, speeds: str, model_params: int, loop_s: float) -> float:
     lo, hi = 0.0, 2.0
     for _ in range(40):  # the simulated time grows with the overhead: bisection
         mid = (lo + hi) / 2
-        if simulate(args, speeds, model_params, mid).end_s < loop_s:
+        if simulate(args, speeds, model_params, mid)[0].end_s < loop_s:
             lo = mid
         else:
             hi = mid
@@ -116,10 +125,11 @@ def main() -> None:
     first = runs[settings[0]][0]
     overhead = calibrate(args, settings[0], first["model_params"], first["loop_s"])
     print(f"\nsimulator: plan.round_overhead_s = {overhead * 1e3:.1f} ms, fitted on {settings[0]} seed {first['seed']} (calibration)")
+    pushes: List[str] = []
     print("| speeds | what | loop s, measured (median) | simulated | steps/s per cluster, measured (median) | simulated | share in sync, all groups, measured | simulated |")
     print("|---|---|---|---|---|---|---|---|")
     for s in settings:
-        sim = simulate(args, s, first["model_params"], overhead)
+        sim, pushes_at = simulate(args, s, first["model_params"], overhead)
         m_loop = statistics.median(r["loop_s"] for r in runs[s])
         clusters = sorted(runs[s][0]["clusters"])
         m_rates = [statistics.median(r["clusters"][c]["rate"] for r in runs[s]) for c in clusters]
@@ -130,6 +140,12 @@ def main() -> None:
                      else sim.final_step / sim.end_s for c in clusters]
         print(f"| {s} | {what} | {m_loop:.1f} | {sim.end_s:.1f} | {' / '.join(format(x, '.2f') for x in m_rates)} | "
               f"{' / '.join(format(x, '.2f') for x in sim_rates)} | {100 * m_share:.0f} % | {100 * (sim.sync + sim.wait) / sim.capacity:.0f} % |")
+        if pushes_at:  # the asynchronous level
+            pushes.append(f"| {s} | {' / '.join(str(int(statistics.median(r['clusters'][c].get('pushes', 0) for r in runs[s]))) for c in clusters)} | "
+                          f"{' / '.join(str(len(pushes_at.get(c, []))) for c in clusters)} |")
+    if pushes:
+        print("\n| speeds | pushes merged per cluster, measured (median) | pushes per cluster, simulated |\n|---|---|---|")
+        print("\n".join(pushes))
 
 
 if __name__ == "__main__":
