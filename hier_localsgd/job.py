@@ -100,7 +100,9 @@ def group_place(cfg: "Config", device: torch.device) -> GroupPlace:
     t = cfg.timeouts_obj()
     timeout = max(t.inner_reduce, t.local_step)
     rank = int(os.environ["RANK"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and int(os.environ.get("LOCAL_WORLD_SIZE", g)) == g:
+    # torch sets "False" only where its agent hosts no store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE);
+    # another launcher (srun, mpirun) leaves it unset: env://, as before
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and int(os.environ.get("LOCAL_WORLD_SIZE", g)) == g:
         # Launched by launch/rendezvous.py's arguments (one host, no agent store): rank 0
         # hosts the group's store on this process's address only, not every interface.
         from hier_localsgd.core.ft.managers import bound_store
@@ -112,8 +114,11 @@ def group_place(cfg: "Config", device: torch.device) -> GroupPlace:
         store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun's shared store outlives a restart of the group's workers, and the default
     # process group's keys are not per attempt: a restarted rank would read the previous
-    # attempt's (dead) peers' addresses. Every attempt gets a key space of its own.
-    store = dist.PrefixStore(f"hier/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # attempt's (dead) peers' addresses. Every attempt gets a key space of its own, named
+    # after the group too: a rank that reached another group's store on a reused port
+    # times out instead of joining that group's process group.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"hier/c{cfg.run.cluster}r{cfg.run.replica}/attempt{attempt}", store)
     backend = resolve_backend("group", cfg.train.backends.group, device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=g, timeout=timeout,
                             **({"device_id": device} if backend == "nccl" else {}))

@@ -74,6 +74,10 @@ fi
 run_dir="${RUN_DIR:-runs/latest}"
 for a in "${overrides[@]}"; do [[ "$a" == run.dir=* ]] && run_dir="${a#run.dir=}"; done
 if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
+  py="${PYTHON:-python3}"
+  if [[ ${#program[@]} -gt 0 ]]; then  # torchrun runs a script with the program's python, or a command with --no-python
+    if [[ "$(basename "${program[0]}")" == python* ]]; then py="${program[0]}"; train=("${program[@]:1}"); else train=(--no-python "${program[@]}"); fi
+  fi
   if [[ $nnodes -gt 1 ]]; then
     [[ -n "$rdzv" ]] || { echo "replica.sh: --nnodes needs --rdzv HOST:PORT" >&2; exit 2; }
     where=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d --rdzv-endpoint "$rdzv" --rdzv-id "c${cluster}r${replica}")
@@ -82,13 +86,9 @@ if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
     # (hier_localsgd/launch/rendezvous.py); a fresh file for every launch (the loop below).
     rdzv_file="$run_dir/logs/c${cluster}r${replica}.ranks/rendezvous"
     mkdir -p "$(dirname "$rdzv_file")"
-    mapfile -t where < <("${PYTHON:-python3}" -m hier_localsgd.launch.rendezvous "$rdzv_file")
-    [[ ${#where[@]} -gt 0 ]] || { echo "replica.sh: python -m hier_localsgd.launch.rendezvous failed" >&2; exit 2; }
+    mapfile -t where < <("$py" -m hier_localsgd.launch.rendezvous "$rdzv_file")  # the python that runs torchrun
+    [[ ${#where[@]} -gt 0 ]] || { echo "replica.sh: $py -m hier_localsgd.launch.rendezvous failed (torchrun's python must import hier_localsgd; PYTHON sets it)" >&2; exit 2; }
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-  fi
-  py="${PYTHON:-python3}"
-  if [[ ${#program[@]} -gt 0 ]]; then  # torchrun runs a script with the program's python, or a command with --no-python
-    if [[ "$(basename "${program[0]}")" == python* ]]; then py="${program[0]}"; train=("${program[@]:1}"); else train=(--no-python "${program[@]}"); fi
   fi
   cmd=("$py" -m torch.distributed.run "${where[@]}" --nproc-per-node "$ranks"
        --max-restarts "$max_restarts" --tee 3 --local-ranks-filter 0

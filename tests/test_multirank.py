@@ -72,7 +72,7 @@ def test_a_dead_rank_takes_its_group_down_and_the_group_restarts_and_heals(tmp_p
             os.kill(pid, signal.SIGKILL)
 
     killer = when_step((0, 1), 12, kill_rank1)
-    run = run_job(tmp_path, [*G2, *WAIT_FOR_RESTART, "train.steps=60"], during=killer)
+    run = run_job(tmp_path, [*G2, *WAIT_FOR_RESTART, "train.min_step_time_s=0.1", "train.steps=60"], during=killer)
     assert killed, "never killed rank 1"
     assert all(c == 0 for c in run.codes.values()), logs_tail(run)
     # The surviving rank went down cleanly — its group collective failed (or torchrun sent
@@ -101,7 +101,7 @@ def test_workers_exit_when_their_torchrun_agent_is_killed(tmp_path):
         os.kill(job.replicas[(1, 1)].popen.pid, signal.SIGKILL)  # the agent only
 
     killer = when_step((1, 1), 12, kill_agent)
-    run = run_job(tmp_path, [*G2, *WAIT_FOR_RESTART, "train.steps=60"], during=killer, restart=True, restart_delay_s=1.0)
+    run = run_job(tmp_path, [*G2, *WAIT_FOR_RESTART, "train.min_step_time_s=0.1", "train.steps=60"], during=killer, restart=True, restart_delay_s=1.0)
     assert seen and all(seen["pids"])
     for pid in seen["pids"]:  # the orphaned workers are gone
         with pytest.raises(ProcessLookupError):

@@ -520,7 +520,7 @@ def test_a_jobs_listeners_bind_its_address_and_its_heals_are_authenticated(tmp_p
 
     # The others wait for the restart (a fresh interpreter: seconds of imports on a loaded
     # machine), or its peer may finish first and leave it nobody to heal from (CI of stop 38).
-    run = run_job(tmp_path, ["train.steps=60", *WAIT_FOR_RESTART, "sync.inner.every=5", "sync.outer.every=2"],
+    run = run_job(tmp_path, ["train.steps=60", "train.min_step_time_s=0.1", *WAIT_FOR_RESTART, "sync.inner.every=5", "sync.outer.every=2"],
                   during=during, restart=True, timeout_s=300)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     assert killed["done"]

@@ -488,9 +488,10 @@ class Simulation(OuterBarrier, Failures):
             self.outstanding.discard(c.idx)
         if not self.hier and self.stop_pending_check(t):
             return
+        done = c.round_len  # the committed round's steps (start_round sets the next one's)
         self.start_round(c, t)
         for r in at_commit:
-            self.steps_discarded += c.round_len * (len(c.active) if r < 0 else int(r in c.active))
+            self.steps_discarded += done * (len(c.active) if r < 0 else int(r in c.active))
             self.kill_at(c, t, r)
         if self.hier and self.stop_pending and not self.outstanding:
             self.end = t

@@ -148,7 +148,9 @@ class Failures:
         if not kills:
             return
         outer = self.is_outer_round(c)
-        for k, r, ph in [x for x in kills if x[0] == c.step and x[2] != "LOCAL"]:
+        # match_pace: the simulated rounds need not end where the recorded run's did
+        ended = (lambda k: c.step - c.round_len < k <= c.step) if self.p.match_pace else (lambda k: k == c.step)
+        for k, r, ph in [x for x in kills if ended(x[0]) and x[2] != "LOCAL"]:
             kills.remove((k, r, ph))
             if ph.startswith(("OUTER", "BROADCAST")) and not outer:
                 ph = "INNER_REDUCE"
