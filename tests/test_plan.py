@@ -550,7 +550,8 @@ def test_the_pick_plans_an_int8_config_whose_block_topk2_cannot_take():
 
 def test_the_asynchronous_outer_level_is_a_push_and_the_model_back_by_hand():
     """sync.async_outer: one leader's exchange is two WAN transfers of S (up, and the model
-    back), 2 x (S/B + latency) + overhead; the slow links carry 2S per cluster per period."""
+    back), 2 x (S/B + latency) + overhead; the slow links carry 2S per cluster per period.
+    With int8 pushes the pseudo-gradient goes up compressed."""
     over = ["model=llama3_debugmodel", "links.outer.bandwidth_gbps=0.1", "links.outer.latency_ms=20", "plan.round_overhead_s=0.01"]
     sync = plan_planner.make_plan(load_config(over, validate_for="plan"))
     asy = plan_planner.make_plan(load_config([*over, "sync.async_outer.enabled=true"], validate_for="plan"))
@@ -560,3 +561,10 @@ def test_the_asynchronous_outer_level_is_a_push_and_the_model_back_by_hand():
     period = sync["h"]["inner"] * sync["h"]["outer"]
     assert asy["modes"]["hier"]["slow_link_bytes_per_step"] == pytest.approx(2 * 2 * s / period)  # 2 clusters, 1 rank each
     assert "asynchronous" not in sync["outer_round"]
+    # int8 pushes: the pseudo-gradient goes up as a byte per element and an fp32 scale per
+    # block of 256 (sync/compression.py push_bytes), the model comes back in fp32.
+    q = plan_planner.make_plan(load_config([*over, "sync.async_outer.enabled=true", "sync.outer.compression=int8"], validate_for="plan"))
+    n = s // 4
+    up = -(-n // 256) * (256 + 4)
+    assert q["outer_round"]["bytes"] == up + s
+    assert q["outer_round"]["s"] == pytest.approx((up + s) / (0.1e9 / 8) + 2 * 0.020 + 0.01)

@@ -55,6 +55,8 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
     if model_bytes and comp != NO_COMPRESSION:
         # the compressed outer reduce: packed codes and scales (topk2: positions too)
         expected_outer = payload_bytes(model_bytes // 4, C, comp, cfg.sync.outer.compression_block, cfg.sync.outer.topk) * C
+    if cfg.sync.async_outer.enabled:
+        expected_outer = None  # pushes to the global model server, not a ring: no per-round figure
     if expected_outer and cfg.sync.outer.fragments > 1:
         expected_outer = None  # streaming fragments: one fragment per round (the last the whole model), no single figure
     outer_payload = levels.get("outer", {}).get("payload")

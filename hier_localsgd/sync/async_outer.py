@@ -92,6 +92,13 @@ def next_round_step(step: int, due: int, period: int, h_inner: int) -> int:
     return s
 
 
+def _tensor_bytes(x: object) -> int:
+    """Bytes of the tensors in a push's ``delta`` (fp32, or a compressed payload's)."""
+    if isinstance(x, torch.Tensor):
+        return int(x.numel() * x.element_size())
+    return sum(_tensor_bytes(v) for v in x.values()) if isinstance(x, dict) else 0
+
+
 class AsyncOuter:
     """The leader's pushes and final pulls (module doc).
 
@@ -218,9 +225,7 @@ class AsyncOuter:
             return call(self.url, path, req, self._key, left, sizes, limit=body_limit(self.st.outer.backup.numel()))
         finally:
             if sizes:
-                delta = req.get("delta")
-                self.stats.record(path.strip("/"), PAYLOAD, int(delta.numel() * delta.element_size()) if delta is not None else 0,
-                                  float(sizes["sent"] + sizes["received"]))
+                self.stats.record(path.strip("/"), PAYLOAD, _tensor_bytes(req.get("delta")), float(sizes["sent"] + sizes["received"]))
                 self.stats.timed(path.strip("/"), PAYLOAD, t0, 0.0)
 
     def run(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool, tr: PhaseTracker) -> OuterResult:
@@ -230,11 +235,13 @@ class AsyncOuter:
         fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, c.outer_round, c.step)
         final = st.settings.final_step > 0 and c.step >= st.settings.final_step
         delta = st.outer.pseudo_grad(cluster_model).to("cpu", torch.float32) if contribute else None
+        comp = st.comp  # sync.outer.compression: the push carries the encoded delta, its residual staged
+        payload = comp.encode_push(delta) if comp is not None and delta is not None else delta
         tokens = self.tokens + self.round_work if contribute else 0.0
         req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": tokens,
                "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
                "share": min(1.0, self.period / self.full), "match_pace": self.match_pace,
-               "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full, "final": final, "delta": delta, "model": None}
+               "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full, "final": final, "delta": payload, "model": None}
         t0 = time.time()
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
@@ -245,6 +252,8 @@ class AsyncOuter:
                 ans = self._call("/push", {**req, "epoch": self.epoch}, tr)
             model = self._model_of(ans, cluster_model, "/push")
         except GlobalModelUnavailable as e:
+            if comp is not None:
+                comp.rollback()  # not merged (or not known to be: at most once, global_server.py)
             tr.enter(Phase.OUTER_COMMIT)
             st.events("outer_unavailable", level="outer", step=c.step, detail=str(e)[:200])
             logger.warning("%s global model server: %s; the cluster trains on", st.id, e)
@@ -252,6 +261,14 @@ class AsyncOuter:
         tr.enter(Phase.OUTER_COMMIT)  # nothing to vote on: the server's version is final
         self.epoch = str(ans.get("epoch") or "")
         version, weight, staleness = int(ans["version"]), float(ans.get("weight", 0.0)), int(ans.get("staleness", 0))
+        if comp is not None:
+            # Merged: what the payload did not deliver is the residual (the members get it
+            # in BROADCAST, outer_round.py). Refused or dropped: the work is lost with the
+            # adoption, the residual (earlier, merged work's) is kept.
+            if weight > 0:
+                comp.commit()
+            else:
+                comp.rollback()
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
         push_in = self.next_push(ans.get("push_in"))

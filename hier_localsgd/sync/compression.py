@@ -55,10 +55,11 @@ import torch
 
 from hier_localsgd.core.ft.comm import LevelComm
 from hier_localsgd.core.tensors.fragments import Ranges, gather, scatter_
-from hier_localsgd.core.runtime.choices import DEFAULT_BLOCK, DEFAULT_TOPK, TOPK2
-from hier_localsgd.core.tensors.compress import ErrorFeedback, check_format
+from hier_localsgd.core.runtime.choices import DEFAULT_BLOCK, DEFAULT_TOPK, FP8, INT8, MAX_CHUNK, TOPK2
+from hier_localsgd.core.tensors.compress import ErrorFeedback, Quantized, check_format, dequantize, quantized_nbytes
 from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
-from hier_localsgd.core.tensors.sparse import check_sparse, sparse_allreduce_bytes
+from hier_localsgd.core.tensors.sparse import check_sparse, sparse_allreduce_bytes, sparse_nbytes
+from hier_localsgd.core.tensors.sparse import decode as sparse_decode, encode as sparse_encode
 from hier_localsgd.core.links.link import PAYLOAD
 from hier_localsgd.sync.sections import COMPRESSIONS, NONE
 
@@ -124,6 +125,23 @@ class OuterCompression:
             grad.copy_(work)
         return ok
 
+    def encode_push(self, delta: torch.Tensor) -> Dict[str, object]:
+        """The asynchronous outer level's push (async_outer.py): encodes ``delta`` (this
+        cluster's pseudo-gradient, unweighted: the server weighs it) plus the committed
+        residual, stages the new residual in the same units, and returns the request's
+        payload (:func:`decode_push` reads it). The push's answer decides: merged
+        (weight > 0) :meth:`commit`, anything else :meth:`rollback`."""
+        self._ef.rollback()
+        self._ef.residual = self.residual.clone()
+        self._total, self._ranges = 1.0, None
+        x = delta.detach().reshape(-1).to("cpu", torch.float32)
+        head: Dict[str, object] = {"fmt": self.fmt, "block": self.block, "numel": x.numel()}
+        if self.fmt == TOPK2:
+            payload = self._ef.encode_with(x, lambda v: sparse_encode(v, self.block, self.topk))
+            return {**head, "topk": self.topk, "payload": payload}
+        q = self._ef.encode(x)
+        return {**head, "codes": q.codes, "scales": q.scales}
+
     def commit(self) -> None:
         """The outer round committed: its staged residual becomes the state."""
         if self._ef.has_staged:
@@ -170,6 +188,48 @@ def payload_bytes(numel: int, world: int, fmt: str, block: int, topk: int = DEFA
     return compressed_allreduce_bytes(numel, world, fmt, block)
 
 
+def push_bytes(numel: int, fmt: str, block: int, topk: int = DEFAULT_TOPK) -> int:
+    """Bytes of one asynchronous push's pseudo-gradient of ``numel`` elements
+    (:meth:`OuterCompression.encode_push`; ``none``: fp32): the planner's and simulator's
+    formula."""
+    if fmt == NONE:
+        return 4 * numel
+    return sparse_nbytes(numel, block, topk) if fmt == TOPK2 else quantized_nbytes(numel, fmt, block)
+
+
+def decode_push(d: object, numel: int) -> torch.Tensor:
+    """The fp32 pseudo-gradient of a compressed push (:meth:`OuterCompression.encode_push`)
+    for a model of ``numel`` elements: what the global model server merges.
+
+    Raises:
+        ValueError: one line naming what is wrong (an unknown format, a size or dtype that
+            does not match the format's layout): the push is refused, nothing is merged."""
+    if not isinstance(d, dict):
+        raise ValueError(f"delta: expected a tensor or a compressed payload, got {type(d).__name__}")
+    fmt, block = d.get("fmt"), d.get("block")
+    if fmt not in (INT8, FP8, TOPK2):
+        raise ValueError(f"delta.fmt: {fmt!r} is not a push format (int8, fp8, topk2)")
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= (MAX_CHUNK if fmt == TOPK2 else 1 << 24):
+        raise ValueError(f"delta.block: {block!r} is not a block size for {fmt}")
+    if d.get("numel") != numel:
+        raise ValueError(f"delta.numel: {d.get('numel')!r}, the model has {numel} elements")
+    if fmt == TOPK2:
+        k, payload = d.get("topk"), d.get("payload")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= block:
+            raise ValueError(f"delta.topk: {k!r} is not between 1 and delta.block={block}")
+        if not isinstance(payload, torch.Tensor) or payload.dim() != 1:
+            raise ValueError("delta.payload: not a flat tensor")
+        return sparse_decode(payload, numel, block, k)  # checks the payload's length and dtype
+    codes, scales = d.get("codes"), d.get("scales")
+    nblocks = -(-numel // block)
+    want = torch.float8_e4m3fn if fmt == FP8 else torch.int8
+    if not (isinstance(codes, torch.Tensor) and codes.dtype == want and codes.dim() == 1 and codes.numel() == nblocks * block):
+        raise ValueError(f"delta.codes: expected {nblocks * block} {want} codes for {numel} elements in blocks of {block}")
+    if not (isinstance(scales, torch.Tensor) and scales.dtype == torch.float32 and scales.dim() == 1 and scales.numel() == nblocks):
+        raise ValueError(f"delta.scales: expected {nblocks} float32 scales")
+    return dequantize(Quantized(codes=codes, scales=scales, numel=numel, fmt=fmt, block=block))
+
+
 def latency_hops(world: int, fmt: str) -> int:
     """Sequential one-way trips of one compressed outer reduce: an all-to-all and an
     all-gather (``int8``/``fp8``), or an all-gather alone (``topk2``), each ``world − 1``
@@ -182,4 +242,4 @@ def build(fmt: str, block: int, numel: int, topk: int = DEFAULT_TOPK) -> Optiona
     return None if fmt == NONE else OuterCompression(fmt, block, numel, topk)
 
 
-__all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NONE", "OuterCompression", "build", "latency_hops", "payload_bytes"]
+__all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NONE", "OuterCompression", "build", "decode_push", "latency_hops", "payload_bytes", "push_bytes"]

@@ -5,7 +5,7 @@ at ``sync.async_outer.addr``, and the leaders' client call (:func:`call`).
 Requests (``POST``, body and answer in the no-code wire format, core/security/wire.py)::
 
     /push   {cluster, base, step, tokens, period_s, period_steps, share, match_pace, min_steps, full_steps,
-             final, delta|None, model|None}
+             final, delta|None, model|None}      (delta: fp32, or compressed: compression.py encode_push)
             -> {version, model, weight, staleness, final, need_model, refused, epoch, cluster_step, push_in}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
 
@@ -73,6 +73,7 @@ import torch
 from hier_localsgd.core.ft.heals import MAX_SKEW, bind_family, no_redirect_opener
 from hier_localsgd.core.security.wire import WireError, decode, encode
 from hier_localsgd.core.tensors.level import LevelAlgorithm
+from hier_localsgd.sync.compression import decode_push
 from hier_localsgd.sync.global_model import GlobalModel
 
 logger = logging.getLogger(__name__)
@@ -288,6 +289,14 @@ class GlobalModelServer:
         final, delta, model, step = bool(req.get("final")), req.get("delta"), req.get("model"), int(req.get("step", -1))
         if not (math.isfinite(tokens) and tokens >= 0) or base < 0:
             raise ValueError(f"tokens {tokens} / base {base}: must be finite and at least 0")
+        if delta is not None and not isinstance(delta, torch.Tensor):
+            # A compressed push (sync.outer.compression, compression.py encode_push), decoded
+            # for the model's size (one the server holds, else the one this request brings).
+            held = self.model
+            numel = held.params.numel() if held is not None else model.numel() if isinstance(model, torch.Tensor) else None
+            if numel is None:
+                return {"need_model": True}
+            delta = decode_push(delta, numel)
         for name, t in (("delta", delta), ("model", model)):
             if t is not None and not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype.is_floating_point):
                 raise ValueError(f"{name}: not a flat floating-point tensor")

@@ -228,7 +228,6 @@ class AsyncOuterConfig:
             fail("sync.async_outer.enabled", f"an asynchronous outer level needs sync.mode=hier (got {mode!r})")
         for bad, why in ((outer.delay != 0, f"sync.outer.delay={outer.delay}: overlapped rounds"),
                          (outer.fragments != 1, f"sync.outer.fragments={outer.fragments}: streaming fragments"),
-                         (outer.compression != NONE, f"sync.outer.compression={outer.compression!r}: a compressed outer reduce"),
                          (outer.auto, "sync.outer.auto: a configuration picked for synchronous rounds"),
                          (t.ranks_per_replica != 1, f"topology.ranks_per_replica={t.ranks_per_replica}: groups of several ranks")):
             if bad:

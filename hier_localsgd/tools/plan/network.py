@@ -10,7 +10,7 @@ from hier_localsgd import costs
 from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.runtime.choices import DEFAULT_TOPK
 from hier_localsgd.core.links.lossy import LinkSpec
-from hier_localsgd.sync.compression import latency_hops, payload_bytes
+from hier_localsgd.sync.compression import latency_hops, payload_bytes, push_bytes
 from hier_localsgd.sync.sections import SyncConfig
 
 
@@ -103,12 +103,22 @@ def outer_round_s(sync_bytes: float, clusters: int, wan: LinkSpec, v: OuterVaria
     return latency_hops(clusters, v.compression) * wan.latency_s + wire + round_overhead_s
 
 
-def async_push_s(sync_bytes: float, wan: LinkSpec, round_overhead_s: float) -> float:
+def async_push_bytes(sync_bytes: float, v: OuterVariant) -> float:
+    """The pseudo-gradient one asynchronous push sends up (``sync.outer.compression``:
+    sync/compression.py ``push_bytes``); the model comes back in full."""
+    if v.compression == "none":
+        return sync_bytes
+    return float(push_bytes(int(sync_bytes // v.elem_bytes), v.compression, v.block, v.topk))
+
+
+def async_push_s(up_bytes: float, down_bytes: float, wan: LinkSpec, round_overhead_s: float) -> float:
     """The asynchronous outer level's exchange (``sync.async_outer``): the pseudo-gradient
-    up to the global model server and the model back, one WAN transfer each (no ring,
-    nobody waited for), plus a round's overhead. Not modelled: the server's own link shared
-    by the clusters' pushes, and the grace window (sync/global_server.py)."""
-    return 2 * costs.transfer_time(sync_bytes, wan.latency_s, wan.bandwidth_Bps) + round_overhead_s
+    up to the global model server (``up_bytes``: :func:`async_push_bytes`) and the model
+    back, one WAN transfer each (no ring, nobody waited for), plus a round's overhead. Not
+    modelled: the server's own link shared by the clusters' pushes, and the grace window
+    (sync/global_server.py)."""
+    return (costs.transfer_time(up_bytes, wan.latency_s, wan.bandwidth_Bps)
+            + costs.transfer_time(down_bytes, wan.latency_s, wan.bandwidth_Bps) + round_overhead_s)
 
 
 def outer_round_bytes(sync_bytes: float, clusters: int, v: OuterVariant) -> float:

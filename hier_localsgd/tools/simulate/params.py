@@ -85,8 +85,9 @@ class SimParams:
         return self.outer_link.allreduce_time(self.sync_bytes, n) + self.round_overhead_s
 
     def push_time(self) -> float:
-        """The asynchronous outer level's exchange (tools/plan/network.py async_push_s)."""
-        return async_push_s(self.sync_bytes, self.outer_link, self.round_overhead_s)
+        """The asynchronous outer level's exchange (tools/plan/network.py async_push_s; an
+        fp32 push: the simulator does not model compression)."""
+        return async_push_s(self.sync_bytes, self.sync_bytes, self.outer_link, self.round_overhead_s)
 
     def broadcast_time(self, n: int) -> float:
         return self.inner_link.broadcast_time(self.sync_bytes, n)
