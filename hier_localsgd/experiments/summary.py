@@ -68,7 +68,8 @@ def summarize(cfg: Config, job: LocalJob, wall_s: float) -> Dict[str, Any]:
             "ranks_per_replica": cfg.topology.ranks_per_replica,
             "mode": cfg.sync.mode,
             "inner": {"algorithm": cfg.sync.inner.algorithm, "every": cfg.sync.inner.every},
-            "outer": {"algorithm": cfg.sync.outer.algorithm, "every": cfg.sync.outer.every, "compression": cfg.sync.outer.compression},
+            "outer": {"algorithm": cfg.sync.outer.algorithm, "every": cfg.sync.outer.every, "compression": cfg.sync.outer.compression,
+                      "asynchronous": cfg.sync.async_outer.enabled},
         },
         "model": cfg.model.name,
         "model_params": next((r["model_params"] for r in got.values()), None),
@@ -200,6 +201,7 @@ def human(summary: Dict[str, Any]) -> str:
         lines.append(
             f"  slow-link payload per outer round: {mb(summary['slow_link_payload_bytes_per_outer_round'])} "
             + (f"({what} per cluster x ring factor = {mb(expected)})" if expected is not None
+               else "(asynchronous: each push's pseudo-gradient up and the model back)" if summary["topology"]["outer"].get("asynchronous")
                else "(streaming fragments: one fragment per round, the last round the whole model)")
         )
     lines.append(f"  consistent: {summary['consistent']} ({len(set(summary['checksums'].values()))} distinct checksum(s) over {len(summary['checksums'])} processes"

@@ -40,6 +40,7 @@ import torch
 
 from hier_localsgd.core.links.link import PAYLOAD, LinkStats
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.core.security.wire import tensor_bytes
 from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.global_server import GlobalModelUnavailable, body_limit, call, tensor_or_none
 from hier_localsgd.sync.state import SyncState
@@ -90,13 +91,6 @@ def next_round_step(step: int, due: int, period: int, h_inner: int) -> int:
     while not ((s % h_inner == 0 and not skips_round(s, due, period, h_inner)) or is_push_step(s, due, period)):
         s += 1
     return s
-
-
-def _tensor_bytes(x: object) -> int:
-    """Bytes of the tensors in a push's ``delta`` (fp32, or a compressed payload's)."""
-    if isinstance(x, torch.Tensor):
-        return int(x.numel() * x.element_size())
-    return sum(_tensor_bytes(v) for v in x.values()) if isinstance(x, dict) else 0
 
 
 class AsyncOuter:
@@ -225,7 +219,7 @@ class AsyncOuter:
             return call(self.url, path, req, self._key, left, sizes, limit=body_limit(self.st.outer.backup.numel()))
         finally:
             if sizes:
-                self.stats.record(path.strip("/"), PAYLOAD, _tensor_bytes(req.get("delta")), float(sizes["sent"] + sizes["received"]))
+                self.stats.record(path.strip("/"), PAYLOAD, tensor_bytes(req.get("delta")), float(sizes["sent"] + sizes["received"]))
                 self.stats.timed(path.strip("/"), PAYLOAD, t0, 0.0)
 
     def run(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool, tr: PhaseTracker) -> OuterResult:
@@ -250,10 +244,20 @@ class AsyncOuter:
             if ans.get("need_model"):
                 self._register(final=False, tr=tr)  # the model alone, then the push again
                 ans = self._call("/push", {**req, "epoch": self.epoch}, tr)
+            if comp is not None:
+                # Merged (weight > 0): what the payload did not deliver is the residual (the
+                # members get it in BROADCAST, outer_round.py), even if the model in the
+                # answer is then refused. Refused or dropped: the work is lost with the
+                # adoption; the residual (earlier, merged work's) is kept.
+                w = ans.get("weight")
+                if type(w) in (int, float) and w > 0:
+                    comp.commit()
+                else:
+                    comp.rollback()
             model = self._model_of(ans, cluster_model, "/push")
         except GlobalModelUnavailable as e:
             if comp is not None:
-                comp.rollback()  # not merged (or not known to be: at most once, global_server.py)
+                comp.rollback()  # not merged (or not known to be: at most once, global_server.py); no-op once settled
             tr.enter(Phase.OUTER_COMMIT)
             st.events("outer_unavailable", level="outer", step=c.step, detail=str(e)[:200])
             logger.warning("%s global model server: %s; the cluster trains on", st.id, e)
@@ -261,14 +265,6 @@ class AsyncOuter:
         tr.enter(Phase.OUTER_COMMIT)  # nothing to vote on: the server's version is final
         self.epoch = str(ans.get("epoch") or "")
         version, weight, staleness = int(ans["version"]), float(ans.get("weight", 0.0)), int(ans.get("staleness", 0))
-        if comp is not None:
-            # Merged: what the payload did not deliver is the residual (the members get it
-            # in BROADCAST, outer_round.py). Refused or dropped: the work is lost with the
-            # adoption, the residual (earlier, merged work's) is kept.
-            if weight > 0:
-                comp.commit()
-            else:
-                comp.rollback()
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
         push_in = self.next_push(ans.get("push_in"))

@@ -22,7 +22,8 @@ not delivered yet:
   when the total weight changes between rounds: within about one quantization step of
   each stage, for any number of rounds (tests/test_outer_compression.py checks the
   identity on a real hierarchy);
-* it is **committed only with the outer round** (the leader's OUTER_COMMIT vote) and
+* it is **committed only with the outer round** (the leader's OUTER_COMMIT vote; with the
+  asynchronous level, the server's answer that the push merged: :meth:`encode_push`) and
   rolled back on every other path, so a failed round never changes it;
 * it is **the cluster's replicated state**, not the leader's alone: the leader sends it
   (fp32, reliable ``control`` traffic on the cluster's fast link) after the model in
@@ -190,8 +191,7 @@ def payload_bytes(numel: int, world: int, fmt: str, block: int, topk: int = DEFA
 
 def push_bytes(numel: int, fmt: str, block: int, topk: int = DEFAULT_TOPK) -> int:
     """Bytes of one asynchronous push's pseudo-gradient of ``numel`` elements
-    (:meth:`OuterCompression.encode_push`; ``none``: fp32): the planner's and simulator's
-    formula."""
+    (:meth:`OuterCompression.encode_push`; ``none``: fp32): the planner's formula."""
     if fmt == NONE:
         return 4 * numel
     return sparse_nbytes(numel, block, topk) if fmt == TOPK2 else quantized_nbytes(numel, fmt, block)
@@ -209,17 +209,20 @@ def decode_push(d: object, numel: int) -> torch.Tensor:
     fmt, block = d.get("fmt"), d.get("block")
     if fmt not in (INT8, FP8, TOPK2):
         raise ValueError(f"delta.fmt: {fmt!r} is not a push format (int8, fp8, topk2)")
-    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= (MAX_CHUNK if fmt == TOPK2 else 1 << 24):
+    # (no upper bound for int8/fp8: the codes' count must match, and they came in the body)
+    if type(block) is not int or not 1 <= block <= (MAX_CHUNK if fmt == TOPK2 else block):
         raise ValueError(f"delta.block: {block!r} is not a block size for {fmt}")
-    if d.get("numel") != numel:
+    if type(d.get("numel")) is not int or d["numel"] != numel:
         raise ValueError(f"delta.numel: {d.get('numel')!r}, the model has {numel} elements")
     if fmt == TOPK2:
         k, payload = d.get("topk"), d.get("payload")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= block:
+        if type(k) is not int or not 1 <= k <= block:
             raise ValueError(f"delta.topk: {k!r} is not between 1 and delta.block={block}")
-        if not isinstance(payload, torch.Tensor) or payload.dim() != 1:
-            raise ValueError("delta.payload: not a flat tensor")
-        return sparse_decode(payload, numel, block, k)  # checks the payload's length and dtype
+        if not isinstance(payload, torch.Tensor) or payload.dim() != 1 or payload.dtype != torch.uint8 or payload.numel() != sparse_nbytes(numel, block, k):
+            raise ValueError(f"delta.payload: expected {sparse_nbytes(numel, block, k)} uint8 bytes for {numel} elements, chunk {block}, k {k}")
+        if int(payload[: -(-numel // block) * k].max()) >= block:  # the positions come first, one byte each
+            raise ValueError(f"delta.payload: a position outside its chunk of {block}")
+        return sparse_decode(payload, numel, block, k)
     codes, scales = d.get("codes"), d.get("scales")
     nblocks = -(-numel // block)
     want = torch.float8_e4m3fn if fmt == FP8 else torch.int8

@@ -292,7 +292,8 @@ class GlobalModelServer:
         if delta is not None and not isinstance(delta, torch.Tensor):
             # A compressed push (sync.outer.compression, compression.py encode_push), decoded
             # for the model's size (one the server holds, else the one this request brings).
-            held = self.model
+            with self._cond:
+                held = self.model
             numel = held.params.numel() if held is not None else model.numel() if isinstance(model, torch.Tensor) else None
             if numel is None:
                 return {"need_model": True}
