@@ -209,8 +209,8 @@ def decode_push(d: object, numel: int) -> torch.Tensor:
     fmt, block = d.get("fmt"), d.get("block")
     if fmt not in (INT8, FP8, TOPK2):
         raise ValueError(f"delta.fmt: {fmt!r} is not a push format (int8, fp8, topk2)")
-    # (no upper bound for int8/fp8: the codes' count must match, and they came in the body)
-    if type(block) is not int or not 1 <= block <= (MAX_CHUNK if fmt == TOPK2 else block):
+    # No upper bound for int8/fp8: the codes' count must match, and they came in the body.
+    if type(block) is not int or block < 1 or (fmt == TOPK2 and block > MAX_CHUNK):
         raise ValueError(f"delta.block: {block!r} is not a block size for {fmt}")
     if type(d.get("numel")) is not int or d["numel"] != numel:
         raise ValueError(f"delta.numel: {d.get('numel')!r}, the model has {numel} elements")
