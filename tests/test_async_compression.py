@@ -210,6 +210,12 @@ def test_int8_pushes_carry_the_compressed_bytes_and_a_restarted_leader_heals_the
     for k in ((0, 0), (1, 0)):  # the leaders' pushes (a registration of the model alone has no delta)
         pushed = run.job.result(k)["link"]["outer"]["tensor_bytes"]["push/payload"]
         assert pushed > 0 and pushed % quantized_nbytes(n, "int8", 256) == 0, (k, pushed, n)
+    # The model came down as int8 steps (sync.async_outer.compress_down, on by default) at
+    # most pushes: whole only at a leader's first push, after its restart, or behind more
+    # versions than the server keeps steps for; and yet the job ended on one model.
+    pushes = [e for k in ((0, 0), (1, 0)) for e in run.kinds(k, "commit", level="outer") if "base" in e]
+    stepped = [e for e in pushes if e.get("down_steps") is not None]
+    assert len(stepped) >= len(pushes) // 2 and any(e["down_steps"] >= 1 for e in stepped), pushes
     done = {k: run.kinds(k, "async_final", state="done") for k in run.job.keys()}
     assert all(len(v) == 1 for v in done.values()) and len({v[0]["outer_round"] for v in done.values()}) == 1, done
     assert run.summary["consistent"] is True

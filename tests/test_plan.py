@@ -562,9 +562,12 @@ def test_the_asynchronous_outer_level_is_a_push_and_the_model_back_by_hand():
     assert asy["modes"]["hier"]["slow_link_bytes_per_step"] == pytest.approx(2 * 2 * s / period)  # 2 clusters, 1 rank each
     assert "asynchronous" not in sync["outer_round"]
     # int8 pushes: the pseudo-gradient goes up as a byte per element and an fp32 scale per
-    # block of 256 (sync/compression.py push_bytes), the model comes back in fp32.
-    q = plan_planner.make_plan(load_config([*over, "sync.async_outer.enabled=true", "sync.outer.compression=int8"], validate_for="plan"))
+    # block of 256 (sync/compression.py push_bytes); the answer brings one int8 step of the
+    # same size (sync.async_outer.compress_down), or the model in fp32 with it off.
     n = s // 4
     up = -(-n // 256) * (256 + 4)
-    assert q["outer_round"]["bytes"] == up + s
-    assert q["outer_round"]["s"] == pytest.approx((up + s) / (0.1e9 / 8) + 2 * 0.020 + 0.01)
+    for down_on, down in ((True, up), (False, s)):
+        q = plan_planner.make_plan(load_config([*over, "sync.async_outer.enabled=true", "sync.outer.compression=int8",
+                                                f"sync.async_outer.compress_down={str(down_on).lower()}"], validate_for="plan"))
+        assert q["outer_round"]["bytes"] == up + down
+        assert q["outer_round"]["s"] == pytest.approx((up + down) / (0.1e9 / 8) + 2 * 0.020 + 0.01)

@@ -231,6 +231,7 @@ def _global_model_server(cfg: Config):
     lighthouse: supervised and restarted with it."""
     from hier_localsgd.core.security.secret import global_model_key
     from hier_localsgd.core.tensors.level import LevelAlgorithm
+    from hier_localsgd.sync.compression import down_format
     from hier_localsgd.sync.global_server import GlobalModelServer
 
     s, a, field = cfg.sync, cfg.sync.async_outer, "sync.async_outer.addr"
@@ -247,7 +248,8 @@ def _global_model_server(cfg: Config):
             host.strip("[]"), int(port), LevelAlgorithm.build(s.outer.algorithm, s.outer.lr, s.outer.momentum, s.outer.nesterov),
             full_tokens=cfg.topology.replicas_per_cluster * s.outer_period, max_staleness=a.max_staleness,
             clusters=cfg.topology.clusters, grace_s=a.grace_s, min_clusters=a.min_clusters, final_wait_s=s.final_wait_s,
-            key=None if key is None else key.bytes())
+            key=None if key is None else key.bytes(),
+            down=down_format(s.outer.compression, a.compress_down, s.outer.compression_block))
     except OSError as e:
         in_use = port_in_use(field, a.addr, cfg.lighthouse.bind)
         why = f"port {port} is already in use (another process listens there)" if in_use else f"cannot bind {host}:{port}: {e}"

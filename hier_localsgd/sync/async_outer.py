@@ -42,6 +42,8 @@ from hier_localsgd.core.links.link import PAYLOAD, LinkStats
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.core.security.wire import tensor_bytes
 from hier_localsgd.sync.common import OuterResult, Status
+from hier_localsgd.sync.compression import decode_push
+from hier_localsgd.sync.global_model import apply_update, checksum
 from hier_localsgd.sync.global_server import GlobalModelUnavailable, body_limit, call, tensor_or_none
 from hier_localsgd.sync.state import SyncState
 
@@ -58,9 +60,11 @@ class AsyncOuterSettings:
     key: Optional[bytes]
     grace: timedelta
     match_pace: bool = False  # sync.async_outer.match_pace: the outer period follows the cluster's pace
+    compress_down: bool = False  # sync.async_outer.compress_down with a compression: take the steps since the base
 
     def __repr__(self) -> str:  # settings get logged: never the key
-        return f"AsyncOuterSettings(url={self.url!r}, grace={self.grace}, match_pace={self.match_pace})"
+        return (f"AsyncOuterSettings(url={self.url!r}, grace={self.grace}, match_pace={self.match_pace}, "
+                f"compress_down={self.compress_down})")
 
 
 def is_push_step(step: int, due: int, period: int) -> bool:
@@ -106,6 +110,8 @@ class AsyncOuter:
         self.st, self.url, self._key = st, settings.url, settings.key
         self.stats = stats  # the outer level's account: a push's bytes both ways are WAN traffic
         self.grace, self.match_pace = settings.grace, settings.match_pace
+        self.compress_down = settings.compress_down
+        self._whole_next = False  # the last updates did not give the server's model: ask for it whole once
         self.tokens = 0.0  # committed group-steps since the cluster last adopted a global model (every member counts)
         self.round_work = 0.0  # this round's, counted once its inner round commits
         self.pulling = False  # finish(): join rounds that ask for the final version
@@ -197,11 +203,38 @@ class AsyncOuter:
             raise GlobalModelUnavailable(f"{self.url}/push: the server did not take this cluster's model")
         self.epoch = str(ans.get("epoch") or "")
 
+    def _takes_updates(self) -> bool:
+        """Whether this push asks for the steps since its base instead of the model: only
+        with an fp32 copy of the base (the server's bits), and not right after a mismatch."""
+        return self.compress_down and not self._whole_next and self.st.outer.backup.dtype == torch.float32
+
     def _model_of(self, ans: dict, like: torch.Tensor, path: str) -> torch.Tensor:
+        if ans.get("updates") is not None:
+            return self._updated(ans, path)
+        self._whole_next = False
         model = tensor_or_none(ans.get("model"), f"{path}: the server's model")
         if model is None or model.shape != like.shape or not isinstance(ans.get("version"), int) or not bool(torch.isfinite(model).all()):
             raise GlobalModelUnavailable(f"{self.url}{path}: answer without a finite model of {tuple(like.shape)} elements and a version")
         return model
+
+    def _updated(self, ans: dict, path: str) -> torch.Tensor:
+        """The cluster's copy of its base plus the answer's ``updates``, in order, the way
+        the server took them (global_model.py ``apply_update``), checked against the
+        answer's checksum; a mismatch asks for the model whole at the next push."""
+        updates, crc = ans.get("updates"), ans.get("checksum")
+        if not isinstance(updates, list) or type(crc) is not int or not isinstance(ans.get("version"), int):
+            raise GlobalModelUnavailable(f"{self.url}{path}: answer with updates but without a list, a checksum and a version")
+        x = self.st.outer.backup.detach().to("cpu", torch.float32, copy=True)
+        try:
+            for u in updates:
+                apply_update(x, decode_push(u, x.numel()))
+        except ValueError as e:
+            raise GlobalModelUnavailable(f"{self.url}{path}: malformed update: {e}") from None
+        if checksum(x) != crc:
+            self._whole_next = True
+            raise GlobalModelUnavailable(f"{self.url}{path}: {len(updates)} updates from version {self.st.counters.outer_round} "
+                                         "did not give the server's model (checksum): the next push asks for it whole")
+        return x
 
     def answered(self, status: Status, server_answered: bool) -> None:
         """A final pull round's broadcast: the leader heard the server (or not)."""
@@ -235,7 +268,8 @@ class AsyncOuter:
         req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": tokens,
                "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
                "share": min(1.0, self.period / self.full), "match_pace": self.match_pace,
-               "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full, "final": final, "delta": payload, "model": None}
+               "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full, "final": final, "delta": payload, "model": None,
+               "down": self._takes_updates()}
         t0 = time.time()
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
@@ -270,7 +304,8 @@ class AsyncOuter:
         push_in = self.next_push(ans.get("push_in"))
         st.events("commit", level="outer", outer_round=version, step=c.step, base=req["base"], staleness=staleness,
                   weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
-                  asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period)
+                  asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period,
+                  down_steps=len(ans["updates"]) if isinstance(ans.get("updates"), list) else None)  # None: the model came whole
         # A cluster restarted whole (behind the steps it had pushed before) resumes its count there.
         ahead = ans.get("cluster_step")
         last = st.settings.final_step

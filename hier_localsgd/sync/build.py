@@ -22,6 +22,7 @@ from hier_localsgd.core.security.secret import Key, global_model_key, heal_key
 from hier_localsgd.errors import fail
 from hier_localsgd.sync.async_outer import AsyncOuterSettings
 from hier_localsgd.sync.common import EventSink, SyncStrategy
+from hier_localsgd.sync.sections import NONE
 from hier_localsgd.sync.hier import HierarchicalSync, HierSettings, Identity
 from hier_localsgd.sync.user_state import UserState
 
@@ -60,7 +61,7 @@ def async_outer_settings(cfg: Config) -> Optional[AsyncOuterSettings]:
         return None
     key = global_model_key(cfg.security)
     return AsyncOuterSettings(url=a.addr, key=None if key is None else key.bytes(), grace=timedelta(seconds=a.grace_s),
-                              match_pace=a.match_pace)
+                              match_pace=a.match_pace, compress_down=a.compress_down and cfg.sync.outer.compression != NONE)
 
 
 def outer_fragment_ranges(model: torch.nn.Module, flat: FlatParams, fragments: int) -> tuple:

@@ -50,7 +50,7 @@ stage's outer level, at the apply round; a dropped stage simply forgets its copy
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -233,6 +233,23 @@ def decode_push(d: object, numel: int) -> torch.Tensor:
     return dequantize(Quantized(codes=codes, scales=scales, numel=numel, fmt=fmt, block=block))
 
 
+def down_format(compression: str, enabled: bool, block: int) -> Optional[Tuple[str, int]]:
+    """The asynchronous level's format for the global model's updates on the way down
+    (``sync.async_outer.compress_down``, global_model.py): fp8 with ``fp8`` pushes, int8
+    with ``int8`` or ``topk2`` (the server's update is dense: momentum spreads a sparse
+    push over every element; block ``DEFAULT_BLOCK`` then, topk2's block being its chunk);
+    None (the model in fp32) without compression or with the switch off."""
+    if not enabled or compression == NONE:
+        return None
+    return (FP8, block) if compression == FP8 else (INT8, block if compression == INT8 else DEFAULT_BLOCK)
+
+
+def encode_update(q: Quantized) -> Dict[str, object]:
+    """One quantized global-model update as a push's payload is laid out (:func:`decode_push`
+    reads both): the wire form of an answer's ``updates``."""
+    return {"fmt": q.fmt, "block": q.block, "numel": q.numel, "codes": q.codes, "scales": q.scales}
+
+
 def latency_hops(world: int, fmt: str) -> int:
     """Sequential one-way trips of one compressed outer reduce: an all-to-all and an
     all-gather (``int8``/``fp8``), or an all-gather alone (``topk2``), each ``world − 1``
@@ -245,4 +262,4 @@ def build(fmt: str, block: int, numel: int, topk: int = DEFAULT_TOPK) -> Optiona
     return None if fmt == NONE else OuterCompression(fmt, block, numel, topk)
 
 
-__all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NONE", "OuterCompression", "build", "decode_push", "latency_hops", "payload_bytes", "push_bytes"]
+__all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NONE", "OuterCompression", "build", "decode_push", "down_format", "encode_update", "latency_hops", "payload_bytes", "push_bytes"]

@@ -45,6 +45,21 @@ global model's own (HALoS keeps momentum at the global server for the same reaso
 it is well defined whatever order contributions arrive in; a lone fast cluster's batches
 step it more often than a slow one's, exactly as often as the model moves.
 
+**Compressed updates down** (``down``: sync.async_outer.compress_down with
+``sync.outer.compression``, compression.py ``down_format``): each version's outer step
+``u_v`` is quantized with the server's own error feedback ``e`` (``q_v = Q(u_v + e)``,
+``e ← u_v + e − D(q_v)``) and the model *is* the sum of the decoded steps::
+
+    θ_v = θ_{v−1} + D(q_v)          (fp32, element by element, :func:`apply_update`)
+
+so a leader holding version ``b`` gets ``q_{b+1} … q_v`` (a quarter of the model each in
+int8) instead of the model, and adds them in order with the same function: the same bits
+as the server's (an fp32 addition of the same operands), which a CRC-32 of ``θ_v`` in the
+answer confirms. A chain is kept only while its bytes are under the model's (:meth:`chain`);
+a leader further behind, or from another server life, gets the model. The momentum steps
+on ``g`` as without it; what the quantization leaves is ``e``, delivered with later
+versions (at most one quantization step per element behind the fp32 sequence).
+
 A contribution holding a non-finite value is refused (weight 0, logged): one diverged cluster
 never turns the global model to NaN; the cluster adopts the newest version instead.
 
@@ -56,11 +71,14 @@ leaders do not hold the server's momentum). Nothing here blocks or does I/O.
 
 from __future__ import annotations
 
+import zlib
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from hier_localsgd.core.tensors.compress import Quantized, dequantize, quantize
 from hier_localsgd.core.tensors.level import Level, LevelAlgorithm
 
 
@@ -69,6 +87,19 @@ def staleness_factor(staleness: int, max_staleness: int) -> float:
     if staleness < 0 or staleness > max_staleness:
         return 0.0
     return 1.0 / (1.0 + staleness)
+
+
+def checksum(params: torch.Tensor) -> int:
+    """CRC-32 of an fp32 host model's bytes: a leader's check that the updates it added
+    gave the server's model bit for bit (not a security check: the answer is MAC'ed)."""
+    return zlib.crc32(params.detach().contiguous().numpy().data)
+
+
+@torch.no_grad()
+def apply_update(params: torch.Tensor, step: torch.Tensor) -> None:
+    """``params += step`` (fp32: a decoded ``D(q)``): the one way the server and the
+    leaders take a step down, so both get the same bits."""
+    params.add_(step)
 
 
 @dataclass
@@ -94,10 +125,11 @@ class GlobalModel:
         max_staleness: the bound on ``s`` (versions).
         clusters: ``C``, the job's clusters (a synchronous round's worth is ``C``).
         init: the global model of version ``version``.
+        down: ``(fmt, block)`` of the updates down (module doc); None: the model in fp32.
     """
 
     def __init__(self, algorithm: LevelAlgorithm, full_tokens: float, max_staleness: int, init: torch.Tensor, version: int,
-                 clusters: int = 1) -> None:
+                 clusters: int = 1, down: Optional[Tuple[str, int]] = None) -> None:
         if full_tokens <= 0 or clusters < 1:
             raise ValueError(f"full_tokens={full_tokens}, clusters={clusters}: must be positive")
         self.algorithm, self.full_tokens, self.max_staleness = algorithm, float(full_tokens), max_staleness
@@ -106,6 +138,10 @@ class GlobalModel:
         self.version = version
         self.pending: List[Contribution] = []  # the open batch
         self.history: List[Dict[str, object]] = []  # per version: who contributed, with what weight
+        self.down = down
+        self.residual = torch.zeros_like(self.params) if down is not None else None  # e of the module doc
+        self.updates: Deque[Tuple[int, Quantized]] = deque()  # (version, q_version), oldest first
+        self.checksum = checksum(self.params) if down is not None else 0
 
     @property
     def params(self) -> torch.Tensor:
@@ -149,11 +185,42 @@ class GlobalModel:
         g.div_(max(total, f))
         for c in batch:
             c.applied = True
+        prev = self.params.clone() if self.down is not None else None
         self.level.commit(self.level.stage(g))
         self.version += 1
+        if prev is not None:
+            self._quantize_step(prev)
         self.history.append({"version": self.version, "clusters": [c.cluster for c in batch],
                              "weights": [round(c.weight, 6) for c in batch], "staleness": [c.staleness for c in batch], "floor": round(f, 6)})
         return True
+
+    @torch.no_grad()
+    def _quantize_step(self, prev: torch.Tensor) -> None:
+        """The step just taken, ``θ − prev``, goes down quantized (module doc): the model
+        becomes ``prev + D(q)`` and the error feedback keeps the rest."""
+        assert self.down is not None and self.residual is not None
+        fmt, block = self.down
+        u = self.params.sub(prev).add_(self.residual)
+        q = quantize(u, fmt, block)
+        d = dequantize(q)
+        self.params.copy_(prev)
+        apply_update(self.params, d)
+        self.residual.copy_(u.sub_(d))
+        self.checksum = checksum(self.params)
+        self.updates.append((self.version, q))
+        limit = self.params.numel() * self.params.element_size()
+        while sum(x.nbytes for _, x in self.updates) >= limit:  # a chain never outweighs the model
+            self.updates.popleft()
+
+    def chain(self, base: int) -> Optional[List[Quantized]]:
+        """The updates from version ``base`` to the current one, in order ([] at the current
+        version); None if they are not all kept (or updates do not go down): send the model."""
+        if self.down is None or base > self.version:
+            return None
+        if base == self.version:
+            return []
+        kept = [q for v, q in self.updates if v > base]
+        return kept if len(kept) == self.version - base else None
 
     @torch.no_grad()
     def adopt(self, params: torch.Tensor, version: int) -> None:
@@ -165,3 +232,7 @@ class GlobalModel:
             self.level.momentum.zero_()
         self.version = version
         self.pending = []
+        self.updates.clear()  # no chain reaches across an adoption
+        if self.residual is not None:
+            self.residual.zero_()
+            self.checksum = checksum(self.params)

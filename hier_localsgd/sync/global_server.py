@@ -6,7 +6,9 @@ Requests (``POST``, body and answer in the no-code wire format, core/security/wi
 
     /push   {cluster, base, step, tokens, period_s, period_steps, share, match_pace, min_steps, full_steps,
              final, delta|None, model|None}      (delta: fp32, or compressed: compression.py encode_push)
-            -> {version, model, weight, staleness, final, need_model, refused, epoch, cluster_step, push_in}
+             down}
+            -> {version, model|None, updates, checksum, weight, staleness, final, need_model, refused, epoch,
+                cluster_step, push_in}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
 
 ``/push``: the contribution is weighed and added to the open batch (global_model.py);
@@ -24,6 +26,12 @@ cluster trains before its next push, so that it arrives with the fastest live cl
 next push (:meth:`_push_in`); 0 for a request without it. The leader hands it to its
 cluster in BROADCAST's header (async_outer.py). ``share``: the period the cluster pushed
 on, as a share of ``sync.outer.every`` (the merge's ``F``, global_model.py).
+
+``down`` (a leader whose copy of version ``base`` is fp32): it can take ``updates``, the
+quantized steps from ``base`` to the answer's version (``sync.async_outer.compress_down``,
+global_model.py), with ``checksum``, the CRC-32 of the model they give, instead of
+``model``. Only for a base of this server's life (``epoch``) whose chain is kept;
+otherwise, and always at ``/final``, the model comes whole.
 
 ``cluster_step``: the furthest step the cluster has pushed at: a cluster that restarted
 whole (every group lost, back at step 0) resumes its step count there when it adopts the
@@ -66,14 +74,14 @@ from hashlib import sha256
 import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections import deque
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import torch
 
 from hier_localsgd.core.ft.heals import MAX_SKEW, bind_family, no_redirect_opener
 from hier_localsgd.core.security.wire import WireError, decode, encode
 from hier_localsgd.core.tensors.level import LevelAlgorithm
-from hier_localsgd.sync.compression import decode_push
+from hier_localsgd.sync.compression import decode_push, encode_update
 from hier_localsgd.sync.global_model import GlobalModel
 
 logger = logging.getLogger(__name__)
@@ -149,12 +157,16 @@ class GlobalModelServer:
         grace_s, min_clusters: the batch window (module doc).
         final_wait_s: how long a silent cluster is waited for at the end.
         key: the job's ``derive(secret, "global-model")`` bytes; None: no secret.
+        down: the updates' ``(fmt, block)`` on the way down (compression.py ``down_format``);
+            None: answers carry the model in fp32.
     """
 
     def __init__(self, host: str, port: int, algorithm: LevelAlgorithm, full_tokens: float, max_staleness: int,
-                 clusters: int, grace_s: float, min_clusters: int, final_wait_s: float, key: Optional[bytes]) -> None:
+                 clusters: int, grace_s: float, min_clusters: int, final_wait_s: float, key: Optional[bytes],
+                 down: Optional[Tuple[str, int]] = None) -> None:
         self.algorithm, self.full_tokens, self.max_staleness = algorithm, full_tokens, max_staleness
         self.clusters, self.grace_s, self.min_clusters, self.final_wait_s = clusters, grace_s, min_clusters, final_wait_s
+        self.down = down
         self._key = key if key is not None else _PUBLIC_KEY
         self.model: Optional[GlobalModel] = None
         self._cond = threading.Condition()
@@ -309,7 +321,7 @@ class GlobalModelServer:
                 if model is None:
                     return {"need_model": True}
                 if self.model is None:
-                    self.model = GlobalModel(self.algorithm, self.full_tokens, self.max_staleness, model, base, self.clusters)
+                    self.model = GlobalModel(self.algorithm, self.full_tokens, self.max_staleness, model, base, self.clusters, self.down)
                     logger.info("global model server: holds version %d (from cluster %d)", base, cluster)
                 else:
                     logger.warning("global model server: cluster %d holds version %d above this server's %d: adopted, momentum reset",
@@ -380,8 +392,9 @@ class GlobalModelServer:
                 return {"final": False, "version": -1 if gm is None else gm.version, "model": None}
             return {"final": True, "version": gm.version, "model": gm.params.clone()}
 
-    def _answer(self, gm: GlobalModel, cluster: int, weight: float, staleness: int, refused: str = "") -> Dict[str, Any]:
-        return {"need_model": False, "version": gm.version, "model": gm.params.clone(), "weight": float(weight),
+    def _answer(self, gm: GlobalModel, cluster: int, weight: float, staleness: int, refused: str = "",
+                model: bool = True) -> Dict[str, Any]:
+        return {"need_model": False, "version": gm.version, "model": gm.params.clone() if model else None, "weight": float(weight),
                 "staleness": int(staleness), "final": self.final_version is not None, "refused": refused, "epoch": self.epoch,
                 "cluster_step": self._steps.get(cluster, 0), "push_in": 0}
 
@@ -389,7 +402,10 @@ class GlobalModelServer:
                      refused: str = "") -> Dict[str, Any]:
         """A push's answer; with match_pace, its ``push_in``, and the cluster is expected back
         when it aims to be (the grace window waits for it then, :meth:`_should_close`)."""
-        ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused)
+        chain = gm.chain(int(req["base"])) if req.get("down") is True and req.get("epoch") == self.epoch else None
+        ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused, model=chain is None)
+        if chain is not None:  # the steps since its base instead of the model (module doc)
+            ans["updates"], ans["checksum"] = [encode_update(q) for q in chain], gm.checksum
         now = time.time()
         self._answered[cluster] = now
         lo, full = req.get("min_steps"), req.get("full_steps")

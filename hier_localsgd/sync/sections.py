@@ -220,6 +220,10 @@ class AsyncOuterConfig:
     # so clusters of different speeds push together, fresh, into one batch. Off: every
     # cluster pushes every H_inner·H_outer steps.
     match_pace: bool = False
+    # With sync.outer.compression (int8, fp8, topk2): the global model comes down as the
+    # quantized steps since the leader's version (int8; fp8 with fp8), a quarter of the
+    # model's bytes each, instead of the model in fp32 (sync/global_model.py). Off: fp32.
+    compress_down: bool = True
 
     def check(self, mode: str, outer: LevelConfig, t: TopologyConfig) -> None:
         if not self.enabled:
@@ -244,6 +248,8 @@ class AsyncOuterConfig:
             fail("sync.async_outer.max_staleness", f"{self.max_staleness!r} — must be an integer of at least 0 (versions)")
         if not isinstance(self.match_pace, bool):
             fail("sync.async_outer.match_pace", f"{self.match_pace!r} — must be true or false")
+        if not isinstance(self.compress_down, bool):
+            fail("sync.async_outer.compress_down", f"{self.compress_down!r} — must be true or false")
 
 
 @dataclass

@@ -10,7 +10,8 @@ from hier_localsgd import costs
 from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.runtime.choices import DEFAULT_TOPK
 from hier_localsgd.core.links.lossy import LinkSpec
-from hier_localsgd.sync.compression import latency_hops, payload_bytes, push_bytes
+from hier_localsgd.core.tensors.compress import quantized_nbytes
+from hier_localsgd.sync.compression import down_format, latency_hops, payload_bytes, push_bytes
 from hier_localsgd.sync.sections import SyncConfig
 
 
@@ -105,16 +106,27 @@ def outer_round_s(sync_bytes: float, clusters: int, wan: LinkSpec, v: OuterVaria
 
 def async_push_bytes(sync_bytes: float, v: OuterVariant) -> float:
     """The pseudo-gradient one asynchronous push sends up (``sync.outer.compression``:
-    sync/compression.py ``push_bytes``); the model comes back in full."""
+    sync/compression.py ``push_bytes``); what comes back: :func:`async_down_bytes`."""
     if v.compression == "none":
         return sync_bytes
     return float(push_bytes(int(sync_bytes // v.elem_bytes), v.compression, v.block, v.topk))
 
 
+def async_down_bytes(sync_bytes: float, v: OuterVariant, compress_down: bool, versions: int = 1) -> float:
+    """What one push's answer brings down: the model (``S``) or, with a compression and
+    ``sync.async_outer.compress_down``, ``versions`` quantized steps since the leader's base
+    (sync/compression.py ``down_format``; sync/global_model.py), never more than the model.
+    A cluster on schedule is one version behind (a lone push, or every cluster in one batch)."""
+    fmt = down_format(v.compression, compress_down, v.block)
+    if fmt is None:
+        return sync_bytes
+    return float(min(versions * quantized_nbytes(int(sync_bytes // v.elem_bytes), *fmt), sync_bytes))
+
+
 def async_push_s(up_bytes: float, down_bytes: float, wan: LinkSpec, round_overhead_s: float) -> float:
     """The asynchronous outer level's exchange (``sync.async_outer``): the pseudo-gradient
     up to the global model server (``up_bytes``: :func:`async_push_bytes`) and the model
-    back, one WAN transfer each (no ring, nobody waited for), plus a round's overhead. Not
+    or its steps back (``down_bytes``: :func:`async_down_bytes`), one WAN transfer each (no ring, nobody waited for), plus a round's overhead. Not
     modelled: the server's own link shared by the clusters' pushes, and the grace window
     (sync/global_server.py)."""
     return (costs.transfer_time(up_bytes, wan.latency_s, wan.bandwidth_Bps)

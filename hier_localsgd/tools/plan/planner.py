@@ -85,7 +85,7 @@ from hier_localsgd.tools.plan.config import PlanConfig, REPORT_ORDER, SHARDINGS,
 from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.pick import pick_outer
 from hier_localsgd.tools.plan.network import (
-    OuterVariant, async_push_bytes, async_push_s, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes, outer_round_s, recommend_h,
+    OuterVariant, async_down_bytes, async_push_bytes, async_push_s, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes, outer_round_s, recommend_h,
     sync_per_step, sync_times,
 )
 
@@ -217,7 +217,8 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
                    "s": outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)}
     if cfg.sync.async_outer.enabled and tp.clusters > 1:  # a push and the model back, nobody waited for
         up = async_push_bytes(st.sync_bytes, variant)
-        outer_round.update(asynchronous=True, bytes=up + st.sync_bytes, s=async_push_s(up, st.sync_bytes, wan, pc.round_overhead_s))
+        down = async_down_bytes(st.sync_bytes, variant, cfg.sync.async_outer.compress_down)
+        outer_round.update(asynchronous=True, bytes=up + down, s=async_push_s(up, down, wan, pc.round_overhead_s))
     modes: Dict[str, Any] = {}
     for mode in REPORT_ORDER:
         per_step = sync_per_step(st, mode, h["inner"], h["outer"], h["flat"], pc.hardware.ddp_overlap)
