@@ -32,7 +32,8 @@
 # keeps poisoning) leaves <run.dir>/replicas/c<C>r<R>/stopped: torchrun's restarts then
 # exit 2 at once and this script does not restart the group. A group spanning hosts: the
 # same command on each of its N hosts with --nnodes N --node-rank K --rdzv HOST:PORT (a free port on the group's first
-# host). RUN_DIR sets where rank logs go when run.dir is not among the overrides.
+# host, node rank 0; the rendezvous's stores listen on HOST's address and rank 0's, not every
+# interface). RUN_DIR sets where rank logs go when run.dir is not among the overrides.
 #
 # GPUs: --gpu-slot S (this group's index among the groups started on this host, 0, 1, ...)
 # puts rank k on GPU S*G+k, every process on a GPU of its own (train.gpu_slot); a host with
@@ -80,7 +81,9 @@ if [[ $ranks -gt 1 || $nnodes -gt 1 ]]; then
   fi
   if [[ $nnodes -gt 1 ]]; then
     [[ -n "$rdzv" ]] || { echo "replica.sh: --nnodes needs --rdzv HOST:PORT" >&2; exit 2; }
-    where=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d --rdzv-endpoint "$rdzv" --rdzv-id "c${cluster}r${replica}")
+    # The rendezvous's stores bound to an address, not every interface (rendezvous.py's hl-c10d).
+    mapfile -t where < <("$py" -m hier_localsgd.launch.rendezvous --span "$nnodes" "$node_rank" "$rdzv" "c${cluster}r${replica}")
+    [[ ${#where[@]} -gt 0 ]] || { echo "replica.sh: $py -m hier_localsgd.launch.rendezvous failed (torchrun's python must import hier_localsgd; PYTHON sets it)" >&2; exit 2; }
   else
     # One host: the rendezvous in a file, no listener on every interface
     # (hier_localsgd/launch/rendezvous.py); a fresh file for every launch (the loop below).
