@@ -486,36 +486,36 @@ def test_a_healed_member_gets_its_clusters_token_count_with_the_heal():
         th.close()
 
 
-def test_matched_paces_merge_as_a_token_weighted_mean_against_a_hand_computation():
+def test_matched_paces_merge_by_tokens_on_a_floor_of_C_against_a_hand_computation():
     """sync.async_outer.match_pace: a cluster on half a period (r = 1/2) pushes half the
-    tokens; with the fastest's whole period in one batch g is their token-weighted mean
-    (F = 1 + 1/2 = Σa), and a lone push of the fastest moves the model by its share of such
-    a batch, Δ/F (global_model.py)."""
+    tokens; a batch of the fastest's whole period and that half period weighs 1.5 of the
+    C = 2 periods a synchronous round holds, so it moves the model by (10·Δ0 + 5·Δ1) / 20, by
+    tokens, as far per token as a synchronous round; a lone push of the fastest by Δ/2
+    (global_model.py)."""
     gm = GlobalModel(ALG, full_tokens=10, max_staleness=4, init=torch.tensor([1.0, 2.0]), version=0, clusters=2)
     assert gm.add(0, base=0, tokens=10, delta=torch.tensor([0.3, 0.0])).weight == 1.0
     assert gm.add(1, base=0, tokens=5, delta=torch.tensor([0.0, 0.6])).weight == 0.5
-    assert gm.apply(floor=1.5)
-    g1 = torch.tensor([0.3 / 1.5, 0.5 * 0.6 / 1.5])  # (10·Δ0 + 5·Δ1) / 15: by tokens
+    assert gm.apply()
+    g1 = torch.tensor([0.3 / 2, 0.5 * 0.6 / 2])  # (10·Δ0 + 5·Δ1) / 20: by tokens, a round's worth
     theta1 = torch.tensor([1.0, 2.0]) - 0.7 * (g1 + 0.9 * g1)
     assert torch.allclose(gm.params, theta1)
     assert gm.add(0, base=1, tokens=10, delta=torch.tensor([0.15, 0.15])).weight == 1.0
-    assert gm.apply(floor=1.5)
-    g2 = torch.tensor([0.1, 0.1])  # 0.15 / 1.5, not normalised up to the whole Δ
+    assert gm.apply()
+    g2 = torch.tensor([0.075, 0.075])  # 0.15 / 2, not normalised up to the whole Δ
     buf2 = 0.9 * g1 + g2
     assert torch.allclose(gm.params, theta1 - 0.7 * (g2 + 0.9 * buf2))
-    assert [h["floor"] for h in gm.history] == [1.5, 1.5]
 
 
 def test_the_server_schedules_a_slower_cluster_to_meet_the_fastests_next_push_and_merges_on_its_share():
     """The server's side of match_pace over real HTTP: paces from each push's period, the
     steps to the fastest's next expected push for the slower cluster (the fastest keeps its
-    full period), and F from the shares the clusters push on."""
+    full period)."""
     srv = _server(grace_s=0.0)
     url = f"http://127.0.0.1:{srv.port}"
 
     def push(cluster, base, period_s, steps, share, model=None):
         return call(url, "/push", {"cluster": cluster, "base": base, "tokens": 10.0 * share, "final": False, "period_s": period_s,
-                                   "period_steps": steps, "share": share, "match_pace": True, "min_steps": 5, "full_steps": 30,
+                                   "period_steps": steps, "match_pace": True, "min_steps": 5, "full_steps": 30,
                                    "delta": torch.ones(2) * (cluster + 1), "model": model}, b"k" * 32, 30.0)
 
     try:
@@ -531,8 +531,8 @@ def test_the_server_schedules_a_slower_cluster_to_meet_the_fastests_next_push_an
         # steps, fewer as time passes between the two pushes, never under min_steps 5 (the
         # push after, up to 20 steps, if over a second passed): not the full 30.
         assert d["version"] == 4 and 5 <= d["push_in"] <= 20, d["push_in"]
-        push(1, 4, 1.0, 5, 1 / 6)  # cluster 1 pushing on 5 of 30 steps
-        assert [h["floor"] for h in srv.status()["history"]] == [2.0, 2.0, 2.0, 2.0, 1 + round(1 / 6, 6)]
+        push(1, 4, 1.0, 5, 1 / 6)  # cluster 1 pushing on 5 of 30 steps: a sixth of a period's tokens
+        assert srv.status()["history"][-1]["weights"] == [round(1 / 6, 6)]
         # A push without match_pace gets no schedule.
         e = call(url, "/push", {"cluster": 0, "base": 4, "tokens": 10.0, "final": False, "delta": torch.ones(2), "model": None},
                  b"k" * 32, 30.0)

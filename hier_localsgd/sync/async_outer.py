@@ -267,7 +267,7 @@ class AsyncOuter:
         tokens = self.tokens + self.round_work if contribute else 0.0
         req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": tokens,
                "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
-               "share": min(1.0, self.period / self.full), "match_pace": self.match_pace,
+               "match_pace": self.match_pace,
                "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full, "final": final, "delta": payload, "model": None,
                "down": self._takes_updates()}
         t0 = time.time()

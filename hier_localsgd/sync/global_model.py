@@ -13,8 +13,8 @@ The merge rule (a batch B of contributions i, hand-checked in tests/test_async_o
     s_i = version − base_i                         staleness, in versions
     λ(s) = 1 / (1 + s)   if s <= max_staleness,    else 0 (not merged: the cluster rebases)
     a_i = (n_i / n_full) · λ(s_i)                  n_i: the group-steps the cluster's work holds
-    g   = Σ a_i Δ_i / max(Σ a_i, F)                n_full: one full cluster's outer period (sync.outer.every)
-    F   = Σ_k r_k over the job's C clusters        r_k: cluster k's scheduled share of a period (1: F = C)
+    g   = Σ a_i Δ_i / max(Σ a_i, C)                n_full: one full cluster's outer period (sync.outer.every)
+                                                   C: the job's clusters
     θ, m ← outer SGD step (lr, momentum, Nesterov) of θ with gradient g;  version += 1
 
 Why this rule: each contribution moves the model by its share of a synchronous round's
@@ -34,11 +34,15 @@ cluster back from a long partition from pulling the model toward where it was lo
 With ``sync.async_outer.match_pace`` (dynamic local updates, Liu et al. 2024) a slower
 cluster pushes after fewer steps, ``r_k = push_in_k / (H_inner · H_outer)`` of a period
 (global_server.py ``_push_in``), so its fresh pushes arrive with the fastest cluster's, into one batch. Its
-``n_i`` is that smaller period's group-steps, so a batch of every cluster, on schedule, is
-the token-weighted mean ``Σ n_i Δ_i / Σ n_i`` (``Σ a_i = F``): each cluster's work counts
-by the tokens it holds, none is stale, and no cluster waits. ``F`` is what a batch of every
-cluster on its schedule weighs, so a lone push still moves the model by its token share of
-such a batch (``r_k = 1`` for every cluster without match_pace: ``F = C``, the rule above).
+``n_i`` is that smaller period's group-steps, so each cluster's work counts by the tokens it
+holds, none is stale, and no cluster waits. The floor stays ``C``: a batch of every cluster
+on schedule, ``Σ a_i = Σ r_k < C``, moves the model by ``Σ n_i Δ_i / (C · n_full)``, the
+tokens it holds as a share of a synchronous round's, so the outer step per token is the
+synchronous level's. (A floor of ``Σ_k r_k`` made such a batch the full token-weighted
+mean, a synchronous round's step on fewer tokens: on the demo workload beside a half-speed
+cluster its global model stalled at 0.94–0.97 while the synchronous one fell to 0.93, and it
+reached the target 0.58–0.88× as fast as synchronous rounds, against 0.90–1.18× with ``C``:
+docs/benchmarks.md.)
 
 Momentum: one outer step per version, whoever contributed to it: the buffer is the
 global model's own (HALoS keeps momentum at the global server for the same reason), so
@@ -170,9 +174,9 @@ class GlobalModel:
         return c
 
     @torch.no_grad()
-    def apply(self, floor: Optional[float] = None) -> bool:
-        """Closes the open batch: one outer step with ``g`` of the module doc (``floor``: its
-        ``F``; None: ``C``); returns whether the version advanced (False for an empty batch)."""
+    def apply(self) -> bool:
+        """Closes the open batch: one outer step with ``g`` of the module doc; returns whether
+        the version advanced (False for an empty batch)."""
         batch, self.pending = self.pending, []
         if not batch:
             return False
@@ -181,8 +185,7 @@ class GlobalModel:
         for c in batch:
             assert c.delta is not None
             g.add_(c.delta, alpha=c.weight)
-        f = float(self.clusters) if floor is None else float(floor)
-        g.div_(max(total, f))
+        g.div_(max(total, float(self.clusters)))
         for c in batch:
             c.applied = True
         prev = self.params.clone() if self.down is not None else None
@@ -191,7 +194,7 @@ class GlobalModel:
         if prev is not None:
             self._quantize_step(prev)
         self.history.append({"version": self.version, "clusters": [c.cluster for c in batch],
-                             "weights": [round(c.weight, 6) for c in batch], "staleness": [c.staleness for c in batch], "floor": round(f, 6)})
+                             "weights": [round(c.weight, 6) for c in batch], "staleness": [c.staleness for c in batch]})
         return True
 
     @torch.no_grad()

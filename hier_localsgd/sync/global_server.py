@@ -4,9 +4,8 @@ at ``sync.async_outer.addr``, and the leaders' client call (:func:`call`).
 
 Requests (``POST``, body and answer in the no-code wire format, core/security/wire.py)::
 
-    /push   {cluster, base, step, tokens, period_s, period_steps, share, match_pace, min_steps, full_steps,
-             final, delta|None, model|None}      (delta: fp32, or compressed: compression.py encode_push)
-             down}
+    /push   {cluster, base, step, tokens, period_s, period_steps, match_pace, min_steps, full_steps,
+             final, delta|None, model|None, down}      (delta: fp32, or compressed: compression.py encode_push)
             -> {version, model|None, updates, checksum, weight, staleness, final, need_model, refused, epoch,
                 cluster_step, push_in}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
@@ -24,8 +23,7 @@ gets it and merges nothing, so every cluster ends on one model.
 ``push_in`` (a request with ``match_pace``: sync.async_outer.match_pace): the steps the
 cluster trains before its next push, so that it arrives with the fastest live cluster's
 next push (:meth:`_push_in`); 0 for a request without it. The leader hands it to its
-cluster in BROADCAST's header (async_outer.py). ``share``: the period the cluster pushed
-on, as a share of ``sync.outer.every`` (the merge's ``F``, global_model.py).
+cluster in BROADCAST's header (async_outer.py).
 
 ``down`` (a leader whose copy of version ``base`` is fp32): it can take ``updates``, the
 quantized steps from ``base`` to the answer's version (``sync.async_outer.compress_down``,
@@ -100,7 +98,7 @@ _OPENER = no_redirect_opener()
 
 
 def _positive(x: Any) -> bool:
-    """A finite number above 0 (not a bool): a request's period, steps or share."""
+    """A finite number above 0 (not a bool): a request's period or steps."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
@@ -175,7 +173,6 @@ class GlobalModelServer:
         self._last: Dict[int, float] = {}  # cluster -> time of its last push
         self._period: Dict[int, float] = {}  # cluster -> its push period (moving average)
         self._pace: Dict[int, float] = {}  # cluster -> seconds per step over its periods (moving average)
-        self._share: Dict[int, float] = {}  # cluster -> the share of a full period it pushes on (1 unless match_pace)
         self._expect: Dict[int, float] = {}  # match_pace cluster -> when its next push is due (the fastest's next)
         self._gap: Dict[int, float] = {}  # cluster -> time between its pushes of work, on this server's clock (moving average)
         self._pushed: Dict[int, float] = {}  # cluster -> when it last pushed work (a delta; not a registration or pull)
@@ -340,7 +337,7 @@ class GlobalModelServer:
                 # the same number here may be another model. Measured from the one both share.
                 # (A leader that never pushed does not know its base's server: taken as is.)
                 base = self._adopted_at
-            self._arrived(cluster, now, req.get("period_s"), req.get("period_steps"), req.get("share"))
+            self._arrived(cluster, now, req.get("period_s"), req.get("period_steps"))
             if delta is not None and not final:
                 self._pushed_work(cluster, now, req.get("period_s"))
             if final:
@@ -437,11 +434,11 @@ class GlobalModelServer:
             return full
         return meet_in(self._pushed[f] + gap - now - self._transit.get(cluster, 0.0), live[cluster], gap, lo, full)
 
-    def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None, share: Any = None) -> None:
+    def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
         cluster measured it (``period_s``: since it last adopted a model, or since it began
         training) or, without one, the gap since its last push (moving average); its pace
-        over ``period_steps`` steps, and the ``share`` of a full period it pushed on."""
+        over ``period_steps`` steps."""
         last = self._last.get(cluster)
         gap = float(period_s) if _positive(period_s) else (None if last is None or cluster in self._finals else now - last)
         if gap is not None:
@@ -449,8 +446,6 @@ class GlobalModelServer:
         if _positive(period_s) and _positive(period_steps):
             pace = float(period_s) / float(period_steps)
             average(self._pace, cluster, pace)
-        if _positive(share) and share <= 1:
-            self._share[cluster] = float(share)
         self._last[cluster] = now
 
     def _pushed_work(self, cluster: int, now: float, period_s: Any) -> None:
@@ -465,11 +460,6 @@ class GlobalModelServer:
         if prev is not None:
             average(self._gap, cluster, now - prev)
         self._pushed[cluster] = now
-
-    def _floor(self) -> float:
-        """``F`` of the merge rule (global_model.py): every cluster's scheduled share, 1 for
-        one not heard yet."""
-        return sum(self._share.get(k, 1.0) for k in range(self.clusters))
 
     def _should_close(self, now: float) -> bool:
         """Whether the open batch closes now: its window is over, or every cluster that
@@ -493,7 +483,7 @@ class GlobalModelServer:
 
     def _close(self) -> None:
         assert self.model is not None
-        if self.model.apply(self._floor()):
+        if self.model.apply():
             h = self.model.history[-1]
             logger.info("global model server: version %d from clusters %s (weights %s, staleness %s)",
                         h["version"], h["clusters"], h["weights"], h["staleness"])
