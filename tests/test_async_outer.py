@@ -30,15 +30,17 @@ def test_the_merge_rule_against_a_hand_computation():
     assert gm.apply() and gm.version == 1
     g1 = torch.tensor([(0.1 + 0.5) / 2, 0.2 / 2])  # sum a_i d_i / max(sum a_i, C = 2): 1.5 of a round's 2
     buf1 = g1  # the momentum starts at zero
-    theta1 = torch.tensor([1.0, 2.0]) - 0.7 * (g1 + 0.9 * buf1)  # Nesterov
-    assert torch.allclose(gm.params, theta1)
+    # Nesterov as w = 1.5 / 2 of a round: the momentum's part of the step scaled by 0.75.
+    theta1 = torch.tensor([1.0, 2.0]) - 0.7 * (g1 + 0.75 * 0.9 * buf1)
+    assert torch.allclose(gm.params, theta1) and gm.history[-1]["share"] == 0.75
     # Version 2: a lone contribution one version stale: lambda = 1/2, a quarter of a round, not normalised up.
     c = gm.add(1, base=0, tokens=10, delta=torch.tensor([1.0, 1.0]))
     assert (c.staleness, c.weight) == (1, 0.5)
     assert gm.apply() and gm.version == 2
     g2 = torch.tensor([0.25, 0.25])
-    buf2 = 0.9 * buf1 + g2
-    assert torch.allclose(gm.params, theta1 - 0.7 * (g2 + 0.9 * buf2))
+    buf2 = 0.9 ** 0.25 * buf1 + g2  # a quarter of a round: the momentum decays by 0.9^(1/4)
+    assert torch.allclose(gm.params, theta1 - 0.7 * (g2 + 0.25 * 0.9 * buf2))
+    assert torch.allclose(gm.level.momentum, buf2)
     # Beyond the bound (2 versions behind, max_staleness 1): not merged, nothing to apply.
     c = gm.add(0, base=0, tokens=10, delta=torch.tensor([5.0, 5.0]))
     assert (c.staleness, c.weight) == (2, 0.0) and not gm.apply() and gm.version == 2
@@ -497,13 +499,13 @@ def test_matched_paces_merge_by_tokens_on_a_floor_of_C_against_a_hand_computatio
     assert gm.add(1, base=0, tokens=5, delta=torch.tensor([0.0, 0.6])).weight == 0.5
     assert gm.apply()
     g1 = torch.tensor([0.3 / 2, 0.5 * 0.6 / 2])  # (10·Δ0 + 5·Δ1) / 20: by tokens, a round's worth
-    theta1 = torch.tensor([1.0, 2.0]) - 0.7 * (g1 + 0.9 * g1)
+    theta1 = torch.tensor([1.0, 2.0]) - 0.7 * (g1 + 0.75 * 0.9 * g1)  # 1.5 of 2 periods: w = 0.75
     assert torch.allclose(gm.params, theta1)
     assert gm.add(0, base=1, tokens=10, delta=torch.tensor([0.15, 0.15])).weight == 1.0
     assert gm.apply()
     g2 = torch.tensor([0.075, 0.075])  # 0.15 / 2, not normalised up to the whole Δ
-    buf2 = 0.9 * g1 + g2
-    assert torch.allclose(gm.params, theta1 - 0.7 * (g2 + 0.9 * buf2))
+    buf2 = 0.9 ** 0.5 * g1 + g2  # half a round (w = 0.5)
+    assert torch.allclose(gm.params, theta1 - 0.7 * (g2 + 0.5 * 0.9 * buf2))
 
 
 def test_the_server_schedules_a_slower_cluster_to_meet_the_fastests_next_push_and_merges_on_its_share():

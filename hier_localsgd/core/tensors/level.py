@@ -73,15 +73,35 @@ class OuterSGD:
 
     @torch.no_grad()
     def stage(
-        self, param: torch.Tensor, grad: torch.Tensor, buf: Optional[torch.Tensor] = None,
+        self, param: torch.Tensor, grad: torch.Tensor, buf: Optional[torch.Tensor] = None, share: float = 1.0,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns (new_param, new_buf) without modifying ``param`` or the buffer.
         ``buf``: the momentum of ``param``'s elements when ``param`` is a part of the
-        vector (default: the whole buffer)."""
+        vector (default: the whole buffer).
+
+        ``share`` (0, 1]: the step stands for that fraction of a round (an asynchronous
+        batch holding part of a round's tokens, sync/global_model.py; ``grad`` is already
+        scaled to it). The momentum then decays by ``μ^w`` and moves the model by ``w`` of
+        its usual part, ``w = share``::
+
+            m ← μ^w m + g;   θ ← θ − lr (g + w μ m)   (Nesterov; heavy ball: g + w μ^w m_old)
+
+        so ``k`` steps of ``1/k`` of a round move the model about as one whole step does
+        (both keep ``Σ``-momentum ``g/(1−μ)`` at a constant ``g``, to within ``−ln μ`` against
+        ``1−μ``), and a step on a sliver of a round moves it by a sliver, momentum included.
+        ``share = 1`` is torch's SGD exactly."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share={share}: must be in (0, 1]")
         if self.buf is None:
             return param - self.lr * grad, None
-        buf = (self.buf if buf is None else buf) * self.momentum + grad
-        update = grad + self.momentum * buf if self.nesterov else buf
+        old = self.buf if buf is None else buf
+        if share == 1.0:
+            buf = old * self.momentum + grad
+            update = grad + self.momentum * buf if self.nesterov else buf
+            return param - self.lr * update, buf
+        decay = self.momentum ** share
+        buf = old * decay + grad
+        update = grad + (share * self.momentum) * buf if self.nesterov else grad + (share * decay) * old
         return param - self.lr * update, buf
 
     def state_tensors(self) -> List[torch.Tensor]:
@@ -137,13 +157,14 @@ class Level:
         g = self.pseudo_grad(live, base=base)
         return float(torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2)
 
-    def stage(self, avg_grad: torch.Tensor, ranges: Optional[Ranges] = None) -> Staged:
+    def stage(self, avg_grad: torch.Tensor, ranges: Optional[Ranges] = None, share: float = 1.0) -> Staged:
         """The staged update, computed on the host from ``avg_grad`` (any device).
         ``ranges``: ``avg_grad`` covers only those elements; the rest of the backup and of
-        the momentum stays as committed (a fragment's outer round)."""
+        the momentum stays as committed (a fragment's outer round). ``share``: the step
+        stands for that fraction of a round (:meth:`OuterSGD.stage`; whole vectors only)."""
         grad = avg_grad.to(self.backup.device)
         if ranges is None:
-            backup, buf = self.opt.stage(self.backup, grad)
+            backup, buf = self.opt.stage(self.backup, grad, share=share)
             return Staged(backup=backup, buf=buf)
         part_buf = None if self.opt.buf is None else gather(self.opt.buf, ranges)
         part, new_buf = self.opt.stage(gather(self.backup, ranges), grad, part_buf)
