@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hier_localsgd.experiments.bench import to_target
+
 
 def loss_at(curve: List[Dict[str, float]], t: float) -> Optional[float]:
     """The last evaluated loss at or before training time ``t``."""
@@ -58,10 +60,15 @@ def run(args: argparse.Namespace, speeds: str, seed: int, out: Path) -> Dict[str
         if a.get("failed"):
             raise SystemExit(f"{speeds} seed {seed}: arm {a['arm']} failed: {a}")
     t_eq = min(a["wall_s"] for a in arms.values())
+    # The global model's curve: the asynchronous arm's evaluations of the version each group
+    # last adopted (bench.py curve_global); the synchronous arm's live model at its outer
+    # rounds is the global model.
+    glob = {name: a.get("curve_global") or a["curve"] for name, a in arms.items()}
     return {"speeds": speeds, "seed": seed, "run": str(d), "arms": {
         name: {"to_target_s": a["time_to_target_s"], "rate0": cluster_rate(a["run_dir"], 0), "final": a["final_eval_loss"],
                "wall_s": a["wall_s"], "at_equal_wall": loss_at(a["curve"], t_eq), "t_equal": t_eq, "consistent": a["consistent"],
-               "slow_mb": a["slow_link_bytes"] / 1e6}
+               "slow_mb": a["slow_link_bytes"] / 1e6, "global_to_target_s": to_target(glob[name], args.target)[0],
+               "global_at_equal_wall": loss_at(glob[name], t_eq)}
         for name, a in arms.items()}}
 
 
@@ -78,8 +85,9 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="async_outer_"))
     print(f"debugmodel 2 x 2, WAN {args.wan_gbps} Gbit/s ({'emulated' if args.emulated else 'kernel tbf'}), target {args.target}, "
           f"extra {args.extra}, runs in {out}", flush=True)
-    print("| speeds | seed | arm | s to target | cluster 0 steps/s | final eval loss | loss at equal wall time (s) | wall s | slow MB | consistent |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| speeds | seed | arm | s to target | global model: s to target | cluster 0 steps/s | final eval loss | loss at equal wall time (s) "
+          "| global model's loss then | wall s | slow MB | consistent |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for speeds in args.speeds.split("|"):
         for seed in (int(s) for s in args.seeds.split(",")):
@@ -89,14 +97,20 @@ def main() -> None:
                 tt = "-" if a["to_target_s"] is None else f"{a['to_target_s']:.1f}"
                 rate = "-" if a["rate0"] is None else f"{a['rate0']:.3f}"
                 eq = "-" if a["at_equal_wall"] is None else f"{a['at_equal_wall']:.4f} ({a['t_equal']:.0f})"
-                print(f"| {speeds} | {seed} | {name} | {tt} | {rate} | {a['final']:.4f} | {eq} | {a['wall_s']:.1f} | {a['slow_mb']:.1f} | {a['consistent']} |", flush=True)
+                gt = "-" if a["global_to_target_s"] is None else f"{a['global_to_target_s']:.1f}"
+                geq = "-" if a["global_at_equal_wall"] is None else f"{a['global_at_equal_wall']:.4f}"
+                print(f"| {speeds} | {seed} | {name} | {tt} | {gt} | {rate} | {a['final']:.4f} | {eq} | {geq} | {a['wall_s']:.1f} | {a['slow_mb']:.1f} "
+                      f"| {a['consistent']} |", flush=True)
     print()
     for speeds in args.speeds.split("|"):
         rs = [r for r in rows if r["speeds"] == speeds]
         sooner = [r["arms"]["hier"]["to_target_s"] / r["arms"]["hier_async"]["to_target_s"] for r in rs
                   if r["arms"]["hier"]["to_target_s"] and r["arms"]["hier_async"]["to_target_s"]]
         rate = [r["arms"]["hier_async"]["rate0"] / r["arms"]["hier"]["rate0"] for r in rs if r["arms"]["hier"]["rate0"]]
-        print(f"{speeds}: time to target, hier / hier_async per seed {[round(x, 2) for x in sooner]}; "
+        gsooner = [r["arms"]["hier"]["global_to_target_s"] / r["arms"]["hier_async"]["global_to_target_s"] for r in rs
+                   if r["arms"]["hier"]["global_to_target_s"] and r["arms"]["hier_async"]["global_to_target_s"]]
+        print(f"{speeds}: time to target, hier / hier_async per seed {[round(x, 2) for x in sooner]} "
+              f"(the global model's: {[round(x, 2) for x in gsooner]}); "
               f"cluster 0's rate, hier_async / hier per seed {[round(x, 2) for x in rate]}")
     even = {r["seed"]: r for r in rows if r["speeds"] == "[]"}
     for speeds in [x for x in args.speeds.split("|") if x != "[]"]:

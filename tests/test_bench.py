@@ -38,6 +38,22 @@ def test_the_asynchronous_arms_curve_is_in_training_time_with_the_slow_bytes_so_
     assert [(p["t"], p["step"], p["loss"], p["slow_bytes"]) for p in curve] == [
         (0.0, 0, 5.0, 0.0), (0.0, 0, 5.0, 0.0), (9.0, 20, 3.0, 1000.0), (19.0, 40, 2.0, 2000.0), (19.5, 20, 2.5, 3000.0)]
     assert to_target(curve, 2.5) == (19.0, 2000.0)  # cluster 0 got there first
+    # The global version each group last adopted (train.eval_global) is its own curve; its
+    # evaluation time is training time taken out too.
+    g = {"t": 121.6, "kind": "eval_global", "step": 20, "loss": 2.2, "eval_s": 0.5, "bytes": {"inner": 0, "outer": 1000}}
+    events[(1, 0)].append(g)
+    assert [(pytest.approx(p["t"]), p["loss"]) for p in _time_curve("hier", events, 2, 1, kind="eval_global")] == [(19.1, 2.2)]  # 121.6 - 100 - 2.5 s of evals
+    assert [p["loss"] for p in _time_curve("hier", events, 2, 1)] == [5.0, 5.0, 3.0, 2.0, 2.5]
+
+
+def test_the_asynchronous_arm_also_evaluates_the_global_model():
+    """Clusters on matched paces push off the hier grid, where the live model is the
+    global version plus the cluster's steps since: the arm evaluates the global model too."""
+    from hier_localsgd.config import load_config
+    from hier_localsgd.experiments.bench import sync_eval
+
+    assert "train.eval_global=true" in sync_eval(load_config(["sync.mode=hier", "sync.async_outer.enabled=true"], validate_for="demo"))
+    assert "train.eval_global=true" not in sync_eval(load_config(["sync.mode=hier"], validate_for="demo"))
 
 
 @pytest.mark.timeout(900)  # as the bench subprocess below: 189 s, and 290 s under CI's heaviest load

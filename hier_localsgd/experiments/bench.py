@@ -15,8 +15,9 @@ spec):
   ``fragment_sync_delay`` = H_inner local steps, and ``hier`` with the outer round
   overlapped by one inner round (``sync.outer.delay=1``, overlap.py);
 * ``hier_async`` (by ``bench.arms``) — ``hier`` with the asynchronous outer level
-  (``sync.async_outer.enabled``): its curve is every group's evaluation at its outer rounds
-  in the order of training time (the clusters are at different steps at one time);
+  (``sync.async_outer.enabled``): its curve is every group's evaluation on the hier grid
+  in the order of training time (the clusters are at different steps at one time), and
+  ``curve_global`` the global version each group last adopted, at the same points;
 * a bare training loop (no sync, no machinery) per replica group, run concurrently like
   the arms, for the per-step overhead of the hierarchy on steps without a sync.
 
@@ -172,12 +173,15 @@ def _curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int,
     return curve
 
 
-def _time_curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int) -> List[Dict[str, float]]:
+def _time_curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R: int, kind: str = "eval") -> List[Dict[str, float]]:
     """The asynchronous outer level (clusters at different steps at the same time): every
-    group's evaluation of the global version it just adopted (at its outer rounds), in the
-    order of training time (seconds since its start less its evaluations before it), each
-    with the job-wide slow bytes so far. The first point at or under a target is the time
-    the job's model reached it."""
+    group's evaluations of ``kind`` (EVAL_KINDS) on the hier grid, in the order of training
+    time (seconds since its start less its evaluations before it), each with the job-wide
+    slow bytes so far. ``eval``: the live model, the global version just adopted where the
+    grid meets a push, else that version plus the cluster's steps since (a cluster on
+    matched paces, sync.async_outer.match_pace, pushes off the grid); ``eval_global``: the
+    global version the group last adopted. The first point at or under a target is the
+    time the job's model reached it."""
     pts = []
     for k, evs in events.items():
         start = next((e["t"] for e in evs if e["kind"] == "phase" and e["src"] == "START"), None)
@@ -187,7 +191,7 @@ def _time_curve(mode: str, events: Dict[Tuple[int, int], List[dict]], C: int, R:
         for e in evs:
             if e["kind"] in EVAL_KINDS:
                 spent += e.get("eval_s", 0.0)
-                if e["kind"] == "eval":
+                if e["kind"] == kind:
                     pts.append({"step": e["step"], "loss": e["loss"], "spread": 0.0, "t": max(0.0, e["t"] - spent - start) if e["step"] > 0 else 0.0,
                                 "bytes": e.get("bytes") or {}, "key": k})
     pts.sort(key=lambda p: p["t"])
@@ -277,11 +281,12 @@ def sync_eval(cfg: Config) -> List[str]:
     period's grid. At these points the blocking arms' groups hold one model (the curve's
     ``spread`` shows it); an overlapped hier arm's clusters differ by their progress since
     the outer round's snapshot, and with streaming fragments by the fragments not synced
-    in that round; for those the global model is evaluated too (``curve_global``)."""
+    in that round; for those the global model is evaluated too (``curve_global``), and for
+    the asynchronous level, whose clusters on matched paces push off the grid."""
     s = cfg.sync
     period = s.outer_period
     if s.mode == "hier":
-        overlap = ["train.eval_global=true"] if s.outer.delay else []  # also the shared global model (its own curve)
+        overlap = ["train.eval_global=true"] if s.outer.delay or s.async_outer.enabled else []  # also the shared global model (its own curve)
         return [f"train.eval_every={period}", f"train.eval_offset={(s.outer.delay * s.inner.every) % period}", *overlap]
     if s.mode == "flat":
         return [f"train.eval_every={s.flat.every}", "train.eval_offset=0"]
@@ -359,8 +364,9 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         "excess_loss": None if floor is None else final - floor,
         "consistent": len({r["checksum"] for r in results}) == 1,
         "curve": _time_curve(mode, events, C, R) if cfg.sync.async_outer.enabled else _curve(mode, events, C, R),
-        # overlapped hier (train.eval_global): the global model at the merges, the one model the clusters share
-        "curve_global": _curve(mode, events, C, R, kind="eval_global") if cfg.train.eval_global else None,
+        # overlapped or asynchronous hier (train.eval_global): the global model, the one model the clusters share
+        "curve_global": None if not cfg.train.eval_global else (
+            _time_curve(mode, events, C, R, kind="eval_global") if cfg.sync.async_outer.enabled else _curve(mode, events, C, R, kind="eval_global")),
         "sync": {lv: sync_ratio(results, lv, wan_n, through_tbf if wire and lv == wan_level else None) for lv in levels},
         "wire": None if wire is None else {**wire, "accounted_slow_bytes": slow, "wire_vs_accounted": wire["tx_bytes"] / slow if slow else None},
         "local_step_s": sum(local) / len(local) if local else None,
