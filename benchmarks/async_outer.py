@@ -6,7 +6,10 @@ For each speed setting and seed it runs ``hier-localsgd bench`` with the arms ``
 per arm: the wall time to the target loss (the first evaluation at or under it, in training
 time: bench.py), cluster 0's steps per second over its loop (the status field
 ``loop_steps / loop_s``), the final eval loss, the loss each arm had reached at the same
-wall time (the earlier arm's end), and whether every group ended on one model.
+wall time (the earlier arm's end), and whether every group ended on one model. The time to
+the target and the loss at equal wall time are given twice: on the live models' curve and
+on the global model's (the asynchronous arm's ``curve_global``: the version each group last
+adopted; the synchronous arm's live model at its outer rounds is the global model).
 
     python benchmarks/async_outer.py [--speeds "[1.0,0.5]|[]"] [--seeds 0,1,2] [--wan-gbps 0.1] [--target 0.9375] \
         [--extra sync.async_outer.match_pace=true ...]
