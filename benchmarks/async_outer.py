@@ -41,6 +41,11 @@ def loss_at(curve: List[Dict[str, float]], t: float) -> Optional[float]:
     return pts[-1]["loss"] if pts else None
 
 
+def ratios(rows: List[Dict[str, Any]], key: str, num: str, den: str) -> List[float]:
+    """Per seed, arm ``num``'s ``key`` over arm ``den``'s (2 decimals), where both were measured."""
+    return [round(r["arms"][num][key] / r["arms"][den][key], 2) for r in rows if r["arms"][num][key] and r["arms"][den][key]]
+
+
 def cluster_rate(run_dir: str, cluster: int) -> Optional[float]:
     rs = [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob(f"replicas/c{cluster}r*/result.json"))]
     rates = [r["loop_steps"] / r["loop_s"] for r in rs if r.get("loop_s")]
@@ -107,14 +112,10 @@ def main() -> None:
     print()
     for speeds in args.speeds.split("|"):
         rs = [r for r in rows if r["speeds"] == speeds]
-        sooner = [r["arms"]["hier"]["to_target_s"] / r["arms"]["hier_async"]["to_target_s"] for r in rs
-                  if r["arms"]["hier"]["to_target_s"] and r["arms"]["hier_async"]["to_target_s"]]
-        rate = [r["arms"]["hier_async"]["rate0"] / r["arms"]["hier"]["rate0"] for r in rs if r["arms"]["hier"]["rate0"]]
-        gsooner = [r["arms"]["hier"]["global_to_target_s"] / r["arms"]["hier_async"]["global_to_target_s"] for r in rs
-                   if r["arms"]["hier"]["global_to_target_s"] and r["arms"]["hier_async"]["global_to_target_s"]]
-        print(f"{speeds}: time to target, hier / hier_async per seed {[round(x, 2) for x in sooner]} "
-              f"(the global model's: {[round(x, 2) for x in gsooner]}); "
-              f"cluster 0's rate, hier_async / hier per seed {[round(x, 2) for x in rate]}")
+        sooner, gsooner = (ratios(rs, key, "hier", "hier_async") for key in ("to_target_s", "global_to_target_s"))
+        rate = ratios(rs, "rate0", "hier_async", "hier")
+        print(f"{speeds}: time to target, hier / hier_async per seed {sooner} (the global model's: {gsooner}); "
+              f"cluster 0's rate, hier_async / hier per seed {rate}")
     even = {r["seed"]: r for r in rows if r["speeds"] == "[]"}
     for speeds in [x for x in args.speeds.split("|") if x != "[]"]:
         for r in rows:

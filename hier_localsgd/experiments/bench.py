@@ -345,6 +345,7 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
     levels = ["inner", "outer"] if mode == "hier" else [mode]
     local = [r["local_step_s"] for r in results if r.get("local_step_s")]
     wan_level, wan_n = ("outer", C) if mode == "hier" else (mode, C * R)
+    curve_of = _time_curve if cfg.sync.async_outer.enabled else _curve  # asynchronous: clusters at different steps at one time
 
     def through_tbf(sent: float) -> float:
         # tbf's bucket goes ahead of the rate after an idle spell; the emulation's latency
@@ -363,10 +364,9 @@ def run_arm(name: str, overrides: List[str], out: Path, timeout_s: float, wan_bp
         "entropy_floor": floor,
         "excess_loss": None if floor is None else final - floor,
         "consistent": len({r["checksum"] for r in results}) == 1,
-        "curve": _time_curve(mode, events, C, R) if cfg.sync.async_outer.enabled else _curve(mode, events, C, R),
+        "curve": curve_of(mode, events, C, R),
         # overlapped or asynchronous hier (train.eval_global): the global model, the one model the clusters share
-        "curve_global": None if not cfg.train.eval_global else (
-            _time_curve(mode, events, C, R, kind="eval_global") if cfg.sync.async_outer.enabled else _curve(mode, events, C, R, kind="eval_global")),
+        "curve_global": curve_of(mode, events, C, R, kind="eval_global") if cfg.train.eval_global else None,
         "sync": {lv: sync_ratio(results, lv, wan_n, through_tbf if wire and lv == wan_level else None) for lv in levels},
         "wire": None if wire is None else {**wire, "accounted_slow_bytes": slow, "wire_vs_accounted": wire["tx_bytes"] / slow if slow else None},
         "local_step_s": sum(local) / len(local) if local else None,

@@ -95,11 +95,7 @@ class OuterSGD:
         if self.buf is None:
             return param - self.lr * grad, None
         old = self.buf if buf is None else buf
-        if share == 1.0:
-            buf = old * self.momentum + grad
-            update = grad + self.momentum * buf if self.nesterov else buf
-            return param - self.lr * update, buf
-        decay = self.momentum ** share
+        decay = self.momentum ** share  # share 1: μ, and every product below torch's own (same bits)
         buf = old * decay + grad
         update = grad + (share * self.momentum) * buf if self.nesterov else grad + (share * decay) * old
         return param - self.lr * update, buf
