@@ -2,7 +2,8 @@
 workload (debugmodel, 2 x 2), clusters of equal or different speeds, kernel-shaped WAN.
 
 For each speed setting and seed it runs ``hier-localsgd bench`` with the arms ``hier`` and
-``hier_async`` (the same seed, workload, target and network in one invocation), then prints
+``hier_async`` (``--arm hier_async_overlap``: pushes behind training) (the same seed,
+workload, target and network in one invocation), then prints
 per arm: the wall time to the target loss (the first evaluation at or under it, in training
 time: bench.py), cluster 0's steps per second over its loop (the status field
 ``loop_steps / loop_s``), the final eval loss, the loss each arm had reached at the same
@@ -12,7 +13,7 @@ on the global model's (the asynchronous arm's ``curve_global``: the version each
 adopted; the synchronous arm's live model at its outer rounds is the global model).
 
     python benchmarks/async_outer.py [--speeds "[1.0,0.5]|[]"] [--seeds 0,1,2] [--wan-gbps 0.1] [--target 0.9375] \
-        [--extra sync.async_outer.match_pace=true ...]
+        [--arm hier_async|hier_async_overlap] [--extra sync.async_outer.match_pace=true ...]
 
 ``--extra``: more overrides for every arm of the bench (the synchronous arm ignores
 ``sync.async_outer.*``).
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace, speeds: str, seed: int, out: Path) -> Dict[str
     tag = speeds.strip("[]").replace(",", "_") or "even"
     d = out / f"{tag}_s{seed}"
     argv = [sys.executable, "-m", "hier_localsgd", "bench", "bench.mode=full", f"bench.links={'emulated' if args.emulated else 'kernel'}",
-            f"bench.wan_gbps={args.wan_gbps}", "bench.arms=[hier,hier_async]", f"bench.target_loss={args.target}",
+            f"bench.wan_gbps={args.wan_gbps}", f"bench.arms=[hier,{args.arm}]", f"bench.target_loss={args.target}",
             # a seed sets the init and the sample order, as bench_sweep.py does
             f"train.seed={seed}", f"data.stream={seed}", f"run.dir={d}", *([f"topology.cluster_speed={speeds}"] if speeds != "[]" else []), *args.extra]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.9375)
     ap.add_argument("--emulated", action="store_true", help="user-space WAN emulation instead of kernel-shaped links")
     ap.add_argument("--timeout-s", type=float, default=3600)
+    ap.add_argument("--arm", default="hier_async", choices=["hier_async", "hier_async_overlap"],
+                    help="the asynchronous arm (hier_async_overlap: each push behind training)")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every arm (key=value)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="async_outer_"))
@@ -112,10 +115,10 @@ def main() -> None:
     print()
     for speeds in args.speeds.split("|"):
         rs = [r for r in rows if r["speeds"] == speeds]
-        sooner, gsooner = (ratios(rs, key, "hier", "hier_async") for key in ("to_target_s", "global_to_target_s"))
-        rate = ratios(rs, "rate0", "hier_async", "hier")
-        print(f"{speeds}: time to target, hier / hier_async per seed {sooner} (the global model's: {gsooner}); "
-              f"cluster 0's rate, hier_async / hier per seed {rate}")
+        sooner, gsooner = (ratios(rs, key, "hier", args.arm) for key in ("to_target_s", "global_to_target_s"))
+        rate = ratios(rs, "rate0", args.arm, "hier")
+        print(f"{speeds}: time to target, hier / {args.arm} per seed {sooner} (the global model's: {gsooner}); "
+              f"cluster 0's rate, {args.arm} / hier per seed {rate}")
     even = {r["seed"]: r for r in rows if r["speeds"] == "[]"}
     for speeds in [x for x in args.speeds.split("|") if x != "[]"]:
         for r in rows:
@@ -123,7 +126,7 @@ def main() -> None:
             if r["speeds"] == speeds and e is not None:
                 a = r["arms"]
                 print(f"{speeds} seed {r['seed']}: cluster 0's rate / its rate with every cluster at 1.0 (same arm): "
-                      f"hier_async {a['hier_async']['rate0'] / e['arms']['hier_async']['rate0']:.2f}, hier {a['hier']['rate0'] / e['arms']['hier']['rate0']:.2f}")
+                      f"{args.arm} {a[args.arm]['rate0'] / e['arms'][args.arm]['rate0']:.2f}, hier {a['hier']['rate0'] / e['arms']['hier']['rate0']:.2f}")
     (out / "async_outer.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -212,7 +212,7 @@ def test_requests_without_the_jobs_secret_are_refused_with_one_line_each():
 
 
 @pytest.mark.parametrize("extra, field", [
-    (["sync.outer.delay=1"], "sync.async_outer.enabled: not combined with sync.outer.delay=1"),
+    (["sync.outer.fragments=3"], "sync.async_outer.enabled: not combined with sync.outer.fragments=3"),
     (["sync.mode=flat"], "sync.async_outer.enabled: an asynchronous outer level needs sync.mode=hier"),
     (["sync.async_outer.addr=nowhere"], "sync.async_outer.addr: expected an address"),
     (["sync.async_outer.min_clusters=3"], "sync.async_outer.min_clusters: 3"),

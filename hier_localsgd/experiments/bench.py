@@ -14,8 +14,9 @@ spec):
 * ``flat_overlap`` / ``hier_overlap`` (by ``bench.arms``) — ``flat_count`` with torchft's
   ``fragment_sync_delay`` = H_inner local steps, and ``hier`` with the outer round
   overlapped by one inner round (``sync.outer.delay=1``, overlap.py);
-* ``hier_async`` (by ``bench.arms``) — ``hier`` with the asynchronous outer level
-  (``sync.async_outer.enabled``): its curve is every group's evaluation on the hier grid
+* ``hier_async`` / ``hier_async_overlap`` (by ``bench.arms``) — ``hier`` with the
+  asynchronous outer level (``sync.async_outer.enabled``; overlapped: each push runs behind
+  training, ``sync.outer.delay=1``): its curve is every group's evaluation on the hier grid
   in the order of training time (the clusters are at different steps at one time), and
   ``curve_global`` the global version each group last adopted, at the same points;
 * a bare training loop (no sync, no machinery) per replica group, run concurrently like
@@ -115,6 +116,8 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         "hier_auto": ["sync.mode=hier", "sync.outer.auto=true"],
         # the asynchronous outer level (sync/global_server.py): no cluster waits for another
         "hier_async": ["sync.mode=hier", "sync.async_outer.enabled=true"],
+        # ... with each push behind training, its answer merged at the next round (sync/async_outer.py)
+        "hier_async_overlap": ["sync.mode=hier", "sync.async_outer.enabled=true", "sync.outer.delay=1"],
         "hier_int8": ["sync.mode=hier", "sync.outer.compression=int8"],
         "hier_overlap_int8": ["sync.mode=hier", "sync.outer.delay=1", "sync.outer.compression=int8"],
         # streaming fragments (core/tensors/fragments.py): half the model per outer round, twice as often

@@ -10,6 +10,18 @@ back; BROADCAST hands it to the cluster as a synchronous outer result would. No 
 Manager, no global quorum: nothing waits for another cluster beyond the server's grace
 window.
 
+Overlapped pushes (``sync.outer.delay=1``): the push runs on the leader's stage thread
+(overlap.py ``OuterStage``) while its cluster trains on; every member keeps the committed
+model of the push round as the snapshot ``θ_s``, and at the cluster's next round (whatever
+its step: :meth:`AsyncOuter.is_apply_round`) the answer ``θ_v`` is merged as a synchronous
+overlapped round's is, ``θ ← θ_v + (θ_now − θ_s)``, with ``θ_v`` the outer backup. The
+steps since the push are in no version yet: their tokens stay counted (:meth:`launch`
+sets aside what the push carried) and the next push carries them, measured from ``θ_v``.
+A push whose answer does not come by the apply round is dropped there (an inner-only
+round: its tokens count again and its work rides on the next push; the server merges a
+base at most once). The run's last push is blocking: it first applies an answer in flight
+and pushes the steps since it from its version (hier.py ``OuterLevel.run``).
+
 At the end (:meth:`pulling`) every member runs join rounds in which the leader asks the
 server for the job's final version (long polls of at most ``POLL_S``) until it is
 fixed, so every cluster ends on one model (global_server.py).
@@ -42,7 +54,7 @@ from hier_localsgd.core.links.link import PAYLOAD, LinkStats
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.core.security.wire import tensor_bytes
 from hier_localsgd.sync.common import OuterResult, Status
-from hier_localsgd.sync.compression import decode_push
+from hier_localsgd.sync.compression import OuterCompression, decode_push
 from hier_localsgd.sync.global_model import apply_update, checksum
 from hier_localsgd.sync.global_server import GlobalModelUnavailable, body_limit, call, tensor_or_none
 from hier_localsgd.sync.state import SyncState
@@ -127,6 +139,9 @@ class AsyncOuter:
         self.full = s.h_inner * s.h_outer
         self.period = self.due = self.full
         self.last_round = st.counters.step  # the step of this cluster's last inner round
+        # Overlapped pushes (module doc): the step of the push in flight (-1: none), and the
+        # tokens it carried (counted again if its answer is not applied).
+        self.launched, self.sent = -1, 0.0
         st.tracker.set_extra(asynchronous=True)  # the dashboard shows versions and their lag
 
     def started(self, step: int) -> None:
@@ -146,12 +161,27 @@ class AsyncOuter:
         self.round_work = 0.0
         if step is not None:
             self.last_round = step
+            if 0 <= self.launched < step:  # the push's apply round: applied (adopted) or dropped
+                self.tokens += self.sent
+                self.launched, self.sent = -1, 0.0
+
+    def launch(self, step: int) -> None:
+        """An overlapped push went out at ``step`` (every member, after the round's commit):
+        its tokens are set aside; the steps from here on count for the next push."""
+        self.launched, self.sent, self.tokens = step, self.tokens, 0.0
+        self.since, self.since_step = time.time(), step  # the next push's period starts with this one
+
+    def is_apply_round(self, step: int) -> bool:
+        """Whether the round at ``step`` applies the overlapped push in flight: the first
+        round after it, on every member (the launch is in the committed state a heal carries)."""
+        return 0 <= self.launched < step
 
     def state_dict(self) -> dict:
         """What heals and checkpoints with the committed state (committed.py ``carry``): the
         cluster's group-steps since its last adoption, the server life of its base, and its
         push schedule."""
-        return {"tokens": self.tokens, "epoch": self.epoch, "period": self.period, "due": self.due, "last_round": self.last_round}
+        return {"tokens": self.tokens, "epoch": self.epoch, "period": self.period, "due": self.due, "last_round": self.last_round,
+                "launched": self.launched, "sent": self.sent}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
         """A heal's or checkpoint's; None (a donor or checkpoint without it) keeps this
@@ -161,6 +191,8 @@ class AsyncOuter:
         self.tokens, self.epoch = float(sd["tokens"]), str(sd["epoch"])
         if all(k in sd for k in ("period", "due", "last_round")):
             self.period, self.due, self.last_round = int(sd["period"]), int(sd["due"]), int(sd["last_round"])
+        if "launched" in sd and "sent" in sd:
+            self.launched, self.sent = int(sd["launched"]), float(sd["sent"])
 
     def is_push_step(self, step: int) -> bool:
         """Whether a round at ``step`` carries this cluster's push (:func:`is_push_step`).
@@ -179,52 +211,66 @@ class AsyncOuter:
             return 0
         return push_in
 
-    def adopted(self, final: bool = False, step: Optional[int] = None, push_in: int = 0) -> None:
+    def adopted(self, final: bool = False, step: Optional[int] = None, push_in: int = 0, merge: bool = False) -> None:
         """The cluster adopted a global model at ``step``: its work so far is in it (or was
         refused). ``push_in`` > 0 (the leader's header, match_pace): the next push comes that
-        many steps after ``step``, and again every ``push_in`` steps until one is answered."""
-        self.tokens = self.round_work = 0.0
-        self.since = time.time()
-        if step is not None:
+        many steps after ``step``, and again every ``push_in`` steps until one is answered.
+        ``merge``: an overlapped push's answer, merged at its apply round: the work since the
+        push is not in it (its tokens stay), and ``push_in`` counts from the push, but no
+        round is shorter than half of H_inner steps."""
+        if merge:
+            self.sent = 0.0
+        else:
+            self.tokens = self.round_work = self.sent = 0.0
+            self.launched = -1
+            self.since = time.time()
+        if step is not None and not merge:
             self.since_step = self.last_round = step
         if push_in > 0 and step is not None:
-            self.period, self.due = push_in, step + push_in
+            start = self.launched if merge and 0 <= self.launched <= step else step
+            self.period = push_in
+            self.due = max(start + push_in, step + max(1, self.st.settings.h_inner // 2)) if merge else step + push_in
         if final:
             self.final = True
 
-    def _register(self, final: bool, tr: PhaseTracker) -> None:
+    def _register(self, final: bool, tr: PhaseTracker, base: Optional[torch.Tensor] = None,
+                  version: Optional[int] = None, step: Optional[int] = None) -> None:
         """A server without this cluster's version (restarted empty): send it the cluster's
-        copy of the global model (``st.outer.backup``, version ``outer_round``) alone."""
+        copy of the global model (``base``, version ``version``; by default the outer
+        backup, version ``outer_round``) alone."""
         st = self.st
         c = st.counters
-        ans = self._call("/push", {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": 0.0,
-                                   "final": final, "delta": None, "model": st.outer.backup.to("cpu", torch.float32)}, tr)
+        base = st.outer.backup if base is None else base
+        ans = self._call("/push", {"cluster": st.id.cluster, "base": c.outer_round if version is None else version, "epoch": self.epoch,
+                                   "step": c.step if step is None else step, "tokens": 0.0,
+                                   "final": final, "delta": None, "model": base.to("cpu", torch.float32)}, tr)
         if ans.get("need_model") or not isinstance(ans.get("version"), int):
             raise GlobalModelUnavailable(f"{self.url}/push: the server did not take this cluster's model")
         self.epoch = str(ans.get("epoch") or "")
 
-    def _takes_updates(self) -> bool:
+    def _takes_updates(self, base: torch.Tensor) -> bool:
         """Whether this push asks for the steps since its base instead of the model: only
         with an fp32 copy of the base (the server's bits), and not right after a mismatch."""
-        return self.compress_down and not self._whole_next and self.st.outer.backup.dtype == torch.float32
+        return self.compress_down and not self._whole_next and base.dtype == torch.float32
 
-    def _model_of(self, ans: dict, like: torch.Tensor, path: str) -> torch.Tensor:
+    def _model_of(self, ans: dict, like: torch.Tensor, path: str, base: torch.Tensor, version: int) -> torch.Tensor:
         if ans.get("updates") is not None:
-            return self._updated(ans, path)
+            return self._updated(ans, path, base, version)
         self._whole_next = False
         model = tensor_or_none(ans.get("model"), f"{path}: the server's model")
         if model is None or model.shape != like.shape or not isinstance(ans.get("version"), int) or not bool(torch.isfinite(model).all()):
             raise GlobalModelUnavailable(f"{self.url}{path}: answer without a finite model of {tuple(like.shape)} elements and a version")
         return model
 
-    def _updated(self, ans: dict, path: str) -> torch.Tensor:
-        """The cluster's copy of its base plus the answer's ``updates``, in order, the way
-        the server took them (global_model.py ``apply_update``), checked against the
-        answer's checksum; a mismatch asks for the model whole at the next push."""
+    def _updated(self, ans: dict, path: str, base: torch.Tensor, version: int) -> torch.Tensor:
+        """The cluster's copy of its base (version ``version``) plus the answer's
+        ``updates``, in order, the way the server took them (global_model.py
+        ``apply_update``), checked against the answer's checksum; a mismatch asks for the
+        model whole at the next push."""
         updates, crc = ans.get("updates"), ans.get("checksum")
         if not isinstance(updates, list) or type(crc) is not int or not isinstance(ans.get("version"), int):
             raise GlobalModelUnavailable(f"{self.url}{path}: answer with updates but without a list, a checksum and a version")
-        x = self.st.outer.backup.detach().to("cpu", torch.float32, copy=True)
+        x = base.detach().to("cpu", torch.float32, copy=True)
         try:
             for u in updates:
                 apply_update(x, decode_push(u, x.numel()))
@@ -232,7 +278,7 @@ class AsyncOuter:
             raise GlobalModelUnavailable(f"{self.url}{path}: malformed update: {e}") from None
         if checksum(x) != crc:
             self._whole_next = True
-            raise GlobalModelUnavailable(f"{self.url}{path}: {len(updates)} updates from version {self.st.counters.outer_round} "
+            raise GlobalModelUnavailable(f"{self.url}{path}: {len(updates)} updates from version {version} "
                                          "did not give the server's model (checksum): the next push asks for it whole")
         return x
 
@@ -255,29 +301,51 @@ class AsyncOuter:
                 self.stats.record(path.strip("/"), PAYLOAD, tensor_bytes(req.get("delta")), float(sizes["sent"] + sizes["received"]))
                 self.stats.timed(path.strip("/"), PAYLOAD, t0, 0.0)
 
-    def run(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool, tr: PhaseTracker) -> OuterResult:
-        """The leader's push at its outer round (module doc); never raises for the server."""
+    def request(self, cluster_model: torch.Tensor, contribute: bool, comp: Optional[OuterCompression] = None,
+                base: Optional[torch.Tensor] = None, version: Optional[int] = None, overlap: bool = False) -> dict:
+        """A push of ``cluster_model``'s work measured from ``base`` (version ``version``;
+        by default the outer backup, version ``outer_round``), with the tokens counted so
+        far; ``comp`` (the compression state, or the stage's copy of it) stages its
+        residual; ``overlap``: the cluster trains on while it is out (the server times the
+        cluster's next push from its arrival, global_server.py). Built on the training
+        thread (counters and tokens move on with training); :meth:`exchange` sends it."""
         st = self.st
         c = st.counters
-        fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, cluster_model, c.outer_round, c.step)
-        final = st.settings.final_step > 0 and c.step >= st.settings.final_step
-        delta = st.outer.pseudo_grad(cluster_model).to("cpu", torch.float32) if contribute else None
-        comp = st.comp  # sync.outer.compression: the push carries the encoded delta, its residual staged
+        base = st.outer.backup if base is None else base
+        delta = st.outer.pseudo_grad(cluster_model, base=base).to("cpu", torch.float32) if contribute else None
         payload = comp.encode_push(delta) if comp is not None and delta is not None else delta
-        tokens = self.tokens + self.round_work if contribute else 0.0
-        req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": tokens,
-               "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
-               "match_pace": self.match_pace,
-               "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full, "final": final, "delta": payload, "model": None,
-               "down": self._takes_updates()}
+        return {"cluster": st.id.cluster, "base": c.outer_round if version is None else version, "epoch": self.epoch, "step": c.step,
+                "tokens": self.tokens + self.round_work if contribute else 0.0,
+                "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
+                "match_pace": self.match_pace,
+                "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full,
+                "final": st.settings.final_step > 0 and c.step >= st.settings.final_step, "delta": payload, "model": None,
+                "down": self._takes_updates(base), "overlap": overlap}
+
+    def run(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool, tr: PhaseTracker) -> OuterResult:
+        """The leader's blocking push at its outer round (module doc); never raises for the server."""
+        st = self.st
+        req = self.request(cluster_model, contribute, st.comp)
+        return self.exchange(req, st.outer.backup, cluster_model, inner_ok, st.comp, tr)
+
+    def exchange(self, req: dict, base: torch.Tensor, like: torch.Tensor, inner_ok: bool,
+                 comp: Optional[OuterCompression], tr: PhaseTracker) -> OuterResult:
+        """Sends the push ``req`` (:meth:`request`, from ``base``) and takes its answer; on
+        the round's tracker (blocking) or the stage's (overlapped: then it touches only
+        ``comp``, the stage's copy, and this object's server state). Never raises for the
+        server: an unanswered push is an INNER_ONLY result with ``like`` (ABORT if not
+        ``inner_ok``)."""
+        st = self.st
+        fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, like, req["base"], req["step"])
         t0 = time.time()
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
         try:
             ans = self._call("/push", req, tr)
             if ans.get("need_model"):
-                self._register(final=False, tr=tr)  # the model alone, then the push again
-                ans = self._call("/push", {**req, "epoch": self.epoch}, tr)
+                self._register(final=False, tr=tr, base=base, version=req["base"], step=req["step"])  # the model alone, then the push again
+                req = {**req, "epoch": self.epoch}
+                ans = self._call("/push", req, tr)
             if comp is not None:
                 # Merged (weight > 0): what the payload did not deliver is the residual (the
                 # members get it in BROADCAST, outer_round.py), even if the model in the
@@ -288,12 +356,12 @@ class AsyncOuter:
                     comp.commit()
                 else:
                     comp.rollback()
-            model = self._model_of(ans, cluster_model, "/push")
+            model = self._model_of(ans, like, "/push", base, req["base"])
         except GlobalModelUnavailable as e:
             if comp is not None:
                 comp.rollback()  # not merged (or not known to be: at most once, global_server.py); no-op once settled
             tr.enter(Phase.OUTER_COMMIT)
-            st.events("outer_unavailable", level="outer", step=c.step, detail=str(e)[:200])
+            st.events("outer_unavailable", level="outer", step=req["step"], detail=str(e)[:200])
             logger.warning("%s global model server: %s; the cluster trains on", st.id, e)
             return fallback
         tr.enter(Phase.OUTER_COMMIT)  # nothing to vote on: the server's version is final
@@ -302,18 +370,19 @@ class AsyncOuter:
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
         push_in = self.next_push(ans.get("push_in"))
-        st.events("commit", level="outer", outer_round=version, step=c.step, base=req["base"], staleness=staleness,
+        st.events("commit", level="outer", outer_round=version, step=req["step"], base=req["base"], staleness=staleness,
                   weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
                   asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period,
                   down_steps=len(ans["updates"]) if isinstance(ans.get("updates"), list) else None)  # None: the model came whole
         # A cluster restarted whole (behind the steps it had pushed before) resumes its count there.
         ahead = ans.get("cluster_step")
         last = st.settings.final_step
-        step = max(c.step, ahead) if isinstance(ahead, int) and not isinstance(ahead, bool) and (last <= 0 or ahead <= last) else c.step
-        if step > c.step:
-            st.events("resume_step", level="outer", step=c.step, to=step, version=version)
+        at = req["step"]
+        step = max(at, ahead) if isinstance(ahead, int) and not isinstance(ahead, bool) and (last <= 0 or ahead <= last) else at
+        if step > at:
+            st.events("resume_step", level="outer", step=at, to=step, version=version)
             logger.info("%s resumes its step count at %d (this cluster's furthest push) with version %d", st.id, step, version)
-        return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, step, weight, push_in=push_in)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, step, weight, push_in=push_in)
 
     def pull_final(self, cluster_model: torch.Tensor) -> OuterResult:
         """The leader's poll for the job's final version: OUTER_COMMITTED with it, or
@@ -331,7 +400,7 @@ class AsyncOuter:
                 if not isinstance(ans.get("version"), int) or ans["version"] < 0:
                     raise GlobalModelUnavailable(f"{self.url}/final: the server holds no model")
                 return waiting
-            model = self._model_of(ans, cluster_model, "/final")
+            model = self._model_of(ans, cluster_model, "/final", st.outer.backup, c.outer_round)
         except GlobalModelUnavailable as e:
             logger.warning("%s global model server at the end: %s", st.id, e)
             waiting.cluster_weight = 0.0  # not heard: final.py's bound runs

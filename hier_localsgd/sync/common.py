@@ -87,15 +87,18 @@ class OuterResult:
     def header(self) -> torch.Tensor:
         """What BROADCAST sends the cluster before the model (:meth:`from_header` reads it)."""
         frag = -1 if self.fragment is None else self.fragment
-        return torch.tensor([int(self.status), self.outer_round, self.step, self.cluster_weight, frag, self.push_in], dtype=torch.float64)
+        return torch.tensor([int(self.status), self.outer_round, self.step, self.cluster_weight, frag, self.push_in, float(self.merge)],
+                            dtype=torch.float64)
 
     @staticmethod
     def empty_header() -> torch.Tensor:
-        return torch.zeros(6, dtype=torch.float64)
+        return torch.zeros(7, dtype=torch.float64)
 
     @staticmethod
     def from_header(header: torch.Tensor, params: Optional[torch.Tensor], **kw: object) -> "OuterResult":
+        """The header's fields; ``kw`` adds the rest (a ``merge`` in it overrides the header's)."""
         frag = int(header[4])
+        kw.setdefault("merge", bool(header[6]))
         return OuterResult(Status(int(header[0])), params, int(header[1]), int(header[2]), float(header[3]),
                            fragment=None if frag < 0 else frag, push_in=int(header[5]), **kw)  # type: ignore[arg-type]
 

@@ -42,7 +42,10 @@ a batch waits, at most ``sync.async_outer.grace_s`` and at most :data:`GRACE_SHA
 contributors' own period after it opened, only for clusters expected to push inside that
 window and for ``sync.async_outer.min_clusters`` contributors. Equal-speed clusters,
 whose pushes come close together, merge into one batch (the synchronous round); a cluster
-twice as slow is half a period late, outside the window, and is never waited for.
+twice as slow is half a period late, outside the window, and is never waited for. An
+overlapped push (``overlap``: its cluster trains on while it is out, async_outer.py) costs
+its cluster nothing while it waits, so its period does not cap the window (``grace_s``
+does), and match_pace times its cluster's next push from its arrival, not its answer.
 
 Security as heals (core/ft/heals.py): requests carry ``Authorization: HL1 <time> <nonce>
 <mac>``, an HMAC over the path, time, nonce and body under ``derive(secret,
@@ -179,6 +182,7 @@ class GlobalModelServer:
         self._answered: Dict[int, float] = {}  # cluster -> when its last push was answered
         self._transit: Dict[int, float] = {}  # cluster -> answer to next arrival less its training (moving average)
         self._fastest: Optional[int] = None  # the cluster the others' pushes meet (_push_in)
+        self._overlapped: Dict[int, bool] = {}  # cluster -> its last push runs behind its training (the module doc)
         self._finals: set = set()
         self._merged: Dict[int, int] = {}  # cluster -> the base of its last merged push
         self._steps: Dict[int, int] = {}  # cluster -> the furthest step it pushed at (a cluster restarted whole resumes there)
@@ -338,12 +342,13 @@ class GlobalModelServer:
                 # (A leader that never pushed does not know its base's server: taken as is.)
                 base = self._adopted_at
             self._arrived(cluster, now, req.get("period_s"), req.get("period_steps"))
+            self._overlapped[cluster] = req.get("overlap") is True
             if delta is not None and not final:
                 self._pushed_work(cluster, now, req.get("period_s"))
             if final:
                 self._finals.add(cluster)
             if self.final_version is not None or (delta is None and not final):
-                return self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base)
+                return self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base, arrived=now)
             if delta is not None and self._merged.get(cluster) == base:
                 # A second push from the same version: the cluster never adopted the answer
                 # to its first (its leader died after the push, or the answer was lost), so
@@ -368,7 +373,7 @@ class GlobalModelServer:
                 logger.warning("global model server: cluster %d's contribution from version %d not merged (%s): it adopts version %d",
                                cluster, base, c.refused, gm.version)
             self._maybe_final(time.time())
-            return self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused)
+            return self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused, arrived=now)
 
     def final(self, req: Dict[str, Any]) -> Dict[str, Any]:
         """Waits up to ``wait_s`` for the job's final version (module doc)."""
@@ -396,9 +401,12 @@ class GlobalModelServer:
                 "cluster_step": self._steps.get(cluster, 0), "push_in": 0}
 
     def _answer_push(self, gm: GlobalModel, cluster: int, req: Dict[str, Any], weight: float, staleness: int,
-                     refused: str = "") -> Dict[str, Any]:
+                     refused: str = "", arrived: Optional[float] = None) -> Dict[str, Any]:
         """A push's answer; with match_pace, its ``push_in``, and the cluster is expected back
-        when it aims to be (the grace window waits for it then, :meth:`_should_close`)."""
+        when it aims to be (the grace window waits for it then, :meth:`_should_close`). An
+        overlapped push's cluster trained on since it sent it: its ``push_in`` counts from
+        the push's arrival (``arrived``), and nothing stands between an answer and its next
+        push but training (no transit)."""
         chain = gm.chain(int(req["base"])) if req.get("down") is True and req.get("epoch") == self.epoch else None
         ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused, model=chain is None)
         if chain is not None:  # the steps since its base instead of the model (module doc)
@@ -407,14 +415,17 @@ class GlobalModelServer:
         self._answered[cluster] = now
         lo, full = req.get("min_steps"), req.get("full_steps")
         if req.get("match_pace") is True and isinstance(lo, int) and isinstance(full, int) and 1 <= lo <= full:
-            ans["push_in"] = self._push_in(cluster, now, lo, full)
+            overlap = req.get("overlap") is True and arrived is not None
+            ref, transit = (arrived, 0.0) if overlap else (now, self._transit.get(cluster, 0.0))
+            assert ref is not None
+            ans["push_in"] = self._push_in(cluster, ref, lo, full, transit)
             if cluster != self._fastest and cluster in self._pace:
-                self._expect[cluster] = now + self._transit.get(cluster, 0.0) + ans["push_in"] * self._pace[cluster]
+                self._expect[cluster] = ref + transit + ans["push_in"] * self._pace[cluster]
             else:
                 self._expect.pop(cluster, None)
         return ans
 
-    def _push_in(self, cluster: int, now: float, lo: int, full: int) -> int:
+    def _push_in(self, cluster: int, now: float, lo: int, full: int, transit: float) -> int:
         """match_pace's schedule (docs/architecture.md "Matched paces"): the fastest live
         cluster (least seconds per step; it stays the fastest until another is 5 % faster,
         so near-equal clusters do not trade the role at every push) trains ``full`` steps
@@ -432,7 +443,7 @@ class GlobalModelServer:
         gap = self._gap.get(f)
         if f == cluster or not gap or f not in self._pushed:
             return full
-        return meet_in(self._pushed[f] + gap - now - self._transit.get(cluster, 0.0), live[cluster], gap, lo, full)
+        return meet_in(self._pushed[f] + gap - now - transit, live[cluster], gap, lo, full)
 
     def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
@@ -466,7 +477,9 @@ class GlobalModelServer:
         could still join it in time has (module doc)."""
         assert self.model is not None and self._batch_opened is not None
         inside = {c.cluster for c in self.model.pending}
-        known = [self._period[k] for k in inside if k in self._period]
+        # The share of a period caps what a blocking push waits; an overlapped one waits
+        # behind its cluster's training (up to grace_s).
+        known = [self._period[k] for k in inside if k in self._period and not self._overlapped.get(k)]
         window = min([self.grace_s] + [GRACE_SHARE * p for p in known])
         if now >= self._batch_opened + window:
             return True

@@ -352,7 +352,12 @@ class HierarchicalSync:
         return is_launch_round(step, s.h_inner, s.h_outer, s.num_fragments) or self._is_final(step)
 
     def is_apply_round(self) -> bool:
+        """The round applies an overlapped outer round's result: ``sync.outer.delay`` rounds
+        after its launch on the schedule; asynchronous, the round after its push (async_outer.py)."""
         s = self.st.settings
+        asy = self.outer_level.asynchronous
+        if asy is not None:
+            return asy.is_apply_round(self.st.counters.step)
         return is_apply_round(self.st.counters.step, s.h_inner, s.h_outer, s.outer_delay, s.num_fragments)
 
     def fragment_ranges(self, fragment: Optional[int]) -> Optional[Ranges]:

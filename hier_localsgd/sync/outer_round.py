@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Dict, List, Optional
 
@@ -116,7 +117,9 @@ class OuterLevel:
         the training thread uses. ``after_stage``: the final partial round, which first waits
         for an overlapped round still in flight (:meth:`await_stage`)."""
         st = self.st
-        if self.asynchronous is not None:  # blocking rounds only (sections.py refuses the rest)
+        if self.asynchronous is not None:  # overlapped pushes run on the stage (_launch_stage)
+            if after_stage and self.stage is not None and self.stage.busy:
+                return self._last_push(cluster_model, contribute, inner_ok)
             return self.asynchronous.run(cluster_model, contribute, inner_ok, st.tracker)
         c = st.counters
         tr = st.tracker if tr is None else tr
@@ -291,6 +294,8 @@ class OuterLevel:
         self.snap_since_outer = st.since_outer
         if st.leader:
             self._launch_stage(contribute)
+        if self.asynchronous is not None:
+            self.asynchronous.launch(c.step)  # every member: the next round applies it
         if st.stand_in is not None and contribute:  # the same condition on every rank of the group (publish)
             # Eager updates (overlap.py): every member steps with its cluster's own
             # pseudo-gradient (identical inputs on every member: identical results).
@@ -301,11 +306,19 @@ class OuterLevel:
             st.events("eager_step", step=c.step, outer_round=c.outer_round, fragment=fragment)
 
     def _launch_stage(self, contribute: bool) -> None:
-        """The leader starts the launched outer round on its stage thread."""
+        """The leader starts the launched outer round (asynchronous: the push) on its stage thread."""
         st = self.st
         c = st.counters
         assert st.snap is not None and self.stage is not None
         self.drop_stage("a new outer round")  # one never applied (its apply round was skipped)
+        if self.asynchronous is not None:
+            asy, model = self.asynchronous, st.snap.clone()
+            comp = self._stage_comp = None if st.comp is None else st.comp.copy()
+            req = asy.request(model, contribute, comp, overlap=True)  # here: the counters and tokens of the push round
+            base = st.outer.backup.clone()
+            self.stage.launch(lambda tr: asy.exchange(req, base, model, contribute, comp, tr))
+            st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=1, asynchronous=True)
+            return
         lvl = Level("outer", st.settings.outer, st.outer.backup)
         lvl.load_state_dict(st.outer.state_dict())
         view = (c.outer_round, c.step)
@@ -349,7 +362,35 @@ class OuterLevel:
         # Keep the stage's level until adopt() takes it (its momentum, with the global model).
         self._stage_outer = lvl
         step = c.step + (res.step - st.snap_step)  # a healed-to newer view moves the step as well
-        return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True, fragment=res.fragment)
+        return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True, fragment=res.fragment,
+                           push_in=res.push_in)
+
+    def _last_push(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool) -> OuterResult:
+        """The run's last round with an overlapped push in flight (asynchronous): take its
+        answer ``θ_v`` first (within the round's budget), then push the steps since it
+        (``θ_s − θ_now``) from version ``v``, blocking. The answer in flight unanswered or
+        dropped: the blocking push carries everything since the last applied version (the
+        server merges a base at most once). The last push unanswered: the cluster merges
+        ``θ_v`` as at an apply round (a ``merge`` header)."""
+        st = self.st
+        asy = self.asynchronous
+        assert asy is not None and st.snap is not None
+        tr = st.tracker
+        tr.enter(Phase.OUTER_QUORUM, st.timeouts.outer_level, reason="asynchronous: the push in flight first")
+        deadline = tr.deadline() or time.time() + st.timeouts.outer_level.total_seconds()
+        res = self.collect(end=deadline - STAGE_DROP_S)
+        if res.status != Status.OUTER_COMMITTED or res.params is None:
+            return asy.run(cluster_model, contribute, inner_ok, tr)
+        if self._stage_comp is not None and st.comp is not None:
+            st.comp.load(self._stage_comp.residual)  # what the push in flight left; the last push stages on it
+        self._stage_outer, self._stage_comp = None, None
+        merged = merge_keep_local(res.params, st.snap, cluster_model)
+        req = asy.request(merged, contribute, st.comp, base=res.params, version=res.outer_round)
+        last = asy.exchange(req, res.params, cluster_model, inner_ok, st.comp, tr)
+        if last.status == Status.OUTER_COMMITTED:
+            return last
+        st.events("outer_unavailable", level="outer", step=st.counters.step, detail="the last push: merging the answer in flight")
+        return replace(res, step=st.counters.step)
 
     def await_stage(self, end: float) -> None:
         """The final partial round (a run whose length is off the outer schedule) is
@@ -569,7 +610,7 @@ class OuterLevel:
         else:
             self.adopt_into_inner(result.params, result.fragment, base=now)
         if self.asynchronous is not None:  # every member, from the header: one schedule per cluster
-            self.asynchronous.adopted(step=result.step, push_in=result.push_in)
+            self.asynchronous.adopted(step=result.step, push_in=result.push_in, merge=result.merge)
         if result.momentum is not None and not st.leader:
             st.outer.set_momentum(result.momentum)  # eager updates: in step with the leader's
         st.outer.set_backup(result.params)  # the whole global model: other fragments' entries are unchanged in it

@@ -230,7 +230,8 @@ class AsyncOuterConfig:
             return
         if mode != "hier":
             fail("sync.async_outer.enabled", f"an asynchronous outer level needs sync.mode=hier (got {mode!r})")
-        for bad, why in ((outer.delay != 0, f"sync.outer.delay={outer.delay}: overlapped rounds"),
+        for bad, why in ((outer.delay > 1, f"sync.outer.delay={outer.delay}: a push applied more than one round later"),
+                         (outer.eager, "sync.outer.eager: eager updates"),
                          (outer.fragments != 1, f"sync.outer.fragments={outer.fragments}: streaming fragments"),
                          (outer.auto, "sync.outer.auto: a configuration picked for synchronous rounds"),
                          (t.ranks_per_replica != 1, f"topology.ranks_per_replica={t.ranks_per_replica}: groups of several ranks")):

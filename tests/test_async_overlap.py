@@ -1,0 +1,126 @@
+"""Overlapped pushes of the asynchronous outer level (``sync.async_outer.enabled`` with
+``sync.outer.delay=1``, sync/async_outer.py): the push runs behind training and its answer
+is merged at the cluster's next round; the tokens of the steps since the push stay counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from hier_localsgd.config import ConfigError, load_config
+
+
+def test_an_overlapped_push_sets_its_tokens_aside_and_they_count_again_if_it_is_not_applied():
+    """AsyncOuter's bookkeeping, by hand: the launch sets aside what the push carried; a
+    merged answer keeps the tokens of the steps since the push (the next push carries
+    them) and takes the schedule from the push's step; an apply round without an answer
+    counts the set-aside tokens again; the state heals with the launch."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from hier_localsgd.sync.async_outer import AsyncOuter, AsyncOuterSettings
+    tracker = SimpleNamespace(set_extra=lambda **kw: None)
+    st = SimpleNamespace(counters=SimpleNamespace(step=0), settings=SimpleNamespace(h_inner=10, h_outer=3), tracker=tracker)
+    a = AsyncOuter(st, AsyncOuterSettings(url="http://127.0.0.1:1", key=None, grace=timedelta(seconds=1), match_pace=True), None)
+    for step in (10, 20, 30):  # three rounds of 2 groups x 10 steps
+        a.note_work(2.0, step)
+        a.round_ended(True, step)
+    assert a.tokens == 60.0 and not a.is_apply_round(30)
+    a.launch(30)  # the push at step 30 carried the 60 group-steps
+    assert (a.tokens, a.sent, a.launched) == (0.0, 60.0, 30) and a.is_apply_round(40) and not a.is_apply_round(30)
+    healed = AsyncOuter(st, AsyncOuterSettings(url="http://127.0.0.1:1", key=None, grace=timedelta(seconds=1)), None)
+    healed.load_state_dict(a.state_dict())
+    assert (healed.sent, healed.launched) == (60.0, 30)
+
+    # The apply round at 40: the answer merged; its push_in counts from the push (30 + 17 = 47),
+    # but no round is shorter than half of H_inner (12: 30 + 12 = 42 < 40 + 5).
+    other = AsyncOuter(st, AsyncOuterSettings(url="http://127.0.0.1:1", key=None, grace=timedelta(seconds=1)), None)
+    other.load_state_dict(a.state_dict())
+    other.adopted(step=40, push_in=17, merge=True)
+    assert (other.period, other.due) == (17, 47)
+    a.note_work(2.0, 40)
+    a.adopted(step=40, push_in=12, merge=True)
+    a.round_ended(True, 40)
+    assert (a.tokens, a.sent, a.launched) == (20.0, 0.0, -1)  # the 20 group-steps since the push stay for the next one
+    assert (a.period, a.due) == (12, 45)
+
+    # The same apply round without an answer (dropped, or the server did not answer): counted again.
+    healed.note_work(2.0, 40)
+    healed.round_ended(True, 40)
+    assert (healed.tokens, healed.sent, healed.launched) == (60.0 + 20.0, 0.0, -1)
+
+    # A blocking adoption (the last push) clears everything.
+    a.launch(50)
+    a.adopted(step=55, push_in=0)
+    assert (a.tokens, a.sent, a.launched) == (0.0, 0.0, -1)
+
+
+@pytest.mark.parametrize("extra, field", [
+    (["sync.outer.delay=2"], "sync.async_outer.enabled: not combined with sync.outer.delay=2"),
+    (["sync.outer.delay=1", "sync.outer.eager=true"], "sync.async_outer.enabled: not combined with sync.outer.eager"),
+])
+def test_overlaps_the_asynchronous_level_does_not_run_are_one_line_naming_the_field(extra, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(["sync.async_outer.enabled=true", *extra], validate_for="train")
+    assert str(e.value).startswith(field), str(e.value)
+    load_config(["sync.async_outer.enabled=true", "sync.outer.delay=1"], validate_for="train")  # the one it runs
+
+
+ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.slow
+def test_overlapped_pushes_merge_at_the_next_round_count_every_step_once_and_end_on_one_model(tmp_path):
+    """2 x 2, asynchronous, sync.outer.delay=1, pushes every 10 steps, 55 steps: each push
+    (launched behind training, an ``outer_launch`` event) is merged into both members of
+    its cluster at the next round (5 steps later), the last push (step 55) first takes the
+    answer still in flight from step 50 (its apply round is the last round), every group
+    ends on the job's final version, and the tokens a cluster's pushes carried add up to
+    the group-steps its inner rounds committed (nothing lost or counted twice by the overlap)."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, ["sync.async_outer.enabled=true", "sync.outer.delay=1", "train.steps=55", "sync.inner.every=5",
+                             "sync.outer.every=2", "train.min_step_time_s=0.05"], timeout_s=300)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    done = {k: run.kinds(k, "async_final", state="done") for k in ALL}
+    assert all(len(v) == 1 for v in done.values()) and len({v[0]["outer_round"] for v in done.values()}) == 1, done
+    assert run.summary["consistent"] is True
+    for c in (0, 1):
+        members = [(c, 0), (c, 1)]
+        launches = sorted(e["step"] for k in members for e in run.kinds(k, "outer_launch", asynchronous=True))
+        assert launches == [10, 20, 30, 40, 50], launches  # the leader's; none at the last step (blocking)
+        pushes = [e for k in members for e in run.kinds(k, "commit", level="outer") if "base" in e]
+        assert sorted(e["step"] for e in pushes) == [10, 20, 30, 40, 50, 55], pushes
+        for k in members:  # merged at the next round: inner commits that carried the outer level
+            merged = sorted({e["step"] for e in run.kinds(k, "commit", level="inner") if e["outer"]})
+            assert [15, 25, 35, 45] == [s for s in merged if s < 55], (k, merged)
+        steps = {k: [0] + [e["step"] for e in run.kinds(k, "commit", level="inner") if not e.get("join")] for k in members}
+        work = sum(e["total_weight"] * (e["step"] - prev) for e, prev in
+                   zip(run.kinds((c, 0), "commit", level="inner"), steps[(c, 0)]))
+        assert sum(e["tokens"] for e in pushes) == pytest.approx(work), (pushes, work)
+
+
+def test_an_overlapped_push_waits_for_the_other_cluster_up_to_grace_not_a_share_of_its_period():
+    """The server's window: a blocking push waits at most a tenth of its cluster's period
+    (it holds its cluster), an overlapped one up to ``grace_s`` (its cluster trains on).
+    Cluster 1 has never pushed, so it may come and the batch waits for it to the window's end:
+    with a 1 s period, 0.1 s blocking, 4 s overlapped (wide margins on both sides)."""
+    from hier_localsgd.core.tensors.level import LevelAlgorithm
+    from hier_localsgd.sync.global_server import GlobalModelServer, call
+    import time
+    import torch
+
+    alg = LevelAlgorithm.build("diloco", lr=0.7, momentum=0.9, nesterov=True)
+    waited = {}
+    for overlap in (False, True):
+        srv = GlobalModelServer("127.0.0.1", 0, algorithm=alg, full_tokens=10, max_staleness=4, clusters=2, grace_s=4.0,
+                                min_clusters=1, final_wait_s=30.0, key=b"k" * 32)
+        try:
+            t0 = time.time()
+            ans = call(f"http://127.0.0.1:{srv.port}", "/push", {
+                "cluster": 0, "base": 0, "tokens": 10.0, "final": False, "period_s": 1.0, "period_steps": 10, "overlap": overlap,
+                "delta": torch.ones(2), "model": torch.zeros(2)}, b"k" * 32, 30.0)
+            waited[overlap] = time.time() - t0
+            assert ans["version"] == 1 and ans["weight"] == 1.0, ans
+        finally:
+            srv.shutdown()
+    assert waited[False] < 3.0 and waited[True] >= 3.9, waited
