@@ -124,3 +124,30 @@ def test_an_overlapped_push_waits_for_the_other_cluster_up_to_grace_not_a_share_
         finally:
             srv.shutdown()
     assert waited[False] < 3.0 and waited[True] >= 3.9, waited
+
+
+@pytest.mark.slow
+def test_a_leader_dying_with_its_overlapped_push_in_flight_loses_that_work_once_and_the_job_ends_on_one_model(tmp_path):
+    """c0r0 exits in BROADCAST at step 25, the apply round of its push from step 20 (merged
+    by the server, never applied by its cluster): c0r1 leads, finds no push of its own in
+    flight (an inner-only round; the push's tokens count again), and its next push comes
+    from the same version as the lost one: the server does not merge that work twice, the
+    cluster adopts the newest version, which holds the first; the job ends on one model."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, ["sync.async_outer.enabled=true", "sync.outer.delay=1", "train.steps=60", "sync.inner.every=5",
+                             "sync.outer.every=2", "train.min_step_time_s=0.05",
+                             "faults=[{cluster:0,replica:0,step:25,action:exit,phase:BROADCAST}]"], restart=True, timeout_s=300)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    assert [h["code"] for h in run.job.history if h["event"] == "exit" and h["key"] == (0, 0)][0] == 17
+    (first,) = [e for e in run.kinds((0, 0), "commit", level="outer") if "base" in e and e["step"] == 20]
+    assert first["weight"] > 0, first  # merged by the server before the leader died
+    redo = [e for e in run.kinds((0, 1), "commit", level="outer") if "base" in e][0]  # c0r1's first push as the leader
+    assert redo["base"] == first["base"] and redo["weight"] == 0.0, (first, redo)
+    log = (run.job.run_dir / "logs" / "lighthouse_global.log").read_text()
+    assert f"cluster 0 pushed step {redo['step']} from version {first['base']} again: not merged twice" in log, log[-3000:]
+    survivors = [(0, 1), (1, 0), (1, 1)]
+    done = {k: run.kinds(k, "async_final", state="done") for k in survivors}
+    assert all(len(v) == 1 for v in done.values()) and len({v[0]["outer_round"] for v in done.values()}) == 1, done
+    sums = run.summary["checksums"]
+    assert len({sums[f"c{c}r{r}"] for c, r in survivors}) == 1, sums

@@ -329,23 +329,27 @@ class AsyncOuter:
         return self.exchange(req, st.outer.backup, cluster_model, inner_ok, st.comp, tr)
 
     def exchange(self, req: dict, base: torch.Tensor, like: torch.Tensor, inner_ok: bool,
-                 comp: Optional[OuterCompression], tr: PhaseTracker) -> OuterResult:
+                 comp: Optional[OuterCompression], tr: PhaseTracker, built: Optional[float] = None) -> OuterResult:
         """Sends the push ``req`` (:meth:`request`, from ``base``) and takes its answer; on
         the round's tracker (blocking) or the stage's (overlapped: then it touches only
-        ``comp``, the stage's copy, and this object's server state). Never raises for the
-        server: an unanswered push is an INNER_ONLY result with ``like`` (ABORT if not
-        ``inner_ok``)."""
+        ``comp``, the stage's copy, and this object's server state; ``built``: when the
+        push was built, so each attempt says its age). Never raises for the server: an
+        unanswered push is an INNER_ONLY result with ``like`` (ABORT if not ``inner_ok``)."""
         st = self.st
+
+        def aged(r: dict) -> dict:
+            return r if built is None else {**r, "age_s": round(time.time() - built, 4)}
+
         fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, like, req["base"], req["step"])
         t0 = time.time()
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
         try:
-            ans = self._call("/push", req, tr)
+            ans = self._call("/push", aged(req), tr)
             if ans.get("need_model"):
                 self._register(final=False, tr=tr, base=base, version=req["base"], step=req["step"])  # the model alone, then the push again
                 req = {**req, "epoch": self.epoch}
-                ans = self._call("/push", req, tr)
+                ans = self._call("/push", aged(req), tr)
             if comp is not None:
                 # Merged (weight > 0): what the payload did not deliver is the residual (the
                 # members get it in BROADCAST, outer_round.py), even if the model in the

@@ -45,7 +45,8 @@ whose pushes come close together, merge into one batch (the synchronous round); 
 twice as slow is half a period late, outside the window, and is never waited for. An
 overlapped push (``overlap``: its cluster trains on while it is out, async_outer.py) costs
 its cluster nothing while it waits, so its period does not cap the window (``grace_s``
-does), and match_pace times its cluster's next push from its arrival, not its answer.
+does), and match_pace times its cluster from when the push went out (its arrival less its
+``age_s``), not from its answer.
 
 Security as heals (core/ft/heals.py): requests carry ``Authorization: HL1 <time> <nonce>
 <mac>``, an HMAC over the path, time, nonce and body under ``derive(secret,
@@ -96,6 +97,7 @@ SOCKET_TIMEOUT_S = 120.0  # per blocking read or write of one connection
 # A batch waits at most this share of its contributors' own push period: a fast cluster
 # gives up at most a tenth of its time to merging with others (module doc).
 GRACE_SHARE = 0.1
+MAX_AGE_S = 60.0  # an overlapped push's reported age is taken up to this (a leader's clock is not trusted further)
 UNKNOWN_MODEL_LIMIT = 8 << 30  # a body before any model is known (a registration carries two)
 _OPENER = no_redirect_opener()
 
@@ -341,14 +343,20 @@ class GlobalModelServer:
                 # the same number here may be another model. Measured from the one both share.
                 # (A leader that never pushed does not know its base's server: taken as is.)
                 base = self._adopted_at
-            self._arrived(cluster, now, req.get("period_s"), req.get("period_steps"))
-            self._overlapped[cluster] = req.get("overlap") is True
+            # An overlapped push is timed from when its cluster sent it out (its age: the
+            # leader's seconds from building it to sending it, a registration included), so
+            # its cluster's schedule is in step with its training, not with the server's answers.
+            overlap = req.get("overlap") is True
+            age = req.get("age_s")
+            at = now - min(float(age), MAX_AGE_S) if overlap and _positive(age) else now
+            self._arrived(cluster, at, req.get("period_s"), req.get("period_steps"))
+            self._overlapped[cluster] = overlap
             if delta is not None and not final:
-                self._pushed_work(cluster, now, req.get("period_s"))
+                self._pushed_work(cluster, at, req.get("period_s"))
             if final:
                 self._finals.add(cluster)
             if self.final_version is not None or (delta is None and not final):
-                return self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base, arrived=now)
+                return self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base, arrived=at)
             if delta is not None and self._merged.get(cluster) == base:
                 # A second push from the same version: the cluster never adopted the answer
                 # to its first (its leader died after the push, or the answer was lost), so
@@ -373,7 +381,7 @@ class GlobalModelServer:
                 logger.warning("global model server: cluster %d's contribution from version %d not merged (%s): it adopts version %d",
                                cluster, base, c.refused, gm.version)
             self._maybe_final(time.time())
-            return self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused, arrived=now)
+            return self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused, arrived=at)
 
     def final(self, req: Dict[str, Any]) -> Dict[str, Any]:
         """Waits up to ``wait_s`` for the job's final version (module doc)."""

@@ -315,8 +315,8 @@ class OuterLevel:
             asy, model = self.asynchronous, st.snap.clone()
             comp = self._stage_comp = None if st.comp is None else st.comp.copy()
             req = asy.request(model, contribute, comp, overlap=True)  # here: the counters and tokens of the push round
-            base = st.outer.backup.clone()
-            self.stage.launch(lambda tr: asy.exchange(req, base, model, contribute, comp, tr))
+            base, built = st.outer.backup.clone(), time.time()
+            self.stage.launch(lambda tr: asy.exchange(req, base, model, contribute, comp, tr, built=built))
             st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=1, asynchronous=True)
             return
         lvl = Level("outer", st.settings.outer, st.outer.backup)
