@@ -151,3 +151,32 @@ def test_a_leader_dying_with_its_overlapped_push_in_flight_loses_that_work_once_
     assert all(len(v) == 1 for v in done.values()) and len({v[0]["outer_round"] for v in done.values()}) == 1, done
     sums = run.summary["checksums"]
     assert len({sums[f"c{c}r{r}"] for c, r in survivors}) == 1, sums
+
+
+@pytest.mark.slow
+def test_with_matched_paces_an_overlapped_cluster_pushes_when_its_merged_answer_says(tmp_path):
+    """2 x 2, cluster 1 at half speed, match_pace, overlapped pushes: after each push whose
+    answer merged at the next round, the cluster's next push comes ``push_in`` steps after
+    that push, or half an inner round after the merge if that is later (the server times an
+    overlapped cluster from its push, async_outer.py ``adopted``), never at a step the
+    previous schedule had put earlier; every member follows one schedule; one model at the end."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, ["sync.async_outer.enabled=true", "sync.async_outer.match_pace=true", "sync.outer.delay=1",
+                             "train.steps=120", "sync.inner.every=6", "sync.outer.every=4", "train.min_step_time_s=0.1",
+                             "topology.cluster_speed=[1.0,0.5]"], timeout_s=400)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    done = {k: run.kinds(k, "async_final", state="done") for k in ALL}
+    assert all(len(v) == 1 for v in done.values()) and len({v[0]["outer_round"] for v in done.values()}) == 1, done
+    checked = 0
+    for c in (0, 1):
+        pushes = sorted((e["step"], e["push_in"]) for k in ((c, 0), (c, 1)) for e in run.kinds(k, "commit", level="outer")
+                        if "base" in e and e["weight"] > 0)
+        merges = {k: sorted({e["step"] for e in run.kinds(k, "commit", level="inner") if e["outer"]}) for k in ((c, 0), (c, 1))}
+        assert merges[(c, 0)] == merges[(c, 1)], merges  # one schedule per cluster
+        for (p, n), (p2, _) in zip(pushes, pushes[1:]):
+            applied = [m for m in merges[(c, 0)] if p < m <= p2]
+            if applied and p2 < 120:
+                assert p2 == max(p + n, applied[0] + 3), (c, p, n, applied[0], p2, pushes)
+                checked += 1
+    assert checked >= 4, checked

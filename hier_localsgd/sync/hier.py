@@ -520,7 +520,9 @@ class HierarchicalSync:
             cs.kept_sent = True  # keep_local kept them (CommittedState.stale_inner)
         if committed and stale_steps:
             st.events("stale_update", level="inner", steps=stale_steps, behind=behind, step=c.step)
-        if outer_now and ol.overlap and not final:
+        # Asynchronous: an answer merged in this round set a new schedule (from its push's
+        # step, async_outer.py adopted); a push the old one put here waits for the new one.
+        if outer_now and ol.overlap and not final and (asy is None or asy.is_push_step(c.step)):
             ol.launch(contribute=committed)
         st.poison.end_round()  # a group that keeps poisoning gives up here, between rounds
         return committed

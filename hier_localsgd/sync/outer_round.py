@@ -387,8 +387,8 @@ class OuterLevel:
         merged = merge_keep_local(res.params, st.snap, cluster_model)
         req = asy.request(merged, contribute, st.comp, base=res.params, version=res.outer_round)
         last = asy.exchange(req, res.params, cluster_model, inner_ok, st.comp, tr)
-        if last.status == Status.OUTER_COMMITTED:
-            return last
+        if last.status == Status.OUTER_COMMITTED or not inner_ok:
+            return last  # (not inner_ok: ABORT, the cluster rolls back as for any failed round)
         st.events("outer_unavailable", level="outer", step=st.counters.step, detail="the last push: merging the answer in flight")
         return replace(res, step=st.counters.step)
 

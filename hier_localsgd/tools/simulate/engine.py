@@ -56,7 +56,8 @@ does (:meth:`Simulation.set_schedule`: the paces, transits and the fastest clust
 learnt from the pushes, with global_server.py's rules), and a cluster's rounds end on the
 H_inner grid and at its push steps (async_outer.py ``next_round_step``). Not modelled there:
 the grace window that merges equal-speed pushes into one version, the server's own link
-(pushes do not compete for it), and the end's wait for the final version.
+(pushes do not compete for it), the end's wait for the final version, and overlapped pushes
+(``sync.outer.delay=1``: simulated as blocking ones).
 
 A cluster whose model derives from an older global model than the current one (it missed
 a committed outer round, or it restarted from scratch) contributes weight 0 at its next
