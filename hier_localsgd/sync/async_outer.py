@@ -137,6 +137,7 @@ class AsyncOuter:
         # cluster's outer rounds; with it, every member sets it from the leader's header.
         s = st.settings
         self.full = s.h_inner * s.h_outer
+        self.min_steps = max(1, s.h_inner // 2)  # the shortest period between pushes (a push's min_steps)
         self.period = self.due = self.full
         self.last_round = st.counters.step  # the step of this cluster's last inner round
         # Overlapped pushes (module doc): the step of the push in flight (-1: none), and the
@@ -224,12 +225,15 @@ class AsyncOuter:
             self.tokens = self.round_work = self.sent = 0.0
             self.launched = -1
             self.since = time.time()
-        if step is not None and not merge:
-            self.since_step = self.last_round = step
+            if step is not None:
+                self.since_step = self.last_round = step
         if push_in > 0 and step is not None:
-            start = self.launched if merge and 0 <= self.launched <= step else step
             self.period = push_in
-            self.due = max(start + push_in, step + max(1, self.st.settings.h_inner // 2)) if merge else step + push_in
+            if merge:
+                start = self.launched if 0 <= self.launched <= step else step
+                self.due = max(start + push_in, step + self.min_steps)
+            else:
+                self.due = step + push_in
         if final:
             self.final = True
 
@@ -318,7 +322,7 @@ class AsyncOuter:
                 "tokens": self.tokens + self.round_work if contribute else 0.0,
                 "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
                 "match_pace": self.match_pace,
-                "min_steps": max(1, st.settings.h_inner // 2), "full_steps": self.full,
+                "min_steps": self.min_steps, "full_steps": self.full,
                 "final": st.settings.final_step > 0 and c.step >= st.settings.final_step, "delta": payload, "model": None,
                 "down": self._takes_updates(base), "overlap": overlap}
 

@@ -409,7 +409,7 @@ class GlobalModelServer:
                 "cluster_step": self._steps.get(cluster, 0), "push_in": 0}
 
     def _answer_push(self, gm: GlobalModel, cluster: int, req: Dict[str, Any], weight: float, staleness: int,
-                     refused: str = "", arrived: Optional[float] = None) -> Dict[str, Any]:
+                     refused: str = "", *, arrived: float) -> Dict[str, Any]:
         """A push's answer; with match_pace, its ``push_in``, and the cluster is expected back
         when it aims to be (the grace window waits for it then, :meth:`_should_close`). An
         overlapped push's cluster trained on since it sent it: its ``push_in`` counts from
@@ -423,9 +423,7 @@ class GlobalModelServer:
         self._answered[cluster] = now
         lo, full = req.get("min_steps"), req.get("full_steps")
         if req.get("match_pace") is True and isinstance(lo, int) and isinstance(full, int) and 1 <= lo <= full:
-            overlap = req.get("overlap") is True and arrived is not None
-            ref, transit = (arrived, 0.0) if overlap else (now, self._transit.get(cluster, 0.0))
-            assert ref is not None
+            ref, transit = (arrived, 0.0) if self._overlapped.get(cluster) else (now, self._transit.get(cluster, 0.0))
             ans["push_in"] = self._push_in(cluster, ref, lo, full, transit)
             if cluster != self._fastest and cluster in self._pace:
                 self._expect[cluster] = ref + transit + ans["push_in"] * self._pace[cluster]
