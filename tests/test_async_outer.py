@@ -405,9 +405,12 @@ def test_a_cluster_lighthouse_outage_with_the_asynchronous_level_ends_on_one_mod
 @pytest.mark.slow
 def test_a_cluster_restarted_whole_adopts_the_global_model_and_resumes_its_step_count(tmp_path):
     """Both groups of cluster 1 are killed past step 40 and restarted (from step 0: nobody
-    in their cluster to heal from). Their first push is far too stale to merge; they adopt
-    the newest version and resume their step count at their furthest push instead of
-    training those steps again, and the job ends on one model."""
+    in their cluster to heal from). At their join round, before their first step, the
+    leader learns from the server that the job has moved on: they adopt the newest version
+    and resume their step count at their furthest push, so they neither train those steps
+    again nor train steps from the initial model that no version could take (before, their
+    first push was too stale to merge and its steps were discarded), and the job ends on
+    one model."""
     import signal
 
     from harness import logs_tail, run_job
@@ -425,9 +428,16 @@ def test_a_cluster_restarted_whole_adopts_the_global_model_and_resumes_its_step_
     run = run_job(tmp_path, [*ASYNC, "train.steps=200", "sync.final_wait_s=240"], during=during, restart=True, timeout_s=400)
     assert seen and all(code == 0 for code in run.codes.values()), logs_tail(run)
     resumed = [e for k in ((1, 0), (1, 1)) for e in run.kinds(k, "resume_step")]
-    assert resumed and all(e["to"] >= 40 > e["step"] for e in resumed), resumed
-    refused = [e for k in ((1, 0), (1, 1)) for e in _pushes(run, k) if e["weight"] == 0.0 and "stale" in e.get("refused", "")]
-    assert refused, "the restarted cluster's first push was too stale to merge"
+    assert resumed and all(e["to"] >= 40 and e["step"] == 0 for e in resumed), resumed
+    for k in ((1, 0), (1, 1)):
+        # the restarted life's first loss is past the kill: it trained on from the job's model
+        lives = [i for i, e in enumerate(run.events[k]) if e["kind"] == "eval" and e["step"] == 0]
+        later = run.events[k][lives[-1]:]
+        steps = [e["step"] for e in later if e["kind"] == "loss"]
+        assert len(lives) == 2 and steps and min(steps) > 40, (k, len(lives), steps[:5])
+        assert not [e for e in later if e["kind"] == "discard"], [e for e in later if e["kind"] == "discard"]
+    refused = [e for k in ((1, 0), (1, 1)) for e in _pushes(run, k) if "stale" in e.get("refused", "")]
+    assert not refused, refused
     _ends_on_one_version(run)
 
 

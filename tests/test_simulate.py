@@ -151,6 +151,28 @@ def test_whole_cluster_loss_discards_its_outer_period():
     assert (r.steps_run, r.steps_discarded) == (30 + 60 + 60 + 120, 10 + 60)
 
 
+def test_an_asynchronous_cluster_restarted_whole_adopts_the_newest_version_at_its_join_round():
+    """The asynchronous level, staleness bound 1, 90 s. Both clusters push at 30 s (versions
+    1 and 2). Cluster 0 is lost during step 36 (35.5 s: 2 x 5.5 s of own work) and back at
+    41.5 s (2 x 6 s down). Its join round is a push of no work: it adopts version 2 and
+    resumes at step 30 (its furthest push), so its next push, at step 60 (71.5 s), is one
+    version behind (cluster 1's push at 60 s): merged. Kept: cluster 1's 2 x 90 and cluster
+    0's 2 x 30 + 2 x 30; its last 18.5 s are in no push at the end (pending). Before, it
+    trained from step 0 and the initial model, and that push, 3 versions behind, was
+    discarded (2 x 30 replica-seconds)."""
+    cfg = free_network(kills=["s35:0"])
+    cfg.simulate.duration_s = 90.0
+    cfg.sync.async_outer.enabled, cfg.sync.async_outer.max_staleness = True, 1
+    sim = engine.Simulation(params.resolve(cfg), 0)
+    r = sim.run()
+    (f,) = r.failures
+    assert f["role"] == "cluster" and f["lost_replica_s"] == pytest.approx({"own_work": 11.0, "down": 12.0})
+    assert sim.pushes_at == {0: [30.0, 71.5], 1: [30.0, 60.0, 90.0]}, dict(sim.pushes_at)
+    assert [c.step for c in sim.clusters] == [70, 90]  # cluster 0: 30 + 40 steps committed in 48.5 s
+    assert (r.committed, r.goodput, r.lost, r.steps_discarded) == (300.0, 300 / 360, {"own_work": 11.0}, 10)
+    assert r.balance_error < 1e-12
+
+
 # ----------------------------------------------------------------------------- invariants
 def test_fixed_seed_is_reproducible():
     cfg = small(failures=FailureConfig(model="independent", mtbf_s=120.0, cluster_mtbf_s=400.0, hang_fraction=0.3, restart_s=6.0), duration_s=900.0, step_jitter=0.02)

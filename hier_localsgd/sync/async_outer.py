@@ -62,6 +62,7 @@ from hier_localsgd.sync.state import SyncState
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
 
 POLL_S = 5.0  # one final poll's wait at the server: well inside OUTER_QUORUM's budget
+MOVED_ON_S = 5.0  # the join round's question to the server: a few round trips, no model
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,18 @@ class AsyncOuter:
             raise GlobalModelUnavailable(f"{self.url}{path}: {len(updates)} updates from version {version} "
                                          "did not give the server's model (checksum): the next push asks for it whole")
         return x
+
+    def moved_on(self) -> bool:
+        """Whether the job has moved on without this cluster (its join round at step 0,
+        outer_round.py ``join_wanted``): the server holds a version past 0. False when the
+        server does not answer within :data:`MOVED_ON_S` (the cluster trains from step 0)."""
+        try:
+            ans = call(self.url, "/version", {"cluster": self.st.id.cluster}, self._key, MOVED_ON_S, limit=1 << 16)
+        except GlobalModelUnavailable as e:
+            logger.warning("%s global model server at the join round: %s; the cluster starts from step 0", self.st.id, e)
+            return False
+        v = ans.get("version")
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
     def answered(self, status: Status, server_answered: bool) -> None:
         """A final pull round's broadcast: the leader heard the server (or not)."""

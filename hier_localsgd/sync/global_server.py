@@ -9,6 +9,7 @@ Requests (``POST``, body and answer in the no-code wire format, core/security/wi
             -> {version, model|None, updates, checksum, weight, staleness, final, need_model, refused, epoch,
                 cluster_step, push_in}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
+    /version {cluster}         -> {version (-1: no model), final, cluster_step}
 
 ``/push``: the contribution is weighed and added to the open batch (global_model.py);
 the batch closes (one outer step) when the grace window decides (:meth:`_should_close`),
@@ -33,8 +34,11 @@ otherwise, and always at ``/final``, the model comes whole.
 
 ``cluster_step``: the furthest step the cluster has pushed at: a cluster that restarted
 whole (every group lost, back at step 0) resumes its step count there when it adopts the
-model, instead of training its steps again (the synchronous level's join round takes the
-global step for the same reason).
+model, instead of training its steps again. It asks ``/version`` at its join round and, if
+the job has moved on, pushes no work there and adopts the answer before its first step (as
+the synchronous level's join round takes the global model, outer_round.py ``join_wanted``).
+A push of no steps since its cluster last adopted (``period_steps`` 0) tells nothing of the
+cluster's period or pace: it only marks the cluster alive.
 
 The grace window is adaptive: each push says the cluster's period (seconds since it last
 adopted a model, or since it began training), and
@@ -234,7 +238,7 @@ class GlobalModelServer:
 
     def _read(self, h: BaseHTTPRequestHandler) -> Optional[tuple]:
         """(body, nonce) of an authentic request, or None after refusing it."""
-        if h.path not in ("/push", "/final"):
+        if h.path not in ("/push", "/final", "/version"):
             return self._refuse(h, 404, "not a global model path")
         length = h.headers.get("Content-Length") or ""
         if re.fullmatch(r"[0-9]{1,15}", length) is None:
@@ -282,7 +286,7 @@ class GlobalModelServer:
             req = decode(bytearray(body), max_bytes=len(body))  # writable: the tensors view it
             if not isinstance(req, dict) or not isinstance(req.get("cluster"), int) or not 0 <= req["cluster"] < self.clusters:
                 raise WireError("not a request of this job (cluster missing or out of range)")
-            answer = self.push(req) if h.path == "/push" else self.final(req)
+            answer = self.push(req) if h.path == "/push" else self.final(req) if h.path == "/final" else self.version(req)
         except (WireError, ValueError, TypeError, KeyError) as e:
             return self._refuse(h, 400, f"malformed request: {str(e)[:160]}")
         out = encode(answer).to_bytes()
@@ -402,6 +406,12 @@ class GlobalModelServer:
                 return {"final": False, "version": -1 if gm is None else gm.version, "model": None}
             return {"final": True, "version": gm.version, "model": gm.params.clone()}
 
+    def version(self, req: Dict[str, Any]) -> Dict[str, Any]:
+        """How far the job is, for a cluster's join round (module doc); no model, no wait."""
+        with self._cond:
+            return {"version": -1 if self.model is None else self.model.version, "final": self.final_version is not None,
+                    "cluster_step": self._steps.get(int(req["cluster"]), 0)}
+
     def _answer(self, gm: GlobalModel, cluster: int, weight: float, staleness: int, refused: str = "",
                 model: bool = True) -> Dict[str, Any]:
         return {"need_model": False, "version": gm.version, "model": gm.params.clone() if model else None, "weight": float(weight),
@@ -456,6 +466,9 @@ class GlobalModelServer:
         cluster measured it (``period_s``: since it last adopted a model, or since it began
         training) or, without one, the gap since its last push (moving average); its pace
         over ``period_steps`` steps."""
+        if type(period_steps) is int and period_steps == 0:  # no steps since its last adoption (a join round's push): alive, no period
+            self._last[cluster] = now
+            return
         last = self._last.get(cluster)
         gap = float(period_s) if _positive(period_s) else (None if last is None or cluster in self._finals else now - last)
         if gap is not None:

@@ -528,23 +528,27 @@ class OuterLevel:
         global level, and BROADCAST hands the global model to the cluster before its first step.
 
         Only when the job has moved on: the leader reads the global lighthouse's status page
-        (its last quorum announced a step > 0), so a fresh job starts as before. Every member
-        evaluates the same condition after the consistency guard (same counters, same
-        quorum); the leader's answer reaches them in one small all-reduce, so all of them
-        take the BROADCAST phase or none does. Blocking rounds and one rank per group only
-        (the ranks of a group could read the page differently). If the outer quorum does
-        not form within its phase, the round stays inner-only and the cluster trains from
-        step 0 as before.
+        (its last quorum announced a step > 0), so a fresh job starts as before; with the
+        asynchronous level it asks the global model server (:meth:`AsyncOuter.moved_on`: a
+        version past 0), and the round is a push of no work whose answer, the newest version,
+        the cluster adopts, resuming its step count at its furthest push (async_outer.py).
+        Every member evaluates the same condition after the consistency guard (same
+        counters, same quorum); the leader's answer reaches them in one small all-reduce,
+        so all of them take the BROADCAST phase or none does. Blocking rounds (asynchronous
+        ones: every round's push is blocking at step 0, nothing is in flight yet) and one
+        rank per group only (the ranks of a group could read the page differently). If the
+        outer quorum does not form within its phase, or the server does not answer, the
+        round stays inner-only and the cluster trains from step 0 as before.
         """
         st = self.st
         c = st.counters
-        if self.asynchronous is not None:
-            return False  # a cluster restarted whole gets the global model at its first push (async_outer.py)
-        if not (join and not self.overlap and st.settings.group_world_size == 1 and q.size >= st.settings.replicas_per_cluster
-                and c.step == 0 and c.outer_round == 0 and plan.total_weight == 0):
+        if not (join and (not self.overlap or self.asynchronous is not None) and st.settings.group_world_size == 1
+                and q.size >= st.settings.replicas_per_cluster and c.step == 0 and c.outer_round == 0 and plan.total_weight == 0):
             return False
         ask = 0.0
-        if st.leader:
+        if st.leader and self.asynchronous is not None:
+            ask = 1.0 if self.asynchronous.moved_on() else 0.0
+        elif st.leader:
             html = fetch_status(st.settings.global_lighthouse, st.settings.quorum_slice)
             step = parse_status(html).max_step if html is not None else None
             ask = 1.0 if step is not None and step > 0 else 0.0

@@ -83,8 +83,10 @@ Failures:
   ``startup_s``) and, once the job has moved past step 0, their join round is an outer
   round of weight 0: the leader waits at the global lighthouse for the others' next outer
   round and the cluster takes the global model and step before its first local step
-  (sync/outer_round.py ``_outer_join_wanted``). If that quorum times out, it trains from
-  scratch until its first outer round and heals there at weight 0;
+  (sync/outer_round.py ``join_wanted``). If that quorum times out, it trains from
+  scratch until its first outer round and heals there at weight 0. With the asynchronous
+  level the join round is a push of no work (once the server holds a version past 0): the
+  cluster adopts the newest version and resumes its step count at its furthest push;
 * a hang (``hang_fraction`` of failures): the replica group stops but keeps heartbeating:
   a collective it is part of fails at the phase timeout (``inner_reduce_s``,
   ``outer_reduce_s``), quorums give up on it after ``join_s``; its watchdog ends it
@@ -399,6 +401,7 @@ class Simulation(OuterBarrier, Failures):
             c.state = S_OUTER
             c.phase_start = c.push_start = t
             self.pushes_at[ci].append(t)
+            c.pushed_step = max(c.pushed_step, c.step)
             self.enter(c, t, "sync")
             self.fire(c, t, ("OUTER_QUORUM",))
             self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
@@ -420,6 +423,12 @@ class Simulation(OuterBarrier, Failures):
         if epoch != c.epoch or c.state != S_OUTER:
             return
         p = self.p
+        self.slow_bytes += p.ranks * 2 * p.sync_bytes
+        if c.outer_join:  # a restarted cluster's join push: no work, nothing merged; it adopts
+            c.outer_weight, c.outer_outcome, c.state = 0.0, "committed", S_COMMIT
+            self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
+            self.push(t + p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
+            return
         merged = staleness_factor(self.round_no - c.base, p.max_staleness) > 0
         if merged:
             self.round_no += 1
@@ -429,7 +438,6 @@ class Simulation(OuterBarrier, Failures):
         if p.match_pace:
             self.set_schedule(c, t - p.push_time() / 2)  # answered as the push arrives (its upload: half the exchange)
         self.outer_rounds += 1
-        self.slow_bytes += p.ranks * 2 * p.sync_bytes
         c.outer_outcome = "committed"
         c.state = S_COMMIT
         self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
@@ -513,7 +521,7 @@ class Simulation(OuterBarrier, Failures):
         """The cluster now holds the current global model and step (its period starts now)."""
         c.period_t0, c.period_step0 = self.now, c.step
         c.base = self.round_no
-        c.step = max(c.step, self.global_step)
+        c.step = max(c.step, c.pushed_step if self.p.asynchronous else self.global_step)
         c.outer_acc = 0
         c.acc0_sum = 0
         for r in c.active:

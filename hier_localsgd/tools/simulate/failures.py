@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.state import (
-    ABORT, CLUSTER_FAIL, CLUSTER_START, FAIL, KILL, RESTART, S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, WATCHDOG,
+    ABORT, CLUSTER_FAIL, CLUSTER_START, FAIL, KILL, PUSH_DONE, RESTART, S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, WATCHDOG,
     Cluster, Member,
 )
 
@@ -380,9 +380,23 @@ class Failures:
         c.leader = min(back)
         self.new_manager(c, c.restart_cause)
         c.delay_cause = c.restart_cause
-        if self.hier and self.global_step > 0:
+        if self.hier and self.p.asynchronous and self.round_no > 0:
+            # Its join round is a push of no work (sync/outer_round.py join_wanted): it
+            # adopts the newest version and resumes at its furthest push (engine.py adopt).
+            c.epoch += 1
+            c.outer_join = True
+            c.round_compute = 0.0
+            c.round_joiners = len(c.active)
+            c.broken = False
+            c.outer_outcome = None
+            c.state = S_OUTER
+            c.phase_start = c.push_start = t
+            self.enter(c, t, "sync")
+            self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
+            return
+        if self.hier and not self.p.asynchronous and self.global_step > 0:
             # Its join round is an outer round of weight 0 (sync/outer_round.py
-            # _outer_join_wanted): the leader waits at the global lighthouse for the others'
+            # join_wanted): the leader waits at the global lighthouse for the others'
             # next outer round and the cluster takes the global model and step before its
             # first local step. If that quorum does not form in time it trains from step 0.
             c.epoch += 1

@@ -91,6 +91,7 @@ class Cluster:
         self.early_broken = -1  # a member that failed in the round's last local step, in its early quorum (fid)
         self.early_hang = False  # ... and it hung rather than died
         self.outer_join = False  # restarted whole: its join round is an outer round of weight 0
+        self.pushed_step = 0  # asynchronous: the furthest step it pushed at (restarted whole, it resumes there)
         self.armed: List[Tuple[int, str]] = []  # replayed kills of this round's sync phases: (replica or -1, phase)
         self.outer_weight = 0.0  # this cluster's weight in the outer round in flight
         self.outer_outcome: Optional[str] = None  # "committed" | "inner_only" for the pending commit
