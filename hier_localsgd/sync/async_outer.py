@@ -19,7 +19,9 @@ steps since the push are in no version yet: their tokens stay counted (:meth:`la
 sets aside what the push carried) and the next push carries them, measured from ``θ_v``.
 A push whose answer does not come by the apply round is dropped there (an inner-only
 round: its tokens count again and its work rides on the next push; the server merges a
-base at most once). The run's last push is blocking: it first applies an answer in flight
+base at most once). A leader without an answer of its own there (the pushing leader died)
+asks the server whether the push was merged and, if so, merges the newest version
+(:meth:`AsyncOuter.recover`); a failed apply round leaves the push for the next round. The run's last push is blocking: it first applies an answer in flight
 and pushes the steps since it from its version (hier.py ``OuterLevel.run``).
 
 At the end (:meth:`pulling`) every member runs join rounds in which the leader asks the
@@ -163,9 +165,11 @@ class AsyncOuter:
         self.round_work = 0.0
         if step is not None:
             self.last_round = step
-            if 0 <= self.launched < step:  # the push's apply round: applied (adopted) or dropped
+            if committed and 0 <= self.launched < step:  # the push's apply round: applied (adopted) or dropped
                 self.tokens += self.sent
                 self.launched, self.sent = -1, 0.0
+            # A failed apply round (rolled back) leaves the push in flight: the next round
+            # applies it, with the server's answer if this leader no longer holds it (:meth:`recover`).
 
     def launch(self, step: int) -> None:
         """An overlapped push went out at ``step`` (every member, after the round's commit):
@@ -286,6 +290,34 @@ class AsyncOuter:
             raise GlobalModelUnavailable(f"{self.url}{path}: {len(updates)} updates from version {version} "
                                          "did not give the server's model (checksum): the next push asks for it whole")
         return x
+
+    def recover(self, like: torch.Tensor, tr: PhaseTracker) -> Optional[OuterResult]:
+        """A leader at an apply round with no answer of its own (the leader that pushed died,
+        or handed the lead to a restarted lower index): asks the server whether it merged a
+        push of this cluster from the cluster's base (version ``outer_round``). If it did,
+        the newest version, which holds that push's work, merged as its answer would have been
+        (``θ ← θ_v + (θ_now − θ_s)``: the steps since the push ride on the next push); else
+        None: the round drops the push (its tokens count again) and the next push carries its
+        work. The residual stays the cluster's committed one, as after a repeated push (at most
+        one quantization error per element, once). Never raises for the server."""
+        st = self.st
+        c = st.counters
+        req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": self.epoch, "step": c.step, "tokens": 0.0,
+               "period_s": 0.0, "period_steps": 0, "final": False, "delta": None, "model": None, "down": False}
+        try:
+            ans = self._call("/push", req, tr)
+            if ans.get("merged") is not True:
+                return None
+            model = self._model_of(ans, like, "/push", st.outer.backup, c.outer_round)
+        except GlobalModelUnavailable as e:
+            logger.warning("%s global model server, asked for the push in flight of the last leader: %s", st.id, e)
+            return None
+        self.epoch = str(ans.get("epoch") or "")
+        version = int(ans["version"])
+        st.tracker.mark_commit("outer", version)
+        st.events("recovered", level="outer", step=self.launched, base=c.outer_round, outer_round=version)
+        logger.info("%s the last leader's push from step %d was merged: the cluster merges version %d", st.id, self.launched, version)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, c.step, 1.0, merge=True)
 
     def moved_on(self) -> bool:
         """Whether the job has moved on without this cluster (its join round at step 0,

@@ -7,7 +7,7 @@ Requests (``POST``, body and answer in the no-code wire format, core/security/wi
     /push   {cluster, base, step, tokens, period_s, period_steps, match_pace, min_steps, full_steps,
              final, delta|None, model|None, down}      (delta: fp32, or compressed: compression.py encode_push)
             -> {version, model|None, updates, checksum, weight, staleness, final, need_model, refused, epoch,
-                cluster_step, push_in}
+                cluster_step, push_in, merged (no delta)}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
     /version {cluster}         -> {version (-1: no model), final, cluster_step}
 
@@ -37,6 +37,9 @@ whole (every group lost, back at step 0) resumes its step count there when it ad
 model, instead of training its steps again. It asks ``/version`` at its join round and, if
 the job has moved on, pushes no work there and adopts the answer before its first step (as
 the synchronous level's join round takes the global model, outer_round.py ``join_wanted``).
+A push without a delta also says whether a push of its cluster from its base was merged
+(``merged``): a leader that finds no answer of its own at an overlapped push's apply round
+(the pushing leader died) asks, and merges the answer if so (async_outer.py ``recover``).
 A push of no steps since its cluster last adopted (``period_steps`` 0) tells nothing of the
 cluster's period or pace: it only marks the cluster alive.
 
@@ -360,7 +363,9 @@ class GlobalModelServer:
             if final:
                 self._finals.add(cluster)
             if self.final_version is not None or (delta is None and not final):
-                return self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base, arrived=at)
+                ans = self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base, arrived=at)
+                ans["merged"] = self._merged.get(cluster) == base  # a new leader's question (module doc)
+                return ans
             if delta is not None and self._merged.get(cluster) == base:
                 # A second push from the same version: the cluster never adopted the answer
                 # to its first (its leader died after the push, or the answer was lost), so

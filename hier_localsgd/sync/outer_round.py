@@ -339,7 +339,9 @@ class OuterLevel:
         c, stage = st.counters, self.stage
         none = OuterResult(Status.INNER_ONLY, None, c.outer_round, c.step)
         if not stage.busy:
-            return none
+            asy = self.asynchronous  # a push in flight that another leader sent: the server knows
+            return (asy.recover(st.outer.backup, st.tracker) or none) \
+                if asy is not None and asy.launched >= 0 else none
         if end is None:
             end = st.tracker.deadline() or (time.time() + st.timeouts.broadcast_wait.total_seconds())
             end -= st.timeouts.broadcast.total_seconds()  # leave the broadcast its own time
