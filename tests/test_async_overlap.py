@@ -54,6 +54,28 @@ def test_an_overlapped_push_sets_its_tokens_aside_and_they_count_again_if_it_is_
     assert (a.tokens, a.sent, a.launched) == (0.0, 0.0, -1)
 
 
+def test_an_overlapped_push_tells_the_server_the_fewest_steps_to_its_next_push_from_its_apply_round():
+    """match_pace's floor (the request's ``min_steps``), by hand. H_inner 10, full period 30,
+    half a round 5. A blocking push: 5. An overlapped push at step 76 on a schedule of pushes
+    every 16 steps from 76: the grid rounds at 80 and 90 fall within 5 steps of a push step
+    (left out), so its apply round is the push step 92 and its next push comes at 97 at the
+    earliest: 21 steps. On the default schedule (every 30 from 30) a push at 60 is applied at
+    the grid round 70: 15. Clamped to the full period (the server's bound)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from hier_localsgd.sync.async_outer import AsyncOuter, AsyncOuterSettings
+    st = SimpleNamespace(counters=SimpleNamespace(step=0), settings=SimpleNamespace(h_inner=10, h_outer=3),
+                         tracker=SimpleNamespace(set_extra=lambda **kw: None))
+    a = AsyncOuter(st, AsyncOuterSettings(url="http://127.0.0.1:1", key=None, grace=timedelta(seconds=1), match_pace=True), None)
+    assert (a.floor_for(60, overlap=False), a.floor_for(60, overlap=True)) == (5, 15)
+    a.due, a.period = 76, 16
+    assert (a.floor_for(76, overlap=False), a.floor_for(76, overlap=True)) == (5, 21)
+    st.settings.h_outer = 1  # a full period of 10: a push at 10 applied at 20 could push at 25 at the earliest
+    b = AsyncOuter(st, AsyncOuterSettings(url="http://127.0.0.1:1", key=None, grace=timedelta(seconds=1), match_pace=True), None)
+    assert b.floor_for(10, overlap=True) == 10
+
+
 @pytest.mark.parametrize("extra, field", [
     (["sync.outer.delay=2"], "sync.async_outer.enabled: not combined with sync.outer.delay=2"),
     (["sync.outer.delay=1", "sync.outer.eager=true"], "sync.async_outer.enabled: not combined with sync.outer.eager"),

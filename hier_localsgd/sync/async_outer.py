@@ -209,6 +209,18 @@ class AsyncOuter:
         """Whether the inner round due at ``step`` on the H_inner grid is left out (:func:`skips_round`)."""
         return skips_round(step, self.due, self.period, self.st.settings.h_inner)
 
+    def floor_for(self, step: int, overlap: bool) -> int:
+        """The fewest steps from a push at ``step`` to the next that this cluster can run
+        (the request's ``min_steps``, match_pace's floor at the server): ``min_steps``; for an
+        overlapped push, counted from its apply round, the next round on the current schedule
+        (which holds until then), since the next push comes at least ``min_steps`` after
+        that (:meth:`adopted`). Without it the server aims at a push the cluster cannot make
+        and its schedule slips past the other clusters' (docs/benchmarks.md)."""
+        if not overlap:
+            return self.min_steps
+        apply = next_round_step(step, self.due, self.period, self.st.settings.h_inner)
+        return min(self.full, apply - step + self.min_steps)
+
     def next_push(self, push_in: object) -> int:
         """The server's ``push_in`` (match_pace: the steps to this cluster's next push, so it
         meets the fastest cluster's; global_server.py ``_push_in``) if it is one, else 0
@@ -367,7 +379,7 @@ class AsyncOuter:
                 "tokens": self.tokens + self.round_work if contribute else 0.0,
                 "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
                 "match_pace": self.match_pace,
-                "min_steps": self.min_steps, "full_steps": self.full,
+                "min_steps": self.floor_for(c.step, overlap), "full_steps": self.full,
                 "final": st.settings.final_step > 0 and c.step >= st.settings.final_step, "delta": payload, "model": None,
                 "down": self._takes_updates(base), "overlap": overlap}
 
