@@ -162,26 +162,54 @@ def test_the_end_waits_for_a_slow_clusters_periods_and_an_empty_server_takes_the
         srv.shutdown()
 
 
-def test_a_batch_dropped_for_a_leaders_newer_version_reports_its_push_as_not_merged():
-    """Cluster 0's push waits in its batch (cluster 1's pace unknown); cluster 1 then
-    brings a newer version (the server had restarted): the server adopts it and drops the
-    open batch, and cluster 0 is told its push was not merged. A leader whose base came from
-    an earlier server life past the adopted version is measured from the adopted one."""
+def _waiting_push(srv, out):
+    """Cluster 0's push from version 0, left waiting in the open batch (cluster 1's pace unknown)."""
+    import time as _t
+    push = {"cluster": 0, "base": 0, "tokens": 10.0, "period_s": 100.0, "final": False, "delta": torch.ones(2), "model": None}
+    t = threading.Thread(target=lambda: out.update(a=call(f"http://127.0.0.1:{srv.port}", "/push", push, b"k" * 32, 30.0)))
+    t.start()
+    until = _t.monotonic() + 20
+    while not srv.model.pending and _t.monotonic() < until:
+        _t.sleep(0.02)
+    assert srv.model.pending, "cluster 0's push never reached the batch"
+    return t
+
+
+def test_a_push_waiting_when_a_restarted_server_takes_a_newer_version_is_merged_on_top_within_the_bound():
+    """Cluster 0's push from version 0 waits in its batch; cluster 1 then brings version 3
+    (the server had restarted, and cluster 0 registered its older copy first). The server
+    adopts version 3 and keeps the batch: cluster 0's push, now 3 versions stale (bound 4),
+    is merged on top of it as version 4. Before, the batch was dropped with the push, and
+    with it all the work cluster 0 had done while the server was down."""
+    srv = _server(grace_s=1.0)
+    try:
+        _push(srv, 0, 0, None, model=torch.zeros(2))  # the server holds version 0
+        out = {}
+        t = _waiting_push(srv, out)
+        newer = _push(srv, 1, 3, None, model=torch.full((2,), 3.0))
+        t.join(30)
+        assert newer["version"] == 3, newer
+        a = out["a"]
+        assert (a["version"], a["staleness"], a["refused"]) == (4, 3, "") and 0 < a["weight"] < 1.0, a
+        assert srv.model.history[-1]["clusters"] == [0] and not torch.equal(a["model"], torch.full((2,), 3.0)), srv.model.history
+    finally:
+        srv.shutdown()
+
+
+def test_a_batch_too_stale_for_a_leaders_newer_version_reports_its_push_as_not_merged():
+    """Cluster 0's push waits in its batch; cluster 1 then brings version 6 (the server had
+    restarted): the server adopts it, and cluster 0's push, now 6 versions stale (bound 4),
+    is refused and reported as not merged. A leader whose base came from an earlier server
+    life past the adopted version is measured from the adopted one."""
     srv = _server(grace_s=5.0)
     try:
         _push(srv, 0, 0, None, model=torch.zeros(2))  # the server holds version 0
         out = {}
-        push = {"cluster": 0, "base": 0, "tokens": 10.0, "period_s": 100.0, "final": False, "delta": torch.ones(2), "model": None}
-        t = threading.Thread(target=lambda: out.update(a=call(f"http://127.0.0.1:{srv.port}", "/push", push, b"k" * 32, 30.0)))
-        t.start()
-        import time as _t
-        until = _t.monotonic() + 20
-        while not srv.model.pending and _t.monotonic() < until:  # cluster 0's push is in the open batch
-            _t.sleep(0.02)
-        assert srv.model.pending, "cluster 0's push never reached the batch"
+        t = _waiting_push(srv, out)
         newer = _push(srv, 1, 6, None, model=torch.full((2,), 3.0))
         t.join(30)
-        assert newer["version"] == 6 and out["a"]["weight"] == 0.0 and out["a"]["refused"].startswith("dropped"), out
+        assert newer["version"] == 6 and out["a"]["weight"] == 0.0, out
+        assert out["a"]["refused"] == "6 versions stale (bound 4) after the server took a newer version", out
         assert out["a"]["version"] == 6 and torch.equal(out["a"]["model"], torch.full((2,), 3.0))
         # A push from version 8 of an earlier server life (epoch differs, 8 > 6): measured from 6.
         old = call(f"http://127.0.0.1:{srv.port}", "/push", {"cluster": 0, "base": 8, "epoch": "0123456789abcdef", "tokens": 10.0,

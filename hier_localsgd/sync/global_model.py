@@ -240,13 +240,25 @@ class GlobalModel:
     @torch.no_grad()
     def adopt(self, params: torch.Tensor, version: int) -> None:
         """A leader's copy of the global model of a higher ``version`` (after a restart):
-        becomes the model; the open batch is dropped (its bases were older) and the
-        momentum starts again from zero."""
+        becomes the model, and the momentum starts again from zero. The open batch stays,
+        each contribution weighed again against the new version (its base is now that much
+        staler): one within the staleness bound is merged on top of it, one beyond it is
+        refused (its ``refused`` says so). Dropping them lost every push that reached a
+        restarted server before the leader holding the newest version did, with all the
+        work its cluster did while the server was down (250 group-steps in one chaos run)."""
         self.level.set_backup(params.detach().to("cpu", torch.float32))
         if self.level.momentum is not None:
             self.level.momentum.zero_()
         self.version = version
-        self.pending = []
+        kept = []
+        for c in self.pending:  # the same objects the waiting pushes read their answers from
+            w = self.weigh(c.cluster, c.base, c.tokens)
+            c.staleness, c.weight = w.staleness, w.weight
+            if c.weight > 0:
+                kept.append(c)
+            else:
+                c.refused = f"{c.staleness} versions stale (bound {self.max_staleness}) after the server took a newer version"
+        self.pending = kept
         self.updates.clear()  # no chain reaches across an adoption
         if self.residual is not None:
             self.residual.zero_()

@@ -16,7 +16,8 @@ the batch closes (one outer step) when the grace window decides (:meth:`_should_
 and every request of that batch gets the new model. A server without a model (fresh, or
 restarted), or one whose version is below ``base``, answers ``need_model``: the leader
 sends the same request again with ``model`` (its copy of the global model of version
-``base``), which the server adopts (:meth:`GlobalModel.adopt`). ``final``: the cluster has
+``base``), which the server adopts (:meth:`GlobalModel.adopt`: the open batch stays, weighed
+against the adopted version). ``final``: the cluster has
 trained its last step; once every cluster is final, or the ones that are not have been
 silent for ``sync.final_wait_s`` and three of their own periods, the job's final version is fixed: every later request
 gets it and merges nothing, so every cluster ends on one model.
@@ -338,8 +339,9 @@ class GlobalModelServer:
                                    cluster, base, self.model.version)
                     self.model.adopt(model, base)
                 self._adopted_at = base
-                self._batch += 1
-                self._batch_opened = None
+                if not self.model.pending:  # else the open batch goes on, on top of the adopted version
+                    self._batch += 1
+                    self._batch_opened = None
                 self._cond.notify_all()
             gm = self.model
             ahead = self._steps.get(cluster, 0)
@@ -383,8 +385,8 @@ class GlobalModelServer:
                     self._cond.wait(timeout=0.05)
                 if self._batch == mine:
                     self._close()
-                if not c.applied:  # its batch was dropped: the server adopted a leader's newer version meanwhile
-                    c.weight, c.refused = 0.0, "dropped: the server took a newer version from another leader"
+                if not c.applied:  # refused when the server adopted a leader's newer version meanwhile (too stale then)
+                    c.weight, c.refused = 0.0, c.refused or "dropped: the server took a newer version from another leader"
                     self._merged.pop(cluster, None)
             elif c.refused:
                 logger.warning("global model server: cluster %d's contribution from version %d not merged (%s): it adopts version %d",
