@@ -21,8 +21,9 @@ A push whose answer does not come by the apply round is dropped there (an inner-
 round: its tokens count again and its work rides on the next push; the server merges a
 base at most once). A leader without an answer of its own there (the pushing leader died)
 asks the server whether the push was merged and, if so, merges the newest version
-(:meth:`AsyncOuter.recover`); a failed apply round leaves the push for the next round. The run's last push is blocking: it first applies an answer in flight
-and pushes the steps since it from its version (hier.py ``OuterLevel.run``).
+(:meth:`AsyncOuter.recover`); a failed apply round leaves the push for the next round.
+The run's last push is blocking: it first applies an answer in flight and pushes the steps
+since it from its version (hier.py ``OuterLevel.run``).
 
 At the end (:meth:`pulling`) every member runs join rounds in which the leader asks the
 server for the job's final version (long polls of at most ``POLL_S``) until it is
