@@ -380,25 +380,13 @@ class Failures:
         c.leader = min(back)
         self.new_manager(c, c.restart_cause)
         c.delay_cause = c.restart_cause
-        if self.hier and self.p.asynchronous and self.round_no > 0:
-            # Its join round is a push of no work (sync/outer_round.py join_wanted): it
-            # adopts the newest version and resumes at its furthest push (engine.py adopt).
-            c.epoch += 1
-            c.outer_join = True
-            c.round_compute = 0.0
-            c.round_joiners = len(c.active)
-            c.broken = False
-            c.outer_outcome = None
-            c.state = S_OUTER
-            c.phase_start = c.push_start = t
-            self.enter(c, t, "sync")
-            self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
-            return
-        if self.hier and not self.p.asynchronous and self.global_step > 0:
-            # Its join round is an outer round of weight 0 (sync/outer_round.py
-            # join_wanted): the leader waits at the global lighthouse for the others'
-            # next outer round and the cluster takes the global model and step before its
-            # first local step. If that quorum does not form in time it trains from step 0.
+        asynchronous = self.p.asynchronous
+        if self.hier and (self.round_no if asynchronous else self.global_step) > 0:
+            # Its join round takes the global model before its first local step
+            # (sync/outer_round.py join_wanted). Synchronous: an outer round of weight 0, the
+            # leader waiting at the global lighthouse for the others' next outer round (if that
+            # quorum does not form in time it trains from step 0). Asynchronous: a push of no
+            # work; it adopts the newest version and resumes at its furthest push (engine.py adopt).
             c.epoch += 1
             c.outer_join = True
             c.round_compute = 0.0
@@ -407,7 +395,12 @@ class Failures:
             c.outer_outcome = None
             c.state = S_OUTER
             c.phase_start = t
-            self.enter(c, t, "wait")
-            self.arrive(c, t)
+            if asynchronous:
+                c.push_start = t
+                self.enter(c, t, "sync")
+                self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
+            else:
+                self.enter(c, t, "wait")
+                self.arrive(c, t)
             return
         self.start_round(c, t)
