@@ -569,7 +569,9 @@ class LocalJob:
                 self.start_replica(*key)
             if restart and not due:
                 self.ensure_spare()
-            if not due and all(p.popen.poll() is not None for p in self.replicas.values()):
+            # Every exit recorded first: one that lands between the poll above and this check
+            # would otherwise end the wait without its "exit" event.
+            if not due and all(seen_exit.get(k) == p.popen.pid for k, p in self.replicas.items()):
                 break
             if tick is not None:
                 tick()
