@@ -188,7 +188,7 @@ def _tunnel(cfg: "Config") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        return serve(cfg.tunnel, load_secret(cfg.security), stop, Path(cfg.run.dir) / "wireguard.log")
+        return serve(cfg.tunnel, load_secret(cfg.security), stop, Path(cfg.run.dir) / "wireguard.log", mtu=cfg.security.tunnel_mtu)
     except TunnelError as e:
         print(f"hier-localsgd tunnel: {e}", file=sys.stderr)
         return 1

@@ -9,7 +9,8 @@
 # the same site list; site k gets overlay address k+1 (198.19.0.1, .2, ...). Then give the
 # lighthouses and replica groups overlay addresses: lighthouse.global_addr=http://198.19.0.1:29510,
 # each cluster's lighthouse and run.hostname its host's overlay address. Only WireGuard's
-# UDP port (51820) must be open between the hosts.
+# UDP port (51820) must be open between the hosts. security.tunnel_mtu=N (default 1420, the same
+# on every host) sets the interface's MTU: larger costs less CPU where the WAN carries IP fragments.
 # Runs in the foreground until SIGTERM/SIGINT, then takes the interface down. If
 # wireguard-go dies, the tunnel is rebuilt after RESTART_DELAY seconds (default 2);
 # --no-restart turns that off.

@@ -551,3 +551,11 @@ def test_a_hostname_that_resolves_to_loopback_with_remote_lighthouses_is_one_lin
     assert load_config([*remote, "run.hostname=localhost", "run.bind=0.0.0.0"], validate_for="train").run.bind == "0.0.0.0"
     assert load_config([*remote, "run.hostname=10.0.0.5"], validate_for="train").run.hostname == "10.0.0.5"
     assert load_config(["run.hostname=localhost"], validate_for="train").run.hostname == "localhost"
+
+
+@pytest.mark.parametrize("value", [1279, 65441, True, 0])
+def test_a_tunnel_mtu_outside_its_range_is_one_line_naming_the_field(value):
+    with pytest.raises(ConfigError, match=r"^security.tunnel_mtu: .* an integer in \[1280, 65440\]"):
+        SecurityConfig(tunnel_mtu=value).check()
+    SecurityConfig(tunnel_mtu=1280).check()
+    SecurityConfig(tunnel_mtu=65440).check()

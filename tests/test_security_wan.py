@@ -390,3 +390,45 @@ def test_a_tunnel_command_with_a_bad_site_list_is_one_line_naming_the_field(tmp_
     out = subprocess.run([sys.executable, "-m", "hier_localsgd", "tunnel", "tunnel.site=a", "tunnel.sites=[a@1.2.3.4,b]", f"run.dir={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "tunnel.sites[1]: 'b' — expected name@WAN address" in out.stderr, out.stderr
+
+
+def _link_mtu(ns: str, iface: str) -> int:
+    out = subprocess.run(["ip", "-n", ns, "-j", "link", "show", iface], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]["mtu"]
+
+
+def _ip_counters(ns: str) -> Dict[str, int]:
+    """The namespace's IP counters (/proc/net/snmp's "Ip:" lines: FragCreates, ReasmOKs, ...)."""
+    text = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True, check=True).stdout
+    names, values = [line.split()[1:] for line in text.splitlines() if line.startswith("Ip:")][:2]
+    return dict(zip(names, map(int, values)))
+
+
+@pytest.mark.parametrize("mtu", [1420, 16000])
+def test_the_tunnel_runs_at_the_configured_mtu_and_a_larger_one_is_fragmented_to_the_wans(mtu):
+    """security.tunnel_mtu: every site's WireGuard interface has it, the WAN veths keep
+    1500; an all-reduce through the overlay arrives intact, and the WAN carried IP
+    fragments of the encrypted datagrams exactly when the tunnel's MTU exceeds the WAN's
+    (the kernel fragments what wireguard-go sends, the peer reassembles it)."""
+    import secrets
+
+    import torch
+
+    from hier_localsgd.experiments.linkcheck import run_workers
+    from hier_localsgd.launch.netns import ClusterNetwork
+
+    nbytes = 1 << 22
+    with ClusterNetwork(2, tunnel_secret=secrets.token_bytes(32), tunnel_mtu=mtu) as net:
+        assert [_link_mtu(net.namespace(w), net.tunnel_iface(w)) for w in ("hub", 0, 1)] == [mtu] * 3
+        assert [_link_mtu(net.namespace(c), net.cluster_iface(c)) for c in (0, 1)] == [1500, 1500]
+        before = [_ip_counters(net.namespace(c)) for c in (0, 1)]
+        results = run_workers(net, 2, nbytes, reps=1, emulate_Bps=0.0)
+        after = [_ip_counters(net.namespace(c)) for c in (0, 1)]
+    expected = float(sum(torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(r)).double().sum() for r in (0, 1)))
+    assert all(abs(r["result_sum"] - expected) < 1e-2 for r in results), ([r["result_sum"] for r in results], expected)
+    created = [a["FragCreates"] - b["FragCreates"] for a, b in zip(after, before)]
+    reassembled = [a["ReasmOKs"] - b["ReasmOKs"] for a, b in zip(after, before)]
+    if mtu <= 1420:
+        assert created == [0, 0] and reassembled == [0, 0], (created, reassembled)
+    else:  # each rank sent the other at least nbytes / 2 in datagrams of up to ~16 KB
+        assert all(c >= nbytes // 2 // 1500 for c in created) and all(r > 0 for r in reassembled), (created, reassembled)

@@ -140,7 +140,8 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     def tx() -> int:
         return read_net_dev(Path("/proc/net/dev").read_text())[spec["iface"]][1]
 
-    payload(t.clone())  # warm-up: connections, buffers
+    warm = t.clone()
+    payload(warm)  # warm-up: connections, buffers
     times, sent = [], []
     for _ in range(spec["reps"]):
         allreduce(small)  # start together
@@ -154,15 +155,19 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     store.set(f"done{rank}", "1")
     if rank == 0:  # keep the store up until every rank has finished with it
         store.wait([f"done{r}" for r in range(world)], timeout)
-    return {"rank": rank, "times_s": times, "tx_bytes": sent}
+    # The warm-up's result, summed: a caller can check the bytes arrived intact (the exact
+    # all-reduce is the sum of every rank's seeded tensor).
+    return {"rank": rank, "times_s": times, "tx_bytes": sent, "result_sum": float(warm.double().sum())}
 
 
 def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 * 1024, reps: int = 3, modes: tuple = ("kernel", "emulated"),
-            op: str = "allreduce", busy: int = 0, burst_bytes: Optional[int] = None, tunnel: bool = False) -> List[Measurement]:
+            op: str = "allreduce", busy: int = 0, burst_bytes: Optional[int] = None, tunnel: bool = False,
+            tunnel_mtu: Optional[int] = None) -> List[Measurement]:
     """Times ``reps`` all-reduces of ``nbytes`` among ``clusters`` processes (one per
     cluster namespace) for each mode, on a fresh cluster network removed afterwards
     (``op``, ``busy``: the module's docstring); ``tunnel``: inside the network's WireGuard
-    mesh (the shaped uplinks then carry WireGuard's packets, overhead included).
+    mesh (the shaped uplinks then carry WireGuard's packets, overhead included), its
+    interfaces at ``tunnel_mtu`` (None: security.tunnel_mtu's default).
 
     Raises:
         LinkCheckError: a worker failed or timed out.
@@ -184,7 +189,7 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
         raise ValueError(f"linkcheck: op {op!r} — expected allreduce, int8 or topk2")
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, analytic, burst_bytes, tunnel)
+        return _measure(clusters, rate, rate_mbit, nbytes, reps, modes, op, busy, analytic, burst_bytes, tunnel, tunnel_mtu)
     finally:
         for b in burners:
             b.kill()
@@ -192,7 +197,8 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
 
 
 def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: int, modes: tuple, op: str, busy: int,
-             analytic: float, burst_bytes: Optional[int] = None, tunnel: bool = False) -> List[Measurement]:
+             analytic: float, burst_bytes: Optional[int] = None, tunnel: bool = False,
+             tunnel_mtu: Optional[int] = None) -> List[Measurement]:
     import secrets
 
     from hier_localsgd.launch.netns import ClusterNetwork, tbf_burst_bytes, tbf_transfer_s
@@ -200,7 +206,7 @@ def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: in
     burst = tbf_burst_bytes(rate) if burst_bytes is None else burst_bytes
 
     out = []
-    with ClusterNetwork(clusters, tunnel_secret=secrets.token_bytes(32) if tunnel else None) as net:
+    with ClusterNetwork(clusters, tunnel_secret=secrets.token_bytes(32) if tunnel else None, tunnel_mtu=tunnel_mtu) as net:
         for mode in modes:
             for c in range(clusters):
                 if mode == "kernel":

@@ -185,7 +185,7 @@ class LocalJob:
             from hier_localsgd.core.security.secret import SecurityConfig, load_secret
 
             secret = load_secret(SecurityConfig(secret_file=self._secret_path()))
-        self.netns = ClusterNetwork(self.cfg.topology.clusters, tunnel_secret=secret)
+        self.netns = ClusterNetwork(self.cfg.topology.clusters, tunnel_secret=secret, tunnel_mtu=self.cfg.security.tunnel_mtu)
         g = f"http://{self.netns.service_address('hub')}:{gport}"
         cs = [f"http://{self.netns.service_address(i)}:{ports[i] if i < len(ports) else 29511}" for i in range(self.cfg.topology.clusters)]
         self.addr_overrides = [f"lighthouse.global_addr='{g}'", "lighthouse.cluster_addrs=[" + ",".join(f"'{a}'" for a in cs) + "]"]

@@ -325,13 +325,15 @@ class ClusterNetwork:
             ``hln<pid><letter>``); at most ``15 - 1 - len(str(clusters - 1))`` characters
             so interface names fit ``IFNAMSIZ``.
         tunnel_secret: the job secret: build the WireGuard overlay (launch/tunnel.py).
+        tunnel_mtu: the overlay interfaces' MTU (security.tunnel_mtu).
 
     Raises:
         NetnsError: a command failed (what was built is removed first), or the
             arguments do not fit.
     """
 
-    def __init__(self, clusters: int, prefix: Optional[str] = None, tunnel_secret: Optional[bytes] = None) -> None:
+    def __init__(self, clusters: int, prefix: Optional[str] = None, tunnel_secret: Optional[bytes] = None,
+                 tunnel_mtu: Optional[int] = None) -> None:
         if not 1 <= clusters <= MAX_CLUSTERS:
             raise NetnsError(f"clusters={clusters}: must be in [1, {MAX_CLUSTERS}]")
         cleanup_stale()
@@ -353,7 +355,7 @@ class ClusterNetwork:
         try:
             self._build()
             if tunnel_secret is not None:
-                self._build_tunnel(tunnel_secret)
+                self._build_tunnel(tunnel_secret, tunnel_mtu)
         except BaseException:
             self.close()
             raise
@@ -380,7 +382,8 @@ class ClusterNetwork:
         (self.tmpdir / "hosts").write_text("\n".join(hosts) + "\n")
         logger.info("cluster network %s: hub %s, clusters %s", self.prefix, HUB_ADDR, [self.address(i) for i in range(self.clusters)])
 
-    def _build_tunnel(self, secret: bytes) -> None:
+    def _build_tunnel(self, secret: bytes, mtu: Optional[int]) -> None:
+        from hier_localsgd.core.security.secret import TUNNEL_MTU
         from hier_localsgd.launch.tunnel import Site, up
 
         where: List[Where] = ["hub", *range(self.clusters)]
@@ -388,8 +391,8 @@ class ClusterNetwork:
         for w in where:
             wan = self.bridge if w == "hub" else self.cluster_iface(int(w))
             self._wireguard.append(up(self.namespace(w), self.tunnel_iface(w), wan, sites[w], [s for v, s in sites.items() if v != w],
-                                      secret, self.tmpdir / f"wireguard-{self.namespace(w)}.log"))
-        logger.info("cluster network %s: WireGuard overlay up (%s)", self.prefix, [s.overlay for s in sites.values()])
+                                      secret, self.tmpdir / f"wireguard-{self.namespace(w)}.log", mtu=mtu or TUNNEL_MTU))
+        logger.info("cluster network %s: WireGuard overlay up (%s, MTU %d)", self.prefix, [s.overlay for s in sites.values()], mtu or TUNNEL_MTU)
 
     # -- names and addresses -----------------------------------------------------
     def _index(self, where: Where) -> Optional[int]:

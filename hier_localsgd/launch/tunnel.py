@@ -44,7 +44,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from hier_localsgd.core.security.secret import SECRET_ENV, derive
+from hier_localsgd.core.security.secret import SECRET_ENV, TUNNEL_MTU, derive
 from hier_localsgd.errors import fail
 
 logger = logging.getLogger(__name__)
@@ -111,10 +111,11 @@ def _in(ns: Optional[str], argv: Sequence[str]) -> List[str]:
 
 
 def up(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site], secret: bytes, log: Path,
-       strict: bool = True) -> subprocess.Popen:
+       strict: bool = True, mtu: int = TUNNEL_MTU) -> subprocess.Popen:
     """Builds site ``me`` in namespace ``ns`` (None: this host's): ``wireguard-go`` on
     ``iface`` (its process, returned; ending it removes the interface), the keys, one peer
-    per other site, the overlay address, and the firewall (:func:`firewall`). Raises
+    per other site, the overlay address, the interface's ``mtu`` (security.tunnel_mtu),
+    and the firewall (:func:`firewall`). Raises
     :class:`TunnelError`; what it built is then removed."""
     why = missing_tools()
     if why is not None:
@@ -130,7 +131,7 @@ def up(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site
         proc = subprocess.Popen(_in(ns, ["wireguard-go", iface]), stdout=out, stderr=subprocess.STDOUT, env=env,
                                 preexec_fn=_session_and_deathsig)
     try:
-        _configure(ns, iface, wan_iface, me, peers, secret, log, proc, strict)
+        _configure(ns, iface, wan_iface, me, peers, secret, log, proc, strict, mtu)
     except BaseException:
         down(ns, proc, iface)
         raise
@@ -146,7 +147,7 @@ def _session_and_deathsig() -> None:
 
 
 def _configure(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site], secret: bytes, log: Path,
-               proc: subprocess.Popen, strict: bool) -> None:
+               proc: subprocess.Popen, strict: bool, mtu: int) -> None:
     deadline = time.monotonic() + START_TIMEOUT.total_seconds()
     while subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True).returncode != 0:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -167,6 +168,7 @@ def _configure(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: L
     finally:
         shutil.rmtree(keydir, ignore_errors=True)
     _run(_in(ns, ["ip", "addr", "add", f"{me.overlay}/{OVERLAY_PREFIX}", "dev", iface]))
+    _run(_in(ns, ["ip", "link", "set", iface, "mtu", str(mtu)]))
     _run(_in(ns, ["ip", "link", "set", iface, "up"]))
     firewall(ns, iface, wan_iface, me.overlay, strict)
 
@@ -260,7 +262,7 @@ class TunnelConfig:
             fail("tunnel.iface", f"{self.iface!r} — an interface name of 1 to 15 characters")
 
 
-def serve(cfg: TunnelConfig, secret: Optional[bytes], stop: threading.Event, log: Path) -> int:
+def serve(cfg: TunnelConfig, secret: Optional[bytes], stop: threading.Event, log: Path, mtu: int = TUNNEL_MTU) -> int:
     """``hier-localsgd tunnel``: builds this host's end of the mesh, prints one line with
     its overlay address, waits for ``stop`` (SIGTERM/SIGINT) or for wireguard-go to end,
     and takes it down. Returns the exit code (0, or 1 when wireguard-go died)."""
@@ -269,8 +271,8 @@ def serve(cfg: TunnelConfig, secret: Optional[bytes], stop: threading.Event, log
         fail("security.secret_file", "the tunnel's keys derive from the job secret: give security.secret_file or HIER_LOCALSGD_SECRET")
     sites = cfg.parsed()
     me = next(s for s in sites if s.name == cfg.site)
-    proc = up(None, cfg.iface, "", me, [s for s in sites if s is not me], secret, log, strict=False)
-    print(f"tunnel up: site {me.name} at {me.overlay} on {cfg.iface}; peers "
+    proc = up(None, cfg.iface, "", me, [s for s in sites if s is not me], secret, log, strict=False, mtu=mtu)
+    print(f"tunnel up: site {me.name} at {me.overlay} on {cfg.iface} (MTU {mtu}); peers "
           + ", ".join(f"{s.name} {s.overlay} (WAN {s.endpoint})" for s in sites if s is not me), flush=True)
     try:
         while not stop.wait(0.5):

@@ -30,6 +30,12 @@ from hier_localsgd.errors import ConfigError, fail
 SECRET_ENV = "HIER_LOCALSGD_SECRET"
 MIN_SECRET_BYTES = 16  # 128 bits: a secret shorter than this is refused
 WAN_MODES = ("off", "tunnel")
+# The tunnel interface's MTU. WireGuard's default (1420) fits a 1500-byte WAN path with no
+# fragmentation; a larger one hands wireguard-go fewer, larger packets (it encrypts one
+# packet at a time, so its CPU cost is per packet) and the kernel fragments each encrypted
+# datagram to the WAN's MTU. Only for a WAN path that carries IP fragments (docs/security.md).
+TUNNEL_MTU = 1420
+TUNNEL_MTU_RANGE = (1280, 65440)  # IPv6's minimum; the largest whose datagram fits UDP's 64 KiB
 
 
 @dataclass
@@ -43,12 +49,18 @@ class SecurityConfig:
     # WireGuard mesh keyed by the secret; launch/tunnel.py). Local jobs (demo, chaos, bench)
     # then run each cluster in a network namespace of its own (run.netns).
     wan: str = "off"
+    # The WireGuard interface's MTU (security.wan=tunnel, and ``hier-localsgd tunnel``):
+    # see TUNNEL_MTU above.
+    tunnel_mtu: int = TUNNEL_MTU
 
     def check(self) -> None:
         if self.secret_file:
             read_secret_file(self.secret_file)
         if self.wan not in WAN_MODES:
             fail("security.wan", f"{self.wan!r} — expected one of {WAN_MODES}")
+        lo, hi = TUNNEL_MTU_RANGE
+        if isinstance(self.tunnel_mtu, bool) or not isinstance(self.tunnel_mtu, int) or not lo <= self.tunnel_mtu <= hi:
+            fail("security.tunnel_mtu", f"{self.tunnel_mtu!r} — an integer in [{lo}, {hi}] (bytes; WireGuard's default is {TUNNEL_MTU})")
 
 
 def _parse(text: str, where: str, field: str) -> bytes:
