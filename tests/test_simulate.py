@@ -457,3 +457,61 @@ def test_a_half_speed_cluster_holds_the_fast_one_at_the_outer_barrier_as_compute
     cfg.sync.async_outer.enabled = False
     with pytest.raises(ConfigError, match=r"^topology\.cluster_speed: \[1\.0, 0\.5\] — clusters of different speeds need sync\.mode=hier"):
         small("flat", "topology.cluster_speed=[1.0,0.5]")
+
+
+def overlapped(kills=(), delay: int = 1) -> Config:
+    """Free syncs but a WAN of 7.5 s latency (a push: two transfers, 15 s), 1 s steps, H 10 x 3,
+    120 s, the asynchronous level with overlapped pushes (``delay``) and staleness bound 4."""
+    cfg = free_network(kills=list(kills))
+    cfg.links.outer.latency_ms = 7500.0
+    cfg.simulate.duration_s = 120.0
+    cfg.sync.async_outer.enabled, cfg.sync.async_outer.max_staleness = True, 4
+    cfg.sync.outer.delay = delay
+    return cfg
+
+
+def test_an_overlapped_push_hides_behind_the_next_round_as_computed_by_hand():
+    """Both clusters push at step 30 (30 s) and train on; the pushes reach the server at
+    37.5 s (versions 1 and 2) and the answers are back at 45 s. The apply round (step 40, at
+    40 s) waits 5 s for its answer, so each period of 30 steps costs 35 s: pushes at 30, 65,
+    100 s, and at 135 s, past the 120 s horizon, the run's last push, blocking (15 s): the end
+    at 150 s. Every group computes 120 s and waits 3 x 5 + 15 = 30 s: goodput 480/600 = 0.8.
+    Blocking pushes cost the whole 15 s each: pushes at 30, 75, 120 s, end 135 s, goodput
+    360/540. Without failures and in steady state 5 of every 35 s are exposed: 30/35."""
+    sim = engine.Simulation(params.resolve(overlapped()), 0)
+    r = sim.run()
+    assert sim.pushes_at == {0: [30.0, 65.0, 100.0, 135.0], 1: [30.0, 65.0, 100.0, 135.0]}, dict(sim.pushes_at)
+    assert (r.end_s, r.committed, r.sync, r.wait, r.goodput, r.lost, sim.round_no) == (150.0, 480.0, 120.0, 0.0, 0.8, {}, 8)
+    assert r.expected_no_failure_goodput == pytest.approx(30 / 35, rel=1e-12) and r.balance_error < 1e-12
+    blocking = engine.Simulation(params.resolve(overlapped(delay=0)), 0)
+    b = blocking.run()
+    assert blocking.pushes_at == {0: [30.0, 75.0, 120.0], 1: [30.0, 75.0, 120.0]}, dict(blocking.pushes_at)
+    assert (b.end_s, b.committed, b.goodput) == (135.0, 360.0, 360 / 540)
+
+
+@pytest.mark.parametrize("kill, lost, pushes0", [
+    # Cluster 0's leader dies at 33 s, before its push reached the server (37.5 s): the
+    # upload is lost. Its apply round (step 40) has nothing to wait for; the push's work
+    # (2 x 30 s) rides on the next push, at 60 s. Lost: the leader's 3 s of step 31..33.
+    ("33:0:0", {"own_work": 3.0}, [30.0, 60.0, 95.0, 130.0]),
+    # At 38 s, after the push arrived: merged; the new leader recovers it at the apply round.
+    ("38:0:0", {"own_work": 8.0}, [30.0, 65.0, 100.0, 135.0]),
+    # The whole cluster at 33 s: the upload and its 2 x 30 s of work go with it.
+    ("33:0", {"own_work": 6.0, "discarded": 60.0}, [30.0, 84.0, 119.0]),
+    # At 38 s: the push had arrived; its work stays merged.
+    ("38:0", {"own_work": 16.0}, [30.0, 89.0, 124.0]),
+])
+def test_a_leader_or_cluster_lost_with_its_push_in_flight_costs_what_the_model_says(kill, lost, pushes0):
+    sim = engine.Simulation(params.resolve(overlapped(kills=[kill])), 0)
+    r = sim.run()
+    assert r.lost == lost and sim.pushes_at[0] == pushes0, (r.lost, dict(sim.pushes_at))
+    assert sim.pushes_at[1] == [30.0, 65.0, 100.0, 135.0] and r.balance_error < 1e-12
+
+
+def test_overlapped_pushes_conserve_time_under_every_failure_kind():
+    for extra in ([], ["sync.async_outer.match_pace=true", "topology.cluster_speed=[1.0,0.5]"]):
+        cfg = small("hier", "timeouts.local_step=20", "timeouts.watchdog_grace=5", "sync.async_outer.enabled=true", "sync.outer.delay=1", *extra,
+                    failures=FailureConfig(model="independent", mtbf_s=60.0, cluster_mtbf_s=300.0, hang_fraction=0.3, restart_s=6.0, reconfigure_s=0.5),
+                    duration_s=600.0, step_jitter=0.05)
+        r = one_run(cfg, 1)
+        assert r.balance_error < 1e-9 and 0.0 < r.goodput < r.expected_no_failure_goodput and len(r.failures) > 20

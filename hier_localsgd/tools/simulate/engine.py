@@ -54,10 +54,13 @@ that its work since its last push is discarded (sync/global_model.py). With
 ``sync.async_outer.match_pace`` the server sets each cluster's push schedule as the real one
 does (:meth:`Simulation.set_schedule`: the paces, transits and the fastest cluster's gap
 learnt from the pushes, with global_server.py's rules), and a cluster's rounds end on the
-H_inner grid and at its push steps (async_outer.py ``next_round_step``). Not modelled there:
-the grace window that merges equal-speed pushes into one version, the server's own link
-(pushes do not compete for it), the end's wait for the final version, and overlapped pushes
-(``sync.outer.delay=1``: simulated as blocking ones).
+H_inner grid and at its push steps (async_outer.py ``next_round_step``). With
+``sync.outer.delay`` > 0 the pushes are overlapped (pushes.py): the cluster trains on while
+its push is out, and its next round merges the answer, waiting for it if it is not back;
+the run's last push is blocking. Not modelled there: the grace window that merges
+equal-speed pushes into one version, the server's own link (pushes do not compete for it),
+the end's wait for the final version, and the synchronous level's overlap (its rounds run
+blocking).
 
 A cluster whose model derives from an older global model than the current one (it missed
 a committed outer round, or it restarted from scratch) contributes weight 0 at its next
@@ -116,7 +119,8 @@ Layout: config.py (``simulate.*``), params.py (the shared deployment, ``plan.*``
 ``simulate.*`` resolved into one run's figures), state.py (the lighthouse rule, event kinds,
 clusters, the result), engine.py (this: the event loop, the round, the accounting),
 barrier.py (the outer barrier at the global lighthouse), failures.py (failure processes
-and their consequences), paces.py (match_pace's push schedule), report.py (many runs, the report, validation set-ups).
+and their consequences), pushes.py (overlapped asynchronous pushes), paces.py (match_pace's
+push schedule), report.py (many runs, the report, validation set-ups).
 :class:`Simulation` is one class whose outer-barrier and failure handlers come from the
 mixins of barrier.py and failures.py: every handler works on the whole state of the run
 (clusters, members, the event queue, the counters), so they share it through ``self``
@@ -139,15 +143,17 @@ from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.failures import Failures
 from hier_localsgd.tools.simulate.paces import PaceServer
 from hier_localsgd.tools.simulate.params import SimParams
+from hier_localsgd.tools.simulate.pushes import OverlappedPushes
 from hier_localsgd.tools.simulate.state import (  # noqa: F401  (lighthouse_forms_at: re-exported)
-    ABORT, BARRIER, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_DONE, QUORUM, RESTART,
+    ABORT, APPLY, BARRIER, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_ARRIVE, PUSH_DONE, QUORUM, RESTART,
     S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, SYNC_DONE, WATCHDOG, Cluster, RunResult, lighthouse_forms_at,
 )
 
 
-class Simulation(OuterBarrier, Failures):
-    """One run. ``run()`` returns a :class:`RunResult`. The outer barrier (barrier.py) and
-    the failures (failures.py) are mixins working on this class's state."""
+class Simulation(OuterBarrier, Failures, OverlappedPushes):
+    """One run. ``run()`` returns a :class:`RunResult`. The outer barrier (barrier.py), the
+    failures (failures.py) and overlapped pushes (pushes.py) are mixins working on this
+    class's state."""
 
     def __init__(self, p: SimParams, seed: int) -> None:
         self.p = p
@@ -209,6 +215,7 @@ class Simulation(OuterBarrier, Failures):
             FAIL: self.on_fail, CLUSTER_FAIL: self.on_cluster_fail, KILL: self.on_kill,
             RESTART: self.on_restart, WATCHDOG: self.on_watchdog, ABORT: self.on_abort,
             CLUSTER_START: self.on_cluster_start, OUTER_TIMEOUT: self.on_outer_timeout, PUSH_DONE: self.on_push_done,
+            PUSH_ARRIVE: self.on_push_arrive, APPLY: self.on_apply,
         }
         # A safety net for runs that cannot finish: the outer level stopped committing (see
         # docs/planner.md, "out of step"), or kills come faster than a restarted cluster
@@ -397,7 +404,20 @@ class Simulation(OuterBarrier, Failures):
         c = self.clusters[ci]
         if epoch != c.epoch or c.state != S_SYNC:
             return
-        if self.is_outer_round(c) and self.p.asynchronous:
+        if c.flight is not None:  # overlapped: this round first applies the push in flight (pushes.py)
+            self.apply_round(c, t)
+            return
+        self.after_apply(c, t)
+
+    def after_apply(self, c: Cluster, t: float) -> None:
+        """The round's outer part, if any (a push, or the outer barrier), else its commit."""
+        ci = c.idx
+        p = self.p
+        last = (p.steps > 0 and c.step >= p.steps) or (p.steps == 0 and t >= p.duration_s)
+        if self.is_outer_round(c) and p.asynchronous and p.overlap and not last:
+            c.outer_outcome = "launch"  # the run's last push is blocking (async_outer.py)
+            self.commit(c, t)
+        elif self.is_outer_round(c) and p.asynchronous:
             c.state = S_OUTER
             c.phase_start = c.push_start = t
             self.pushes_at[ci].append(t)
@@ -489,9 +509,11 @@ class Simulation(OuterBarrier, Failures):
                     self.committed += c.pending
                 else:
                     self.lose("discarded", c.pending, c.stale_cause)
-                    self.steps_discarded += n * c.outer_acc - c.acc0_sum
+                    self.steps_discarded += n * c.outer_acc - c.acc0_sum + c.carried_steps
                 c.pending = 0.0
                 self.adopt(c)
+            elif outcome == "launch":
+                self.launch(c, t)
         c.round_compute = 0.0
         if c.idx in self.outstanding:
             self.outstanding.discard(c.idx)
@@ -523,7 +545,7 @@ class Simulation(OuterBarrier, Failures):
         c.base = self.round_no
         c.step = max(c.step, c.pushed_step if self.p.asynchronous else self.global_step)
         c.outer_acc = 0
-        c.acc0_sum = 0
+        c.acc0_sum = c.carried_steps = 0
         for r in c.active:
             c.members[r].acc0 = 0
         c.stale_cause = -1
@@ -576,6 +598,8 @@ class Simulation(OuterBarrier, Failures):
                 else:
                     uncommitted += c.round_compute
                 uncommitted += c.pending
+                if c.flight is not None and c.flight["version"] is None:  # not at the server yet
+                    uncommitted += c.flight["work"]
             for m in c.members:
                 if not m.alive:
                     self.totals["down"] += end - m.down_at

@@ -198,6 +198,8 @@ class Failures:
         c.active.discard(r)
         c.acc0_sum -= m.acc0
         leader = self.hier and r == c.leader
+        if leader:
+            self.drop_upload(c, fid, whole=False)  # an overlapped push's upload dies with it (pushes.py)
         if leader:  # its cluster Manager goes with it (a hung one heartbeats until the watchdog)
             self.drop_manager(c, t + (p.hang_watchdog_s if hang else 0.0) + p.heartbeat_s, fid)
         gone_at = t + p.hang_watchdog_s + p.heartbeat_s if hang else t + p.heartbeat_s
@@ -285,6 +287,8 @@ class Failures:
         self.lose("discarded", c.pending + c.round_compute, fid)
         c.pending = 0.0
         c.round_compute = 0.0
+        c.carried_steps = 0
+        self.drop_upload(c, fid, whole=True)
         c.epoch += 1
         c.blockers.clear()
         if self.hier:

@@ -28,10 +28,12 @@ class PaceServer:
         self.answered: Dict[int, float] = {}
         self.fastest: Optional[int] = None
 
-    def push(self, k: int, now: float, period_s: float, steps: int, running: Callable[[int], bool]) -> int:
+    def push(self, k: int, now: float, period_s: float, steps: int, running: Callable[[int], bool], lo: Optional[int] = None) -> int:
         """Cluster ``k``'s push arrives at ``now``, ``period_s`` seconds and ``steps`` steps
         after it last adopted a model; answered at once. Returns its ``push_in``.
-        ``running(j)``: whether cluster j has steps left (a finished one is not waited for)."""
+        ``running(j)``: whether cluster j has steps left (a finished one is not waited for).
+        ``lo``: the push's ``min_steps`` (an overlapped push's counts from its apply round:
+        pushes.py ``apply_floor``); by default half of H_inner."""
         if period_s > 0:
             average(self.period, k, period_s)
             if steps > 0:
@@ -49,4 +51,4 @@ class PaceServer:
         gap = self.gap.get(f)
         if f == k or not gap:
             return self.full
-        return meet_in(self.pushed[f] + gap - now - self.transit.get(k, 0.0), live[k], gap, self.lo, self.full)
+        return meet_in(self.pushed[f] + gap - now - self.transit.get(k, 0.0), live[k], gap, self.lo if lo is None else lo, self.full)

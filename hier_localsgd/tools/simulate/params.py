@@ -70,6 +70,10 @@ class SimParams:
     asynchronous: bool = False
     max_staleness: int = 0  # sync.async_outer.max_staleness (versions)
     match_pace: bool = False  # sync.async_outer.match_pace: the server sets each cluster's push schedule
+    # sync.outer.delay > 0 with the asynchronous level: a push goes out behind training and its
+    # answer is merged at the cluster's next round (engine.py launch). The synchronous
+    # level's overlap is not simulated (its rounds run blocking).
+    overlap: bool = False
 
     def speed(self, cluster: int) -> float:
         return self.speeds[cluster] if self.speeds else 1.0
@@ -101,6 +105,8 @@ class SimParams:
         """Exposed sync seconds per step without failures (the planner's formula, tools/plan/network.py)."""
         if self.mode == "hier":
             outer = self.push_time() if self.asynchronous else self.outer_time(self.clusters)
+            if self.overlap:  # behind the next inner round's compute (the fastest cluster's)
+                outer = max(0.0, outer - self.h_inner * self.step_s - self.inner_time(self.replicas))
             return hier_sync_per_step(self.inner_time(self.replicas), outer, self.broadcast_time(self.replicas), self.h_inner, self.h_outer)
         return self.inner_time(self.replicas) / self.h_inner  # one level (flat, ddp: H_inner = 1)
 
@@ -253,6 +259,7 @@ def resolve(cfg: "Config") -> SimParams:
         speeds=tuple(tp.speed(c) for c in range(tp.clusters)) if hier else (),
         asynchronous=hier and s.async_outer.enabled, max_staleness=s.async_outer.max_staleness,
         match_pace=hier and s.async_outer.enabled and s.async_outer.match_pace,
+        overlap=hier and s.async_outer.enabled and s.outer.delay > 0,
     )
     check_size(p)
     return p
