@@ -68,9 +68,9 @@ def test_an_overlapped_push_tells_the_server_the_fewest_steps_to_its_next_push_f
     st = SimpleNamespace(counters=SimpleNamespace(step=0), settings=SimpleNamespace(h_inner=10, h_outer=3),
                          tracker=SimpleNamespace(set_extra=lambda **kw: None))
     a = AsyncOuter(st, AsyncOuterSettings(url="http://127.0.0.1:1", key=None, grace=timedelta(seconds=1), match_pace=True), None)
-    assert (a.floor_for(60, overlap=False), a.floor_for(60, overlap=True)) == (5, 15)
+    assert (a.floor_for(60, overlap=False), a.floor_for(60, overlap=True), a.apply_in(60)) == (5, 15, 10)
     a.due, a.period = 76, 16
-    assert (a.floor_for(76, overlap=False), a.floor_for(76, overlap=True)) == (5, 21)
+    assert (a.floor_for(76, overlap=False), a.floor_for(76, overlap=True), a.apply_in(76)) == (5, 21, 16)
     st.settings.h_outer = 1  # a full period of 10: a push at 10 applied at 20 could push at 25 at the earliest
     b = AsyncOuter(st, AsyncOuterSettings(url="http://127.0.0.1:1", key=None, grace=timedelta(seconds=1), match_pace=True), None)
     assert b.floor_for(10, overlap=True) == 10
@@ -123,9 +123,11 @@ def test_overlapped_pushes_merge_at_the_next_round_count_every_step_once_and_end
 
 def test_an_overlapped_push_waits_for_the_other_cluster_up_to_grace_not_a_share_of_its_period():
     """The server's window: a blocking push waits at most a tenth of its cluster's period
-    (it holds its cluster), an overlapped one up to ``grace_s`` (its cluster trains on).
+    (it holds its cluster), an overlapped one up to ``grace_s`` (its cluster trains on),
+    but not past its apply round (``free_s``: its cluster's training until then).
     Cluster 1 has never pushed, so it may come and the batch waits for it to the window's end:
-    with a 1 s period, 0.1 s blocking, 4 s overlapped (wide margins on both sides)."""
+    with a 1 s period, 0.1 s blocking, 4 s overlapped, 1.5 s overlapped with 1.5 s free
+    (wide margins on every side)."""
     from hier_localsgd.core.tensors.level import LevelAlgorithm
     from hier_localsgd.sync.global_server import GlobalModelServer, call
     import time
@@ -133,19 +135,19 @@ def test_an_overlapped_push_waits_for_the_other_cluster_up_to_grace_not_a_share_
 
     alg = LevelAlgorithm.build("diloco", lr=0.7, momentum=0.9, nesterov=True)
     waited = {}
-    for overlap in (False, True):
+    for overlap, free in ((False, None), (True, None), (True, 1.5)):
         srv = GlobalModelServer("127.0.0.1", 0, algorithm=alg, full_tokens=10, max_staleness=4, clusters=2, grace_s=4.0,
                                 min_clusters=1, final_wait_s=30.0, key=b"k" * 32)
         try:
             t0 = time.time()
             ans = call(f"http://127.0.0.1:{srv.port}", "/push", {
                 "cluster": 0, "base": 0, "tokens": 10.0, "final": False, "period_s": 1.0, "period_steps": 10, "overlap": overlap,
-                "delta": torch.ones(2), "model": torch.zeros(2)}, b"k" * 32, 30.0)
-            waited[overlap] = time.time() - t0
+                "free_s": free, "delta": torch.ones(2), "model": torch.zeros(2)}, b"k" * 32, 30.0)
+            waited[overlap, free] = time.time() - t0
             assert ans["version"] == 1 and ans["weight"] == 1.0, ans
         finally:
             srv.shutdown()
-    assert waited[False] < 3.0 and waited[True] >= 3.9, waited
+    assert waited[False, None] < 3.0 and waited[True, None] >= 3.9 and 1.4 <= waited[True, 1.5] < 3.0, waited
 
 
 @pytest.mark.slow

@@ -219,8 +219,12 @@ class AsyncOuter:
         and its schedule slips past the other clusters' (docs/benchmarks.md)."""
         if not overlap:
             return self.min_steps
-        apply = next_round_step(step, self.due, self.period, self.st.settings.h_inner)
-        return min(self.full, apply - step + self.min_steps)
+        return min(self.full, self.apply_in(step) + self.min_steps)
+
+    def apply_in(self, step: int) -> int:
+        """Steps from an overlapped push at ``step`` to its apply round: the next round on
+        the current schedule (which holds until then)."""
+        return next_round_step(step, self.due, self.period, self.st.settings.h_inner) - step
 
     def next_push(self, push_in: object) -> int:
         """The server's ``push_in`` (match_pace: the steps to this cluster's next push, so it
@@ -376,9 +380,13 @@ class AsyncOuter:
         base = st.outer.backup if base is None else base
         delta = st.outer.pseudo_grad(cluster_model, base=base).to("cpu", torch.float32) if contribute else None
         payload = comp.encode_push(delta) if comp is not None and delta is not None else delta
+        period_s, period_steps = time.time() - self.since, c.step - self.since_step
+        # An overlapped push waits at the server for free only until its apply round
+        # (global_server.py _free_until): the seconds of training to it, at this period's pace.
+        free_s = self.apply_in(c.step) * period_s / period_steps if overlap and period_steps > 0 else None
         return {"cluster": st.id.cluster, "base": c.outer_round if version is None else version, "epoch": self.epoch, "step": c.step,
                 "tokens": self.tokens + self.round_work if contribute else 0.0,
-                "period_s": time.time() - self.since, "period_steps": c.step - self.since_step,
+                "period_s": period_s, "period_steps": period_steps, "free_s": free_s,
                 "match_pace": self.match_pace,
                 "min_steps": self.floor_for(c.step, overlap), "full_steps": self.full,
                 "final": st.settings.final_step > 0 and c.step >= st.settings.final_step, "delta": payload, "model": None,

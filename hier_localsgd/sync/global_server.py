@@ -52,8 +52,12 @@ window and for ``sync.async_outer.min_clusters`` contributors. Equal-speed clust
 whose pushes come close together, merge into one batch (the synchronous round); a cluster
 twice as slow is half a period late, outside the window, and is never waited for. An
 overlapped push (``overlap``: its cluster trains on while it is out, async_outer.py) costs
-its cluster nothing while it waits, so its period does not cap the window (``grace_s``
-does), and match_pace times its cluster from when the push went out (its arrival less its
+its cluster nothing while it waits, until its cluster's next round, which applies the
+answer: its period does not cap the window, its ``free_s`` does (its cluster's seconds of
+training from the push to that round; the answer must leave an upload's time before it:
+:meth:`_free_until`). Without that cap a fast cluster whose rounds are shorter than
+``grace_s`` waited at each apply round for a slower cluster's push (2 x 2, H 5/4, 0.05 s
+steps, one cluster at half speed: the fast one ran at 0.55x its own rate). match_pace times its cluster from when the push went out (its arrival less its
 ``age_s``), not from its answer.
 
 Security as heals (core/ft/heals.py): requests carry ``Authorization: HL1 <time> <nonce>
@@ -193,6 +197,7 @@ class GlobalModelServer:
         self._transit: Dict[int, float] = {}  # cluster -> answer to next arrival less its training (moving average)
         self._fastest: Optional[int] = None  # the cluster the others' pushes meet (_push_in)
         self._overlapped: Dict[int, bool] = {}  # cluster -> its last push runs behind its training (the module doc)
+        self._free: Dict[int, float] = {}  # cluster -> until when its overlapped push waits for free (server clock)
         self._finals: set = set()
         self._merged: Dict[int, int] = {}  # cluster -> the base of its last merged push
         self._steps: Dict[int, int] = {}  # cluster -> the furthest step it pushed at (a cluster restarted whole resumes there)
@@ -360,6 +365,7 @@ class GlobalModelServer:
             at = now - min(float(age), MAX_AGE_S) if overlap and _positive(age) else now
             self._arrived(cluster, at, req.get("period_s"), req.get("period_steps"))
             self._overlapped[cluster] = overlap
+            self._free_until(cluster, now, at, req.get("free_s") if overlap else None)
             if delta is not None and not final:
                 self._pushed_work(cluster, at, req.get("period_s"))
             if final:
@@ -498,6 +504,16 @@ class GlobalModelServer:
             average(self._gap, cluster, now - prev)
         self._pushed[cluster] = now
 
+    def _free_until(self, cluster: int, now: float, at: float, free_s: object) -> None:
+        """An overlapped push that went out at ``at`` (server clock) and whose cluster
+        applies the answer ``free_s`` seconds of training later: its answer must leave by
+        ``at + free_s`` less the way back (taken as the way here, ``now - at``), or its
+        cluster waits. Not given (a blocking push, an older leader): no such cap."""
+        if _positive(free_s):
+            self._free[cluster] = at + min(float(free_s), MAX_AGE_S) - (now - at)  # type: ignore[arg-type]
+        else:
+            self._free.pop(cluster, None)
+
     def _should_close(self, now: float) -> bool:
         """Whether the open batch closes now: its window is over, or every cluster that
         could still join it in time has (module doc)."""
@@ -507,7 +523,8 @@ class GlobalModelServer:
         # behind its cluster's training (up to grace_s).
         known = [self._period[k] for k in inside if k in self._period and not self._overlapped.get(k)]
         window = min([self.grace_s] + [GRACE_SHARE * p for p in known])
-        if now >= self._batch_opened + window:
+        end = min([self._batch_opened + window] + [self._free[k] for k in inside if self._overlapped.get(k) and k in self._free])
+        if now >= end:
             return True
         if len(inside) < self.min_clusters:
             return False
@@ -516,7 +533,7 @@ class GlobalModelServer:
                 continue
             if k not in self._period:  # not heard yet: its pace is unknown, so it may come
                 return False
-            if self._expect.get(k, self._last[k] + self._period[k]) <= self._batch_opened + window:
+            if self._expect.get(k, self._last[k] + self._period[k]) <= end:
                 return False  # expected inside the window (or late)
         return True
 
