@@ -113,6 +113,19 @@ def next_round_step(step: int, due: int, period: int, h_inner: int) -> int:
     return s
 
 
+def min_push_steps(h_inner: int) -> int:
+    """The fewest steps between two pushes (a push's ``min_steps``): half an inner round,
+    the shortest round the schedule allows (:func:`skips_round`)."""
+    return max(1, h_inner // 2)
+
+
+def overlap_floor(step: int, due: int, period: int, h_inner: int, full: int) -> int:
+    """An overlapped push's ``min_steps`` at ``step`` on the schedule (``due``, ``period``):
+    counted from its apply round, the next round on the schedule (:func:`next_round_step`),
+    clamped to the full period (:meth:`AsyncOuter.floor_for`)."""
+    return min(full, next_round_step(step, due, period, h_inner) - step + min_push_steps(h_inner))
+
+
 class AsyncOuter:
     """The leader's pushes and final pulls (module doc).
 
@@ -141,7 +154,7 @@ class AsyncOuter:
         # cluster's outer rounds; with it, every member sets it from the leader's header.
         s = st.settings
         self.full = s.h_inner * s.h_outer
-        self.min_steps = max(1, s.h_inner // 2)  # the shortest period between pushes (a push's min_steps)
+        self.min_steps = min_push_steps(s.h_inner)  # the shortest period between pushes (a push's min_steps)
         self.period = self.due = self.full
         self.last_round = st.counters.step  # the step of this cluster's last inner round
         # Overlapped pushes (module doc): the step of the push in flight (-1: none), and the
@@ -219,7 +232,7 @@ class AsyncOuter:
         and its schedule slips past the other clusters' (docs/benchmarks.md)."""
         if not overlap:
             return self.min_steps
-        return min(self.full, self.apply_in(step) + self.min_steps)
+        return overlap_floor(step, self.due, self.period, self.st.settings.h_inner, self.full)
 
     def apply_in(self, step: int) -> int:
         """Steps from an overlapped push at ``step`` to its apply round: the next round on

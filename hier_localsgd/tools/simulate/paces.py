@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
+from hier_localsgd.sync.async_outer import min_push_steps
 from hier_localsgd.sync.global_server import SILENT_PERIODS, average, fastest, meet_in
 
 
@@ -19,7 +20,7 @@ class PaceServer:
     time of its last push, and the gap between its pushes; the fastest cluster."""
 
     def __init__(self, full: int, h_inner: int) -> None:
-        self.full, self.lo = full, max(1, h_inner // 2)  # the request's full_steps and min_steps (async_outer.py)
+        self.full, self.lo = full, min_push_steps(h_inner)  # the request's full_steps and min_steps (async_outer.py)
         self.period: Dict[int, float] = {}
         self.pace: Dict[int, float] = {}
         self.transit: Dict[int, float] = {}
@@ -33,7 +34,7 @@ class PaceServer:
         after it last adopted a model; answered at once. Returns its ``push_in``.
         ``running(j)``: whether cluster j has steps left (a finished one is not waited for).
         ``lo``: the push's ``min_steps`` (an overlapped push's counts from its apply round:
-        pushes.py ``apply_floor``); by default half of H_inner."""
+        async_outer.py ``overlap_floor``); by default half of H_inner."""
         if period_s > 0:
             average(self.period, k, period_s)
             if steps > 0:

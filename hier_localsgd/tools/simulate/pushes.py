@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from hier_localsgd.sync.async_outer import next_round_step
+from hier_localsgd.sync.async_outer import min_push_steps, overlap_floor
 from hier_localsgd.sync.global_model import staleness_factor
 from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.state import APPLY, PUSH_ARRIVE, S_OUTER, Cluster
@@ -74,15 +74,8 @@ class OverlappedPushes:
         self.outer_rounds += 1
         if p.match_pace:  # the server's schedule, from the push's own period (engine.py set_schedule)
             running = lambda j: self.cluster_end[j] == INF  # noqa: E731
-            fl["push_in"] = self.paces.push(ci, t, fl["t"] - fl["period_t0"], fl["step"] - fl["period_step0"], running,
-                                            lo=self.apply_floor(c, fl["step"]))
-
-    def apply_floor(self, c: Cluster, step: int) -> int:
-        """The push's ``min_steps`` (async_outer.py ``floor_for``): from its apply round, the
-        next round on the current schedule, at least half of H_inner steps more."""
-        p = self.p
-        apply = next_round_step(step, c.due, c.push_period, p.h_inner)
-        return min(p.period, apply - step + max(1, p.h_inner // 2))
+            lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
+            fl["push_in"] = self.paces.push(ci, t, fl["t"] - fl["period_t0"], fl["step"] - fl["period_step0"], running, lo=lo)
 
     def drop_upload(self, c: Cluster, fid: int, whole: bool) -> None:
         """The leader (``whole``: the whole cluster) failed (failure ``fid``): a push not yet
@@ -129,5 +122,5 @@ class OverlappedPushes:
             c.stale_cause = -1
             if p.match_pace and fl["push_in"] > 0:  # async_outer.py adopted(merge=True)
                 c.push_period = fl["push_in"]
-                c.due = max(fl["step"] + fl["push_in"], c.step + max(1, p.h_inner // 2))
+                c.due = max(fl["step"] + fl["push_in"], c.step + min_push_steps(p.h_inner))
         self.after_apply(c, t)
