@@ -57,8 +57,9 @@ answer: its period does not cap the window, its ``free_s`` does (its cluster's s
 training from the push to that round; the answer must leave an upload's time before it:
 :meth:`_free_until`). Without that cap a fast cluster whose rounds are shorter than
 ``grace_s`` waited at each apply round for a slower cluster's push (2 x 2, H 5/4, 0.05 s
-steps, one cluster at half speed: the fast one ran at 0.55x its own rate). match_pace times its cluster from when the push went out (its arrival less its
-``age_s``), not from its answer.
+steps, one cluster at half speed: the fast one ran at 0.55x its own rate). match_pace
+times its cluster from when the push went out (its arrival less its ``age_s``), not from
+its answer.
 
 Security as heals (core/ft/heals.py): requests carry ``Authorization: HL1 <time> <nonce>
 <mac>``, an HMAC over the path, time, nonce and body under ``derive(secret,
