@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hier_localsgd import costs
+from hier_localsgd.core.security.secret import TUNNEL_MTU
 
 STORE_PORT = 29517  # inside a fresh namespace: nothing else listens there
 WORKER_TIMEOUT = timedelta(seconds=300)
@@ -162,12 +163,12 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 * 1024, reps: int = 3, modes: tuple = ("kernel", "emulated"),
             op: str = "allreduce", busy: int = 0, burst_bytes: Optional[int] = None, tunnel: bool = False,
-            tunnel_mtu: Optional[int] = None) -> List[Measurement]:
+            tunnel_mtu: int = TUNNEL_MTU) -> List[Measurement]:
     """Times ``reps`` all-reduces of ``nbytes`` among ``clusters`` processes (one per
     cluster namespace) for each mode, on a fresh cluster network removed afterwards
     (``op``, ``busy``: the module's docstring); ``tunnel``: inside the network's WireGuard
     mesh (the shaped uplinks then carry WireGuard's packets, overhead included), its
-    interfaces at ``tunnel_mtu`` (None: security.tunnel_mtu's default).
+    interfaces at ``tunnel_mtu`` (security.tunnel_mtu).
 
     Raises:
         LinkCheckError: a worker failed or timed out.
@@ -198,7 +199,7 @@ def measure(clusters: int = 2, rate_mbit: float = 50.0, nbytes: int = 4 * 1024 *
 
 def _measure(clusters: int, rate: float, rate_mbit: float, nbytes: int, reps: int, modes: tuple, op: str, busy: int,
              analytic: float, burst_bytes: Optional[int] = None, tunnel: bool = False,
-             tunnel_mtu: Optional[int] = None) -> List[Measurement]:
+             tunnel_mtu: int = TUNNEL_MTU) -> List[Measurement]:
     import secrets
 
     from hier_localsgd.launch.netns import ClusterNetwork, tbf_burst_bytes, tbf_transfer_s

@@ -92,6 +92,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
+from hier_localsgd.core.security.secret import TUNNEL_MTU
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -333,7 +335,7 @@ class ClusterNetwork:
     """
 
     def __init__(self, clusters: int, prefix: Optional[str] = None, tunnel_secret: Optional[bytes] = None,
-                 tunnel_mtu: Optional[int] = None) -> None:
+                 tunnel_mtu: int = TUNNEL_MTU) -> None:
         if not 1 <= clusters <= MAX_CLUSTERS:
             raise NetnsError(f"clusters={clusters}: must be in [1, {MAX_CLUSTERS}]")
         cleanup_stale()
@@ -382,8 +384,7 @@ class ClusterNetwork:
         (self.tmpdir / "hosts").write_text("\n".join(hosts) + "\n")
         logger.info("cluster network %s: hub %s, clusters %s", self.prefix, HUB_ADDR, [self.address(i) for i in range(self.clusters)])
 
-    def _build_tunnel(self, secret: bytes, mtu: Optional[int]) -> None:
-        from hier_localsgd.core.security.secret import TUNNEL_MTU
+    def _build_tunnel(self, secret: bytes, mtu: int) -> None:
         from hier_localsgd.launch.tunnel import Site, up
 
         where: List[Where] = ["hub", *range(self.clusters)]
@@ -391,8 +392,8 @@ class ClusterNetwork:
         for w in where:
             wan = self.bridge if w == "hub" else self.cluster_iface(int(w))
             self._wireguard.append(up(self.namespace(w), self.tunnel_iface(w), wan, sites[w], [s for v, s in sites.items() if v != w],
-                                      secret, self.tmpdir / f"wireguard-{self.namespace(w)}.log", mtu=mtu or TUNNEL_MTU))
-        logger.info("cluster network %s: WireGuard overlay up (%s, MTU %d)", self.prefix, [s.overlay for s in sites.values()], mtu or TUNNEL_MTU)
+                                      secret, self.tmpdir / f"wireguard-{self.namespace(w)}.log", mtu=mtu))
+        logger.info("cluster network %s: WireGuard overlay up (%s, MTU %d)", self.prefix, [s.overlay for s in sites.values()], mtu)
 
     # -- names and addresses -----------------------------------------------------
     def _index(self, where: Where) -> Optional[int]:

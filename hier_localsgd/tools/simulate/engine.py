@@ -530,9 +530,12 @@ class Simulation(OuterBarrier, Failures, OverlappedPushes):
     def set_schedule(self, c: Cluster, now: float) -> None:
         """match_pace: the global model server takes the push arriving at ``now`` and sets
         the cluster's next push (paces.py); the cluster's period runs from its last adoption."""
-        running = lambda j: self.cluster_end[j] == INF  # noqa: E731
-        push_in = self.paces.push(c.idx, now, c.push_start - c.period_t0, c.step - c.period_step0, running)
+        push_in = self.paces.push(c.idx, now, c.push_start - c.period_t0, c.step - c.period_step0, self.running)
         c.push_period, c.due = push_in, c.step + push_in
+
+    def running(self, ci: int) -> bool:
+        """Whether cluster ``ci`` has steps left (match_pace waits for no finished cluster)."""
+        return self.cluster_end[ci] == INF
 
     def reset_schedule(self, c: Cluster, t: float) -> None:
         """The default push schedule (every H_inner·H_outer steps from ``c.step``); a period from ``t``."""

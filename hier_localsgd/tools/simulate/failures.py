@@ -198,9 +198,8 @@ class Failures:
         c.active.discard(r)
         c.acc0_sum -= m.acc0
         leader = self.hier and r == c.leader
-        if leader:
-            self.drop_upload(c, fid, whole=False)  # an overlapped push's upload dies with it (pushes.py)
         if leader:  # its cluster Manager goes with it (a hung one heartbeats until the watchdog)
+            self.drop_upload(c, fid, whole=False)  # and an overlapped push's upload (pushes.py)
             self.drop_manager(c, t + (p.hang_watchdog_s if hang else 0.0) + p.heartbeat_s, fid)
         gone_at = t + p.hang_watchdog_s + p.heartbeat_s if hang else t + p.heartbeat_s
         c.blockers[r] = (gone_at, fid)

@@ -28,7 +28,6 @@ from typing import Any, Dict
 
 from hier_localsgd.sync.async_outer import min_push_steps, overlap_floor
 from hier_localsgd.sync.global_model import staleness_factor
-from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.state import APPLY, PUSH_ARRIVE, S_OUTER, Cluster
 
 
@@ -73,9 +72,8 @@ class OverlappedPushes:
         fl["version"] = self.round_no
         self.outer_rounds += 1
         if p.match_pace:  # the server's schedule, from the push's own period (engine.py set_schedule)
-            running = lambda j: self.cluster_end[j] == INF  # noqa: E731
             lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
-            fl["push_in"] = self.paces.push(ci, t, fl["t"] - fl["period_t0"], fl["step"] - fl["period_step0"], running, lo=lo)
+            fl["push_in"] = self.paces.push(ci, t, fl["t"] - fl["period_t0"], fl["step"] - fl["period_step0"], self.running, lo=lo)
 
     def drop_upload(self, c: Cluster, fid: int, whole: bool) -> None:
         """The leader (``whole``: the whole cluster) failed (failure ``fid``): a push not yet
