@@ -6,7 +6,7 @@ debugmodel: 6,163,712 parameters, 24.7 MB) between 2 clusters on kernel-shaped l
 prints each time, the ratio, and the bytes each uplink carried per all-reduce (WireGuard's
 headers included). Both arms share this machine's 2 cores, as the bench's arms do.
 
-    python benchmarks/tunnel_cost.py [--reps 3] [--rates 100,1000] [--mtus 1420,16000]
+    python benchmarks/tunnel_cost.py [--reps 3] [--rates 100,1000] [--mtus 1280,1420]
 
 ``--mtus``: the tunnel interfaces' MTUs to time (security.tunnel_mtu), one tunnel row each.
 """
@@ -18,6 +18,7 @@ import statistics
 
 from hier_localsgd.core.security.secret import TUNNEL_MTU
 from hier_localsgd.experiments.linkcheck import measure
+from hier_localsgd.launch.tunnel import wireguard_go_version
 
 DEBUGMODEL_PARAMS = 6_163_712
 
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--mtus", default=str(TUNNEL_MTU), help="tunnel MTUs (security.tunnel_mtu), comma-separated")
     args = ap.parse_args()
     nbytes = DEBUGMODEL_PARAMS * 4
+    print(f"wireguard-go {wireguard_go_version()}")
     print("| rate | tunnel MTU | plain (s) | tunnel (s) | tunnel/plain | plain wire MB | tunnel wire MB | wire ratio | plain reps | tunnel reps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rate in (float(r) for r in args.rates.split(",")):

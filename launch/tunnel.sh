@@ -10,7 +10,8 @@
 # lighthouses and replica groups overlay addresses: lighthouse.global_addr=http://198.19.0.1:29510,
 # each cluster's lighthouse and run.hostname its host's overlay address. Only WireGuard's
 # UDP port (51820) must be open between the hosts. security.tunnel_mtu=N (default 1420, the same
-# on every host) sets the interface's MTU: larger costs less CPU where the WAN carries IP fragments.
+# on every host) sets the interface's MTU; it must fit the WAN path (docs/security.md). Install
+# wireguard-go with launch/install_wireguard_go.sh (Debian 12's own costs 4x at 1 Gbit/s).
 # Runs in the foreground until SIGTERM/SIGINT, then takes the interface down. If
 # wireguard-go dies, the tunnel is rebuilt after RESTART_DELAY seconds (default 2);
 # --no-restart turns that off.

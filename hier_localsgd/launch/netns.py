@@ -385,7 +385,7 @@ class ClusterNetwork:
         logger.info("cluster network %s: hub %s, clusters %s", self.prefix, HUB_ADDR, [self.address(i) for i in range(self.clusters)])
 
     def _build_tunnel(self, secret: bytes, mtu: int) -> None:
-        from hier_localsgd.launch.tunnel import Site, up
+        from hier_localsgd.launch.tunnel import Site, up, wireguard_go_version
 
         where: List[Where] = ["hub", *range(self.clusters)]
         sites = {w: Site(self.namespace(w), self.address(w), self.service_address(w)) for w in where}
@@ -393,7 +393,8 @@ class ClusterNetwork:
             wan = self.bridge if w == "hub" else self.cluster_iface(int(w))
             self._wireguard.append(up(self.namespace(w), self.tunnel_iface(w), wan, sites[w], [s for v, s in sites.items() if v != w],
                                       secret, self.tmpdir / f"wireguard-{self.namespace(w)}.log", mtu=mtu))
-        logger.info("cluster network %s: WireGuard overlay up (%s, MTU %d)", self.prefix, [s.overlay for s in sites.values()], mtu)
+        logger.info("cluster network %s: WireGuard overlay up (%s, MTU %d, wireguard-go %s)", self.prefix,
+                    [s.overlay for s in sites.values()], mtu, wireguard_go_version())
 
     # -- names and addresses -----------------------------------------------------
     def _index(self, where: Where) -> Optional[int]:

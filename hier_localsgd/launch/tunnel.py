@@ -24,15 +24,24 @@ step that fails raises :class:`TunnelError` naming the command and its error;
 the namespace's teardown (netns.py ``close``) kills ``wireguard-go`` and removes the
 interface and rules with the namespace. Private keys go to ``wg`` through a file of mode
 0600 in a private directory, removed at once; they are never on a command line.
+
+The tunnel's MTU (security.tunnel_mtu) must fit the WAN path: wireguard-go with TUN
+offloads (upstream 0.0.20231211, Debian 13; ``launch/install_wireguard_go.sh``) hands the
+kernel batches of encrypted datagrams with UDP segmentation offload, which never fragments,
+so a datagram larger than the WAN interface's MTU is refused (``sendmmsg: message too
+long``) and the peer hears nothing. :func:`up` refuses such an MTU before it starts.
 """
 
 from __future__ import annotations
 
 import base64
 import hmac
+import ipaddress
 import logging
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +51,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from hashlib import sha256
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from hier_localsgd.core.security.secret import SECRET_ENV, TUNNEL_MTU, derive
 from hier_localsgd.errors import fail
@@ -53,6 +62,9 @@ WG_PORT = 51820
 OVERLAY_PREFIX = 24
 TOOLS = ("wireguard-go", "wg", "nft")
 START_TIMEOUT = timedelta(seconds=10)
+# What WireGuard adds to a packet: the outer IP header (20 bytes IPv4, 40 IPv6), UDP (8), its
+# own header (16) and the authentication tag (16).
+WG_OVERHEAD = {4: 60, 6: 80}
 
 
 class TunnelError(RuntimeError):
@@ -73,10 +85,23 @@ def missing_tools() -> Optional[str]:
     """None if this host can build the overlay, else one line saying what is missing."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
-        return (f"no {', '.join(missing)} on PATH (Debian: apt-get install wireguard-go wireguard-tools nftables)")
+        return (f"no {', '.join(missing)} on PATH (Debian: apt-get install wireguard-tools nftables, and launch/install_wireguard_go.sh)")
     if not os.path.exists("/dev/net/tun"):
         return "no /dev/net/tun (wireguard-go needs a TUN device)"
     return None
+
+
+def wireguard_go_version() -> str:
+    """The installed wireguard-go's version: Debian's package version where dpkg knows it
+    (the binary of 0.0.20231211 calls itself 0.0.20230223), else what the binary prints."""
+    for argv in (["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], ["wireguard-go", "--version"]):
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip().splitlines()[0]
+    return "unknown"
 
 
 def private_key(secret: bytes, site: str) -> bytes:
@@ -120,6 +145,10 @@ def up(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site
     why = missing_tools()
     if why is not None:
         raise TunnelError(why)
+    limit, where = largest_mtu(ns, wan_iface, peers)
+    if mtu > limit:
+        raise TunnelError(f"security.tunnel_mtu: {mtu} does not fit the WAN: {where}, so at most {limit} "
+                          f"(wireguard-go sends with UDP segmentation offload, which does not fragment)")
     if subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True).returncode == 0:
         raise TunnelError(f"interface {iface}{f' in {ns}' if ns else ''} exists already (another tunnel, or one left by a crash: "
                           f"ip link del {iface})")
@@ -136,6 +165,42 @@ def up(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site
         down(ns, proc, iface)
         raise
     return proc
+
+
+def largest_mtu(ns: Optional[str], wan_iface: str, peers: List[Site]) -> Tuple[int, str]:
+    """The largest tunnel MTU whose encrypted datagrams fit the WAN, and one phrase saying
+    why: ``wan_iface``'s MTU (a namespace's WAN veth), else (a real host) the smallest MTU
+    of the routes to the peers' endpoints, each less WireGuard's overhead for its address
+    family. Raises :class:`TunnelError` when a peer's endpoint does not resolve."""
+    if wan_iface:  # a namespace's mesh: the peers' endpoints are addresses
+        wan, family = _link_mtu(ns, wan_iface), max([ipaddress.ip_address(p.endpoint).version for p in peers], default=4)
+        return wan - WG_OVERHEAD[family], f"the WAN interface {wan_iface} has MTU {wan} and WireGuard adds {WG_OVERHEAD[family]} bytes"
+    best: Optional[Tuple[int, str]] = None
+    for p in peers:
+        try:
+            addr = socket.getaddrinfo(p.endpoint, WG_PORT, proto=socket.IPPROTO_UDP)[0][4][0]
+        except OSError as e:
+            raise TunnelError(f"peer {p.name}: its WAN address {p.endpoint!r} does not resolve: {e}") from e
+        family = ipaddress.ip_address(addr).version
+        route = subprocess.run(_in(ns, ["ip", "route", "get", addr]), capture_output=True, text=True, timeout=20).stdout
+        dev = re.search(r"\bdev (\S+)", route)
+        locked = re.search(r"\bmtu (?:lock )?(\d+)", route)
+        wan = int(locked.group(1)) if locked else _link_mtu(ns, dev.group(1)) if dev else 1500
+        limit = wan - WG_OVERHEAD[family]
+        if best is None or limit < best[0]:
+            best = (limit, f"the route to peer {p.name} ({addr}{f' via {dev.group(1)}' if dev else ''}) has MTU {wan} "
+                           f"and WireGuard adds {WG_OVERHEAD[family]} bytes over IPv{family}")
+    if best is None:
+        return 65535 - WG_OVERHEAD[6], "there is no peer"
+    return best
+
+
+def _link_mtu(ns: Optional[str], iface: str) -> int:
+    out = subprocess.run(_in(ns, ["ip", "-o", "link", "show", "dev", iface]), capture_output=True, text=True, timeout=20)
+    m = re.search(r"\bmtu (\d+)", out.stdout)
+    if m is None:
+        raise TunnelError(f"ip link show {iface}{f' in {ns}' if ns else ''}: {(out.stderr or out.stdout).strip() or 'no MTU'}")
+    return int(m.group(1))
 
 
 def _session_and_deathsig() -> None:
@@ -272,7 +337,7 @@ def serve(cfg: TunnelConfig, secret: Optional[bytes], stop: threading.Event, log
     sites = cfg.parsed()
     me = next(s for s in sites if s.name == cfg.site)
     proc = up(None, cfg.iface, "", me, [s for s in sites if s is not me], secret, log, strict=False, mtu=mtu)
-    print(f"tunnel up: site {me.name} at {me.overlay} on {cfg.iface} (MTU {mtu}); peers "
+    print(f"tunnel up: site {me.name} at {me.overlay} on {cfg.iface} (MTU {mtu}, wireguard-go {wireguard_go_version()}); peers "
           + ", ".join(f"{s.name} {s.overlay} (WAN {s.endpoint})" for s in sites if s is not me), flush=True)
     try:
         while not stop.wait(0.5):

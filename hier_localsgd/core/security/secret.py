@@ -30,10 +30,10 @@ from hier_localsgd.errors import ConfigError, fail
 SECRET_ENV = "HIER_LOCALSGD_SECRET"
 MIN_SECRET_BYTES = 16  # 128 bits: a secret shorter than this is refused
 WAN_MODES = ("off", "tunnel")
-# The tunnel interface's MTU. WireGuard's default (1420) fits a 1500-byte WAN path with no
-# fragmentation; a larger one hands wireguard-go fewer, larger packets (it encrypts one
-# packet at a time, so its CPU cost is per packet) and the kernel fragments each encrypted
-# datagram to the WAN's MTU. Only for a WAN path that carries IP fragments (docs/security.md).
+# The tunnel interface's MTU. WireGuard's default (1420) fits a 1500-byte WAN path over IPv4
+# or IPv6; a smaller one suits a WAN path with a smaller MTU (a PPPoE or IPsec hop), a larger
+# one a path of jumbo frames. The tunnel refuses one whose encrypted datagrams exceed the WAN
+# interface's MTU (launch/tunnel.py, largest_mtu).
 TUNNEL_MTU = 1420
 TUNNEL_MTU_RANGE = (1280, 65440)  # IPv6's minimum; the largest whose datagram fits UDP's 64 KiB
 
