@@ -11,6 +11,7 @@ inside the tunnel.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -393,27 +394,21 @@ def test_a_tunnel_command_with_a_bad_site_list_is_one_line_naming_the_field(tmp_
 
 
 def _link_mtu(ns: str, iface: str) -> int:
-    out = subprocess.run(["ip", "-n", ns, "-j", "link", "show", iface], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["ip", "-n", ns, "-j", "link", "show", iface], capture_output=True, text=True, check=True, timeout=20).stdout
     return json.loads(out)[0]["mtu"]
 
 
 def _tx_bytes(ns: str, iface: str) -> int:
-    out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", iface], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", iface], capture_output=True, text=True, check=True, timeout=20).stdout
     return json.loads(out)[0]["stats64"]["tx"]["bytes"]
 
 
-def _ip_counters(ns: str) -> Dict[str, int]:
-    """The namespace's IP counters (/proc/net/snmp's "Ip:" lines: FragCreates, ReasmOKs, ...)."""
-    text = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True, check=True).stdout
-    names, values = [line.split()[1:] for line in text.splitlines() if line.startswith("Ip:")][:2]
-    return dict(zip(names, map(int, values)))
-
-
-@pytest.mark.parametrize("mtu", [1280, 1420])
-def test_the_tunnel_runs_at_the_configured_mtu_and_its_datagrams_fit_the_wan(mtu):
+@pytest.mark.parametrize("mtu", [1280, 1440])
+def test_the_tunnel_runs_at_the_configured_mtu_up_to_the_largest_the_wan_carries(mtu):
     """security.tunnel_mtu: every site's WireGuard interface has it, the WAN veths keep
-    1500; an all-reduce through the overlay arrives intact, and no encrypted datagram was
-    fragmented on the WAN (the namespaces' IP counters)."""
+    1500, and an all-reduce through the overlay arrives intact, its bytes on the WAN veths.
+    1440 is the largest that fits a 1500-byte IPv4 WAN (60 bytes of WireGuard): were the
+    overhead larger, wireguard-go would drop its datagrams and the all-reduce would fail."""
     import secrets
 
     import torch
@@ -425,26 +420,24 @@ def test_the_tunnel_runs_at_the_configured_mtu_and_its_datagrams_fit_the_wan(mtu
     with ClusterNetwork(2, tunnel_secret=secrets.token_bytes(32), tunnel_mtu=mtu) as net:
         assert [_link_mtu(net.namespace(w), net.tunnel_iface(w)) for w in ("hub", 0, 1)] == [mtu] * 3
         assert [_link_mtu(net.namespace(c), net.cluster_iface(c)) for c in (0, 1)] == [1500, 1500]
-        before = [(_ip_counters(net.namespace(c)), _tx_bytes(net.namespace(c), net.cluster_iface(c))) for c in (0, 1)]
+        before = [_tx_bytes(net.namespace(c), net.cluster_iface(c)) for c in (0, 1)]
         results = run_workers(net, 2, nbytes, reps=1, emulate_Bps=0.0)
-        after = [(_ip_counters(net.namespace(c)), _tx_bytes(net.namespace(c), net.cluster_iface(c))) for c in (0, 1)]
+        after = [_tx_bytes(net.namespace(c), net.cluster_iface(c)) for c in (0, 1)]
     expected = float(sum(torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(r)).double().sum() for r in (0, 1)))
     assert all(abs(r["result_sum"] - expected) < 1e-2 for r in results), ([r["result_sum"] for r in results], expected)
-    sent = [a[1] - b[1] for a, b in zip(after, before)]  # each rank sends the other half the tensor, encrypted
-    created = [a[0]["FragCreates"] - b[0]["FragCreates"] for a, b in zip(after, before)]
-    assert all(n >= nbytes // 2 for n in sent) and created == [0, 0], (sent, created)
+    sent = [a - b for a, b in zip(after, before)]  # each rank sends the other half the tensor, encrypted
+    assert all(n >= nbytes // 2 for n in sent), sent
 
 
 def test_a_tunnel_mtu_larger_than_the_wan_allows_is_refused_in_one_line_naming_the_field():
     """1441 on a 1500-byte IPv4 WAN: its encrypted datagrams (+60 bytes) would not fit, and
     wireguard-go's UDP segmentation offload would drop them instead of fragmenting, so the
-    network is refused before wireguard-go starts, and nothing is left behind. 1440 fits."""
+    network is refused before wireguard-go starts, and nothing is left behind (1440 carries
+    traffic: the test above)."""
     import secrets
 
     from hier_localsgd.launch.netns import ClusterNetwork
     from hier_localsgd.launch.tunnel import TunnelError
-
-    import os
 
     prefix = f"hln{os.getpid()}z"  # this process's: no other test's cleanup removes it
     with pytest.raises(TunnelError) as err:
@@ -452,7 +445,6 @@ def test_a_tunnel_mtu_larger_than_the_wan_allows_is_refused_in_one_line_naming_t
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("security.tunnel_mtu: 1441 does not fit the WAN: the WAN interface "), msg
     assert "has MTU 1500 and WireGuard adds 60 bytes, so at most 1440" in msg, msg
-    left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split() if n.startswith(prefix)]
+    left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True, timeout=20).stdout.split()
+            if n.startswith(prefix)]
     assert left == [], left
-    with ClusterNetwork(1, tunnel_secret=secrets.token_bytes(32), tunnel_mtu=1440) as net:
-        assert _link_mtu(net.namespace(0), net.tunnel_iface(0)) == 1440

@@ -332,6 +332,8 @@ class ClusterNetwork:
     Raises:
         NetnsError: a command failed (what was built is removed first), or the
             arguments do not fit.
+        TunnelError: building the overlay failed, or ``tunnel_mtu`` does not fit the
+            WAN (launch/tunnel.py); what was built is removed first.
     """
 
     def __init__(self, clusters: int, prefix: Optional[str] = None, tunnel_secret: Optional[bytes] = None,

@@ -53,7 +53,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from hier_localsgd.core.security.secret import SECRET_ENV, TUNNEL_MTU, derive
+from hier_localsgd.core.security.secret import SECRET_ENV, TUNNEL_MTU, TUNNEL_MTU_RANGE, derive
 from hier_localsgd.errors import fail
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,19 @@ def missing_tools() -> Optional[str]:
 def wireguard_go_version() -> str:
     """The installed wireguard-go's version: Debian's package version where dpkg knows it
     (the binary of 0.0.20231211 calls itself 0.0.20230223), else what the binary prints."""
-    for argv in (["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], ["wireguard-go", "--version"]):
+    path = shutil.which("wireguard-go")
+    if path is None:
+        return "missing"
+    for argv in (["dpkg-query", "-W", "-f=${db:Status-Abbrev} ${Version}", "wireguard-go"], [path, "--version"]):
         try:
             r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             continue
-        if r.returncode == 0 and r.stdout.strip():
-            return r.stdout.strip().splitlines()[0]
+        out = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+        if argv[0] == "dpkg-query" and out.startswith("ii ") and os.path.realpath(path) == "/usr/bin/wireguard-go":
+            return out.split()[-1]  # the package's, and the binary on PATH is the package's
+        if argv[0] == path and out:
+            return out
     return "unknown"
 
 
@@ -121,13 +127,14 @@ def public_key(private: bytes) -> str:
     return r.stdout.strip()
 
 
-def _run(argv: Sequence[str]) -> None:
+def _run(argv: Sequence[str]) -> str:
     try:
         r = subprocess.run(list(argv), capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise TunnelError(f"{' '.join(argv)}: {e}") from e
     if r.returncode != 0:
         raise TunnelError(f"{' '.join(argv)}: exit {r.returncode}: {(r.stderr or r.stdout).strip()}")
+    return r.stdout
 
 
 def _in(ns: Optional[str], argv: Sequence[str]) -> List[str]:
@@ -149,7 +156,7 @@ def up(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site
     if mtu > limit:
         raise TunnelError(f"security.tunnel_mtu: {mtu} does not fit the WAN: {where}, so at most {limit} "
                           f"(wireguard-go sends with UDP segmentation offload, which does not fragment)")
-    if subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True).returncode == 0:
+    if subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True, timeout=20).returncode == 0:
         raise TunnelError(f"interface {iface}{f' in {ns}' if ns else ''} exists already (another tunnel, or one left by a crash: "
                           f"ip link del {iface})")
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
@@ -171,7 +178,9 @@ def largest_mtu(ns: Optional[str], wan_iface: str, peers: List[Site]) -> Tuple[i
     """The largest tunnel MTU whose encrypted datagrams fit the WAN, and one phrase saying
     why: ``wan_iface``'s MTU (a namespace's WAN veth), else (a real host) the smallest MTU
     of the routes to the peers' endpoints, each less WireGuard's overhead for its address
-    family. Raises :class:`TunnelError` when a peer's endpoint does not resolve."""
+    family. A namespace's mesh passes its WAN interface; a real host passes none, since its
+    WAN interface may differ per peer. Raises :class:`TunnelError` when a peer's endpoint
+    does not resolve or has no route."""
     if wan_iface:  # a namespace's mesh: the peers' endpoints are addresses
         wan, family = _link_mtu(ns, wan_iface), max([ipaddress.ip_address(p.endpoint).version for p in peers], default=4)
         return wan - WG_OVERHEAD[family], f"the WAN interface {wan_iface} has MTU {wan} and WireGuard adds {WG_OVERHEAD[family]} bytes"
@@ -181,25 +190,27 @@ def largest_mtu(ns: Optional[str], wan_iface: str, peers: List[Site]) -> Tuple[i
             addr = socket.getaddrinfo(p.endpoint, WG_PORT, proto=socket.IPPROTO_UDP)[0][4][0]
         except OSError as e:
             raise TunnelError(f"peer {p.name}: its WAN address {p.endpoint!r} does not resolve: {e}") from e
-        family = ipaddress.ip_address(addr).version
-        route = subprocess.run(_in(ns, ["ip", "route", "get", addr]), capture_output=True, text=True, timeout=20).stdout
+        family = ipaddress.ip_address(addr.split("%")[0]).version  # an IPv6 address may carry a scope
+        route = _run(_in(ns, ["ip", "route", "get", addr]))
         dev = re.search(r"\bdev (\S+)", route)
-        locked = re.search(r"\bmtu (?:lock )?(\d+)", route)
-        wan = int(locked.group(1)) if locked else _link_mtu(ns, dev.group(1)) if dev else 1500
+        route_mtu = re.search(r"\bmtu (?:lock )?(\d+)", route)  # the route's own, or a learned path MTU
+        if route_mtu is None and dev is None:
+            raise TunnelError(f"peer {p.name}: ip route get {addr} names no interface: {route.strip()!r}")
+        wan = int(route_mtu.group(1)) if route_mtu else _link_mtu(ns, dev.group(1))
         limit = wan - WG_OVERHEAD[family]
         if best is None or limit < best[0]:
             best = (limit, f"the route to peer {p.name} ({addr}{f' via {dev.group(1)}' if dev else ''}) has MTU {wan} "
                            f"and WireGuard adds {WG_OVERHEAD[family]} bytes over IPv{family}")
     if best is None:
-        return 65535 - WG_OVERHEAD[6], "there is no peer"
+        return TUNNEL_MTU_RANGE[1], "there is no peer"
     return best
 
 
 def _link_mtu(ns: Optional[str], iface: str) -> int:
-    out = subprocess.run(_in(ns, ["ip", "-o", "link", "show", "dev", iface]), capture_output=True, text=True, timeout=20)
-    m = re.search(r"\bmtu (\d+)", out.stdout)
+    out = _run(_in(ns, ["ip", "-o", "link", "show", "dev", iface]))
+    m = re.search(r"\bmtu (\d+)", out)
     if m is None:
-        raise TunnelError(f"ip link show {iface}{f' in {ns}' if ns else ''}: {(out.stderr or out.stdout).strip() or 'no MTU'}")
+        raise TunnelError(f"ip link show {iface}{f' in {ns}' if ns else ''}: no MTU in {out.strip()!r}")
     return int(m.group(1))
 
 
@@ -214,7 +225,7 @@ def _session_and_deathsig() -> None:
 def _configure(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site], secret: bytes, log: Path,
                proc: subprocess.Popen, strict: bool, mtu: int) -> None:
     deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-    while subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True).returncode != 0:
+    while subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True, timeout=20).returncode != 0:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise TunnelError(f"wireguard-go {iface}{f' in {ns}' if ns else ''} did not create its interface (log: {log})")
         time.sleep(0.05)
