@@ -143,7 +143,7 @@ def test_a_failure_one_rank_of_a_group_sees_is_acted_on_by_both_ranks(tmp_path):
     assert all(any(e["kind"] == "commit" and e["level"] == "inner" and e["step"] == 30 for e in ev[g]) for g in (0, 1))
 
 
-def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
+def _ddp_rank(rank: int, store_file: str, q) -> None:  # type: ignore[no-untyped-def]
     """One rank wired as the trainer wires it: FlatParams (parameters in one buffer) + DDP."""
     import torch
     import torch.distributed as dist
@@ -153,7 +153,8 @@ def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
     from hier_localsgd.train.model import build_model, lm_loss
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # A file store: no port to pick, so no other test's listener can take it first.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     x = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(100 + rank))  # a batch per rank
     solo = build_model("tiny", 64, 16, 32, seed=0)  # the same model without DDP: this rank's own gradient
     lm_loss(solo, x[:, :-1], x[:, 1:]).backward()
@@ -167,21 +168,28 @@ def _ddp_rank(rank: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
     dist.destroy_process_group()
 
 
-def test_ddp_inside_a_group_averages_gradients():
+def test_ddp_inside_a_group_averages_gradients(tmp_path):
     """Two real gloo ranks: after backward, each rank's gradients (what the inner optimizer
     steps on) are the average of the two ranks' own."""
+    import queue
+
     import torch
     import torch.multiprocessing as mp
 
-    from hier_localsgd.launch.local import free_port
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_ddp_rank, args=(r, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_ddp_rank, args=(r, str(tmp_path / "store"), q)) for r in range(2)]
     for p in procs:
         p.start()
-    got = {r: (torch.from_numpy(own), torch.from_numpy(avg)) for r, own, avg in (q.get(timeout=120) for _ in procs)}
+    results = []
+    deadline = time.monotonic() + 120
+    while len(results) < len(procs):  # a rank that died fails the test at once, with its exit code
+        try:
+            results.append(q.get(timeout=1))
+        except queue.Empty:
+            dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            assert not dead and time.monotonic() < deadline, f"ranks {dead} died (rank, exit code), or 120 s passed"
+    got = {r: (torch.from_numpy(own), torch.from_numpy(avg)) for r, own, avg in results}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
