@@ -92,22 +92,25 @@ def missing_tools() -> Optional[str]:
 
 
 def wireguard_go_version() -> str:
-    """The installed wireguard-go's version: Debian's package version where dpkg knows it
-    (the binary of 0.0.20231211 calls itself 0.0.20230223), else what the binary prints."""
+    """The installed wireguard-go's version: Debian's package version where the binary on
+    PATH is the installed package's (the binary of 0.0.20231211 calls itself 0.0.20230223),
+    else what the binary prints."""
     path = shutil.which("wireguard-go")
     if path is None:
         return "missing"
-    for argv in (["dpkg-query", "-W", "-f=${db:Status-Abbrev} ${Version}", "wireguard-go"], [path, "--version"]):
+
+    def first_line(argv: List[str]) -> str:
         try:
             r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
-            continue
-        out = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
-        if argv[0] == "dpkg-query" and out.startswith("ii ") and os.path.realpath(path) == "/usr/bin/wireguard-go":
-            return out.split()[-1]  # the package's, and the binary on PATH is the package's
-        if argv[0] == path and out:
-            return out
-    return "unknown"
+            return ""
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+
+    if os.path.realpath(path) == "/usr/bin/wireguard-go":
+        pkg = first_line(["dpkg-query", "-W", "-f=${db:Status-Abbrev} ${Version}", "wireguard-go"])
+        if pkg.startswith("ii "):
+            return pkg.split()[-1]
+    return first_line([path, "--version"]) or "unknown"
 
 
 def private_key(secret: bytes, site: str) -> bytes:
