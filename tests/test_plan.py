@@ -517,19 +517,34 @@ def _picked(*overrides: str) -> dict:
     return plan_planner.make_plan(load_config(["model=llama3_debugmodel", "plan.hardware.step_time_s=0.2", *overrides], validate_for="plan"))
 
 
-def test_the_outer_pick_costs_every_variant_and_takes_the_least_stale_one_that_hides():
+def test_the_outer_pick_costs_every_variant_and_takes_the_least_modelled_time_to_the_target():
     """tools/plan/pick.py against hand arithmetic on the planner's own model: with a 10
-    Mbit/s WAN and 0.2 s steps (H 10/3) the fp32 round (23.5 MiB, ~19.7 s) and the int8
-    one (~5 s) cannot hide even behind one inner round (2 s), a blocking topk2 round
-    (~0.19 s every 30 steps = 6.4 ms per step) exposes more than 1 % of the step, and an
-    overlapped one (D = 1) hides; with an unlimited WAN the blocking fp32 round hides."""
+    Mbit/s WAN and 0.2 s steps (H 10/3, 300 steps) the fp32 round (23.5 MiB, ~19.7 s) and
+    the int8 one (~5 s) cannot hide even behind one inner round (2 s), a blocking topk2
+    round (~0.19 s every 30 steps = 6.4 ms per step) exposes more than 1 % of the step,
+    and an overlapped one (D = 1) hides. The modelled time to the target
+    ``(step + sync)/step × payload cost × (1 + D·H_inner/N)`` is least for int8 at D = 2
+    (5.05 s less the 4 s of two inner rounds, every 30 steps): topk2's rounds hide but cost
+    twice the steps (plan.topk2_step_cost); at a cost of 1 the least stale topk2 wins. With
+    an unlimited WAN the blocking fp32 round hides."""
     slow = _picked("links.outer.bandwidth_gbps=0.01", "links.outer.latency_ms=20")["outer_pick"]
-    assert slow["overrides"] == ["sync.outer.compression=topk2", "sync.outer.delay=1", "sync.outer.fragments=1"]
+    assert slow["overrides"] == ["sync.outer.compression=int8", "sync.outer.delay=2", "sync.outer.fragments=1"]
+    assert slow["steps"] == 300
     rows = {(r["compression"], r["delay"], r["fragments"]): r for r in slow["rows"]}
     assert len(rows) == 12  # F in {1, 3}; D < 3 (F = 1) or D = 0 (F = 3); 3 payloads
     assert not rows[("none", 2, 1)]["hides"] and not rows[("int8", 2, 1)]["hides"]
     assert rows[("topk2", 0, 1)]["outer_exposed_per_step_s"] == pytest.approx(rows[("topk2", 0, 1)]["outer_round_s"] / 30)
     assert not rows[("topk2", 0, 1)]["hides"] and rows[("topk2", 1, 1)]["hides"]
+    i8 = rows[("int8", 2, 1)]
+    assert i8["sync_per_step_s"] == pytest.approx((i8["outer_round_s"] - 2 * 10 * 0.2) / 30)  # no inner sync: an unlimited LAN
+    assert i8["time_factor"] == pytest.approx((0.2 + i8["sync_per_step_s"]) / 0.2 * (1 + 20 / 300))
+    assert rows[("topk2", 1, 1)]["time_factor"] == pytest.approx(2.0 * (1 + 10 / 300))
+    assert min(r["time_factor"] for r in slow["rows"]) == i8["time_factor"]
+    cheap = _picked("links.outer.bandwidth_gbps=0.01", "links.outer.latency_ms=20", "plan.topk2_step_cost=1")["outer_pick"]
+    # topk2 at D = 0 (6.4 ms exposed per step: 1.032) and D = 1 (1.033) are equal within 1 %: the least stale
+    assert cheap["overrides"] == ["sync.outer.compression=topk2", "sync.outer.delay=0", "sync.outer.fragments=1"]
+    with pytest.raises(ValueError, match=r"^plan.topk2_step_cost: .*above 0"):
+        _picked("plan.topk2_step_cost=0")
     fast = _picked()["outer_pick"]  # no bandwidth given: latency only
     assert fast["overrides"] == ["sync.outer.compression=none", "sync.outer.delay=0", "sync.outer.fragments=1"]
     # every variant it may print is one the hierarchy accepts
@@ -542,7 +557,8 @@ def test_the_pick_plans_an_int8_config_whose_block_topk2_cannot_take():
     """compression_block 1024 is legal for int8 but not for topk2's one-byte positions: the
     pick costs topk2 at its largest chunk and says so in its overrides (a review finding:
     make_plan raised)."""
-    p = _picked("sync.outer.compression=int8", "sync.outer.compression_block=1024", "links.outer.bandwidth_gbps=0.01")
+    p = _picked("sync.outer.compression=int8", "sync.outer.compression_block=1024", "links.outer.bandwidth_gbps=0.01",
+                "plan.topk2_step_cost=1")  # topk2 as cheap as fp32 in steps: it is picked at 10 Mbit/s
     assert p["outer_pick"]["overrides"][:1] == ["sync.outer.compression=topk2"]
     assert "sync.outer.compression_block=256" in p["outer_pick"]["overrides"]
     load_config(["model=llama3_debugmodel", *p["outer_pick"]["overrides"]], validate_for="plan")

@@ -12,9 +12,11 @@ starts, the launcher
 2. **measures the step**: bare training loops (train/bare.py), one per replica group,
    concurrently, as the job's processes will run;
 3. **chooses** with the planner's model (tools/plan/pick.py ``pick_outer``: every payload ×
-   delay × fragments variant costed; the least stale one whose outer round hides behind
-   compute, then the fewest fragments, then the cheapest payload in loss), from those
-   inputs only (:func:`choose`), and passes the pick's overrides to every process;
+   delay × fragments variant costed; the least modelled time to the target, counting the
+   exposed outer time, the payload's step cost (``plan.topk2_step_cost``) and an overlapped
+   merge's lag over ``train.steps``; among near-equals the least stale, then the fewest
+   fragments, then the cheapest payload in loss), from those inputs only
+   (:func:`choose`), and passes the pick's overrides to every process;
 4. **logs** the inputs and the choice (``<run.dir>/auto.json``, one line on stdout); the
    dashboard shows it; ``python -m hier_localsgd.experiments.auto replay <auto.json>``
    recomputes the choice from the logged inputs alone.
@@ -44,7 +46,8 @@ from hier_localsgd import costs
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.core.runtime.status import AUTO_FILE
 from hier_localsgd.tools.plan.network import OuterVariant, sync_times
-from hier_localsgd.tools.plan.pick import HIDE_FRACTION, overrides_of, pick_outer, variants
+from hier_localsgd.core.runtime.choices import TOPK2
+from hier_localsgd.tools.plan.pick import HIDE_FRACTION, PAYLOAD_STEP_COST, overrides_of, pick_outer, variants
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -78,6 +81,8 @@ class AutoInputs:
     # [compression, delay, fragments] the job's config refuses (a lossy outer link refuses
     # topk2, a model with fewer layer units than fragments refuses F): never picked.
     refused: List[List[Any]] = field(default_factory=list)
+    steps: int = 0  # train.steps: the run over which an overlapped merge's lag counts (0: not counted)
+    topk2_step_cost: float = PAYLOAD_STEP_COST[TOPK2]  # plan.topk2_step_cost
 
 
 def choose(inp: AutoInputs) -> Dict[str, Any]:
@@ -88,7 +93,8 @@ def choose(inp: AutoInputs) -> Dict[str, Any]:
     wan = LinkSpec(bandwidth_Bps=inp.wan_bandwidth_Bps, latency_s=inp.wan_latency_s)
     st = sync_times(inp.sync_bytes, inp.clusters, inp.replicas, lan, wan, inp.round_overhead_s)
     got = pick_outer(st, inp.step_s, inp.clusters, wan, inp.round_overhead_s, inp.h_inner, inp.h_outer,
-                     OuterVariant(**inp.base), inp.hide_fraction, refused={tuple(r) for r in inp.refused})
+                     OuterVariant(**inp.base), inp.hide_fraction, refused={tuple(r) for r in inp.refused},
+                     steps=inp.steps, topk2_step_cost=inp.topk2_step_cost)
     if inp.eager and got["pick"]["delay"] == 0:
         got["overrides"].append("sync.outer.eager=false")  # nothing to stand in for in a blocking round
     got["overrides"].append("sync.outer.auto=false")
@@ -190,11 +196,15 @@ def inputs_for(cfg: "Config", overrides: Sequence[str], step_s: float, params: i
         step_s=step_s, wan_bandwidth_Bps=wan["bandwidth_Bps"], wan_latency_s=wan["latency_s"],
         lan_bandwidth_Bps=lan.bandwidth_Bps, lan_latency_s=lan.latency_s, round_overhead_s=cfg.plan.round_overhead_s,
         base=asdict(base), eager=o.eager, refused=refused_variants(overrides, o.every, base),
+        steps=cfg.train.steps, topk2_step_cost=cfg.plan.topk2_step_cost,
     )
 
 
 def resolve(cfg: "Config", job: "LocalJob") -> List[str]:
     """Measures, chooses, logs; returns the overrides every process of ``job`` gets."""
+    from hier_localsgd.tools.plan.planner import check_plan_section
+
+    check_plan_section(cfg.plan)  # the pick reads plan.round_overhead_s and plan.topk2_step_cost
     run_dir = Path(job.run_dir)
     wan = probe_wan(job, cfg)
     step_s, params = probe_step(cfg, list(job.overrides), run_dir / "auto_probe")
@@ -205,7 +215,8 @@ def resolve(cfg: "Config", job: "LocalJob") -> List[str]:
     p = choice["pick"]
     print(f"auto: WAN {wan['bandwidth_Bps'] * 8 / 1e6:.1f} Mbit/s {wan['latency_s'] * 1e3:.1f} ms, step {step_s * 1e3:.0f} ms "
           f"-> {' '.join(choice['overrides'])} (outer round {p['outer_round_s']:.2f} s, exposed {p['outer_exposed_per_step_s'] * 1e3:.1f} "
-          f"ms/step, {'hides' if p['hides'] else 'does not hide'}; {run_dir / AUTO_FILE})", flush=True)
+          f"ms/step, {'hides' if p['hides'] else 'does not hide'}, modelled time {p['time_factor']:.3f}x an outer level that costs nothing; "
+          f"{run_dir / AUTO_FILE})", flush=True)
     return choice["overrides"]
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
+from hier_localsgd.core.runtime.choices import TOPK2
 from hier_localsgd.sync.sections import MODES
+from hier_localsgd.tools.plan.pick import PAYLOAD_STEP_COST
 
 
 DTYPE_BYTES = {
@@ -103,6 +105,9 @@ class PlanConfig:
     round_overhead_s: float = 0.0  # fixed cost per sync round and level (quorum, commit vote); calibrate from a benchmark
     target_comm_fraction: float = 0.05  # the recommendation's goal
     inner_share: float = 0.5  # share of the sync budget given to the inner level in the recommendation
+    # Steps topk2 needs to the same loss as a multiple of fp32's: the outer pick's loss cost
+    # (tools/plan/pick.py; 2.0 is a calibration on the demo workload, docs/benchmarks.md).
+    topk2_step_cost: float = PAYLOAD_STEP_COST[TOPK2]
     json_name: str = "plan.json"
 
 

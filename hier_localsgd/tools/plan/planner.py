@@ -137,6 +137,8 @@ def check_plan_section(p: PlanConfig, prefix: str = "plan") -> None:
         err("target_comm_fraction", f"must be in (0, 1) (got {p.target_comm_fraction})")
     if not 0 < p.inner_share < 1:
         err("inner_share", f"must be in (0, 1) (got {p.inner_share})")
+    if not p.topk2_step_cost > 0:
+        err("topk2_step_cost", f"the steps topk2 needs as a multiple of fp32's: must be above 0 (got {p.topk2_step_cost})")
     h = p.hardware
     if h.step_time_s < 0:
         err("hardware.step_time_s", f"must be at least 0 (got {h.step_time_s})")
@@ -256,7 +258,8 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
         "step_time_source": "measured (plan.hardware.step_time_s)" if pc.hardware.step_time_s > 0 else "FLOPs / (peak x MFU)",
         "sync": asdict(st),
         "outer_round": outer_round,
-        "outer_pick": pick_outer(st, step_s, tp.clusters, wan, pc.round_overhead_s, h["inner"], h["outer"], variant),
+        "outer_pick": pick_outer(st, step_s, tp.clusters, wan, pc.round_overhead_s, h["inner"], h["outer"], variant,
+                                 steps=cfg.train.steps, topk2_step_cost=pc.topk2_step_cost),
         "unlimited_links": [k for k, spec in (("links.inner", lan), ("links.outer", wan)) if unlimited(spec)],
         "h": h,
         "modes": modes,
