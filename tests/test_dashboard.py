@@ -585,7 +585,7 @@ def test_the_page_shows_what_outer_auto_measured_and_picked(tmp_path, browser):
     from playwright.sync_api import expect
 
     rec = {"inputs": {"wan_bandwidth_Bps": 1.25e6, "wan_latency_s": 0.02, "step_s": 0.031},
-           "pick": {"hides": True, "outer_round_s": 0.11},
+           "pick": {"hides": True, "outer_round_s": 0.11, "time_factor": 2.0667},
            "overrides": ["sync.outer.compression=topk2", "sync.outer.delay=1", "sync.outer.fragments=1", "sync.outer.auto=false"]}
     (tmp_path / "auto.json").write_text(json.dumps(rec))
     url, stop = start_in_thread(DashboardConfig(run_dir=str(tmp_path), port=0, refresh_ms=500))
@@ -594,7 +594,7 @@ def test_the_page_shows_what_outer_auto_measured_and_picked(tmp_path, browser):
         shown = page.locator("#outer-auto")
         expect(shown).to_contain_text("WAN 10.0 Mbit/s 20.0 ms, step 31 ms", timeout=10_000)
         expect(shown).to_contain_text("sync.outer.compression=topk2 sync.outer.delay=1")
-        expect(shown).to_contain_text("(hides)")
+        expect(shown).to_contain_text("(hides, modelled time 2.067×)")
         assert errors == []
     finally:
         page.close()

@@ -347,6 +347,8 @@ def _auto_view(rec: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         "step_ms": scaled(inp.get("step_s"), 1e3),
         "hides": pick.get("hides"),
         "outer_round_s": number(pick.get("outer_round_s")),
+        # modelled time to the target against an outer level that costs nothing (tools/plan/pick.py)
+        "time_factor": number(pick.get("time_factor")),
     }
 
 

@@ -20,7 +20,7 @@ outer level that costs nothing (:func:`time_factor`)::
   so the run is that many steps behind at every point (measured: the overlapped global
   model crossed the target one inner round after blocking hier's in every seed, at the
   same optimisation steps); ``N`` is the run's ``train.steps``. Over a long run the lag
-  vanishes and the least exposed variant wins.
+  vanishes: the least exposed time times the payload's cost wins.
 
 Variants within ``hide_fraction`` (1 %) of the least modelled time count as equal; among
 them the least stale (smallest ``D``), then the fewest fragments, then the cheapest payload

@@ -156,13 +156,14 @@ def _recommendation_lines(p: Dict[str, Any]) -> List[str]:
     pk = p.get("outer_pick")
     if pk:
         b = pk["pick"]
-        hides = "hides behind compute" if b["hides"] else "does not hide: the least exposed"
+        hides = "hides behind compute" if b["hides"] else "does not hide"
         out += [
             "",
             f"Outer configuration for this link at sync.inner.every={p['h']['inner']}, sync.outer.every={p['h']['outer']} "
             f"({len(pk['rows'])} variants costed: payload x delay x fragments; tools/plan/pick.py): {' '.join(pk['overrides'])} "
             f"— {fmt_bytes(b['bytes_per_round'])} per outer round in {fmt_time(b['outer_round_s'])}, {hides} "
-            f"({fmt_time(b['outer_exposed_per_step_s'])} exposed per step)",
+            f"({fmt_time(b['outer_exposed_per_step_s'])} exposed per step); modelled time to the target {b['time_factor']:.3f}x an outer level "
+            f"that costs nothing (payload step cost {b['payload_step_cost']:g}, lag {b['lag_steps']} of {pk['steps']} steps)",
         ]
     sc = p["scaling"]
     k = sc["constants"]

@@ -102,7 +102,8 @@ function autoLine(a) {
   const f = (v, d) => (v === null || v === undefined) ? "?" : Number(v).toFixed(d);
   return '<br><span id="outer-auto">outer auto: WAN ' + f(a.wan_mbit, 1) + " Mbit/s " + f(a.wan_latency_ms, 1) +
     " ms, step " + f(a.step_ms, 0) + " ms → " + esc(a.overrides.join(" ")) +
-    (a.hides === true ? " (hides)" : a.hides === false ? " (does not hide)" : "") + "</span>";
+    (a.hides === true ? " (hides" : a.hides === false ? " (does not hide" : " (") +
+    (a.time_factor === null || a.time_factor === undefined ? ")" : ", modelled time " + f(a.time_factor, 3) + "×)") + "</span>";
 }
 
 // ---------------------------------------------------------------------------- render
