@@ -42,6 +42,20 @@ def test_statistics_over_seeds_and_the_compute_bound():
     assert stats([None, None]) is None
     md = table(list(pts.values()), 2.0)
     assert "(1/2 reached)" in md and "| 1/3 |" in md
+    assert h["time_to_target_global_s"] is None and "global model" not in md
+
+
+def test_an_overlapped_arm_reports_where_its_global_model_reached_the_target():
+    """Overlapped arms also evaluate the global model at the merges (curve_global): its steps,
+    seconds and WAN bytes to the target are reported beside the live models'."""
+    r = run("hier_overlap", 0, [5, 3, 2.2, 1.9], every=10)
+    g = curve([5, 2.5, 1.9, 1.7], 10)
+    r.update(curve_global=g, reached_global=reach(g, 2.0))
+    p = summarize([r], 2.0, bare_s=0.5)[0]
+    assert p["steps_to_target"]["median"] == 30 and p["steps_to_target_global"]["median"] == 20
+    assert p["time_to_target_global_s"]["median"] == 2.0 and p["slow_bytes_to_target_global"]["median"] == 200.0
+    md = table([p], 2.0)
+    assert "30 [30, 30]; global model 20 [20, 20]" in md and "3.0 [3.0, 3.0]; global model 2.0 [2.0, 2.0]" in md
 
 
 def test_each_arm_is_evaluated_at_its_own_sync_points():

@@ -71,6 +71,11 @@ def stats(xs: List[Optional[float]]) -> Optional[Dict[str, Any]]:
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v), "of": len(xs)}
 
 
+def _global(runs: List[Dict[str, Any]], key: str) -> Optional[Dict[str, Any]]:
+    """Statistics of ``key`` where the global model first reached the target (None without a global curve)."""
+    return stats([r["reached_global"][key] if r.get("reached_global") else None for r in runs]) if runs else None
+
+
 def summarize(runs: List[Dict[str, Any]], target: float, bare_s: Optional[float]) -> List[Dict[str, Any]]:
     """One entry per (WAN rate, arm): statistics over its seeds, and its compute bound."""
     points: Dict[tuple, List[Dict[str, Any]]] = {}
@@ -87,7 +92,9 @@ def summarize(runs: List[Dict[str, Any]], target: float, bare_s: Optional[float]
             "wan_gbps": gbps, "arm": arm, "runs": len(rs), "failed": len(rs) - len(ok),
             "steps_to_target": steps,
             # overlapped arms: the first merge where the global model (not the groups' live ones) reached it
-            "steps_to_target_global": stats([r["reached_global"]["step"] if r.get("reached_global") else None for r in global_model]) if global_model else None,
+            "steps_to_target_global": _global(global_model, "step"),
+            "time_to_target_global_s": _global(global_model, "t"),
+            "slow_bytes_to_target_global": _global(global_model, "slow_bytes"),
             "time_to_target_s": stats([h["t"] if h else None for h in hit]),
             "slow_bytes_to_target": stats([h["slow_bytes"] if h else None for h in hit]),
             "final_eval_loss": stats([r["final_eval_loss"] for r in ok]),
@@ -115,9 +122,14 @@ def table(points: List[Dict[str, Any]], target: float) -> str:
         ratio = "-" if not t or not b else f"{t['median'] / b:.2f}"
         spread = "-" if p["max_spread_at_evals"] is None else f"{p['max_spread_at_evals']:.2g}"
         wire = "-" if p["wire_vs_accounted"] is None else f"{p['wire_vs_accounted']['median']:.3f}"
-        steps = _s(p["steps_to_target"], ".0f") + ("" if not p.get("steps_to_target_global") else f"; global model {_s(p['steps_to_target_global'], '.0f')}")
-        lines.append(f"| {p['wan_gbps'] * 1e3:g} Mbit/s | {p['arm']} | {steps} | {_s(t, '.1f')} | "
-                     f"{'-' if b is None else f'{b:.1f}'} | {ratio} | {_s(p['slow_bytes_to_target'], '.2f', 1e6)} | "
+        def glob(key: str, spec: str, scale: float = 1.0) -> str:  # overlapped arms: where the global model reached it
+            return "" if not p.get(key) else f"; global model {_s(p[key], spec, scale)}"
+
+        steps = _s(p["steps_to_target"], ".0f") + glob("steps_to_target_global", ".0f")
+        secs = _s(t, ".1f") + glob("time_to_target_global_s", ".1f")
+        wan = _s(p["slow_bytes_to_target"], ".2f", 1e6) + glob("slow_bytes_to_target_global", ".2f", 1e6)
+        lines.append(f"| {p['wan_gbps'] * 1e3:g} Mbit/s | {p['arm']} | {steps} | {secs} | "
+                     f"{'-' if b is None else f'{b:.1f}'} | {ratio} | {wan} | "
                      f"{_s(p['final_eval_loss'], '.4f')} | {spread} | {wire} | {p['failed']}/{p['runs']} |")
     return "\n".join(lines)
 
