@@ -64,6 +64,9 @@ class FormatUnavailable(RuntimeError):
 # -- top-k + 2-bit sparsification (core/tensors/sparse.py) -------------------------------
 TOPK2 = "topk2"
 MAX_CHUNK = 256  # positions fit one byte
+# Steps topk2 needs to the same loss as a multiple of fp32's (plan.topk2_step_cost, the outer
+# pick's loss cost: tools/plan/pick.py; a calibration on the demo workload, docs/benchmarks.md).
+TOPK2_STEP_COST = 2.0
 DEFAULT_TOPK = 4  # kept per chunk: 1.6 % of a 256-element chunk
 
 # -- a level's algorithm (core/tensors/level.py) -----------------------------------------

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
-from hier_localsgd.core.runtime.choices import TOPK2
+from hier_localsgd.core.runtime.choices import TOPK2_STEP_COST
 from hier_localsgd.sync.sections import MODES
-from hier_localsgd.tools.plan.pick import PAYLOAD_STEP_COST
 
 
 DTYPE_BYTES = {
@@ -107,7 +106,7 @@ class PlanConfig:
     inner_share: float = 0.5  # share of the sync budget given to the inner level in the recommendation
     # Steps topk2 needs to the same loss as a multiple of fp32's: the outer pick's loss cost
     # (tools/plan/pick.py; 2.0 is a calibration on the demo workload, docs/benchmarks.md).
-    topk2_step_cost: float = PAYLOAD_STEP_COST[TOPK2]
+    topk2_step_cost: float = TOPK2_STEP_COST
     json_name: str = "plan.json"
 
 

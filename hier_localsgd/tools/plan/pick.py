@@ -44,14 +44,14 @@ from dataclasses import asdict, replace
 from typing import Any, Collection, Dict, List, Tuple
 
 from hier_localsgd.core.links.lossy import LinkSpec
-from hier_localsgd.core.runtime.choices import MAX_CHUNK, TOPK2
+from hier_localsgd.core.runtime.choices import MAX_CHUNK, TOPK2, TOPK2_STEP_COST
 from hier_localsgd.tools.plan.network import OuterVariant, SyncTimes, hier_variant_sync_per_step, outer_round_bytes, outer_round_s
 
 PAYLOADS = ("none", "int8", "topk2")  # in the order of the loss they cost (docs/benchmarks.md)
 HIDE_FRACTION = 0.01  # exposed outer seconds per step at most this share of the step: hidden
 # Steps to the same loss as a multiple of fp32's, on the demo workload (a calibration; the
 # module docstring): topk2's is plan.topk2_step_cost.
-PAYLOAD_STEP_COST = {"none": 1.0, "int8": 1.0, "topk2": 2.0}
+PAYLOAD_STEP_COST = {"none": 1.0, "int8": 1.0, TOPK2: TOPK2_STEP_COST}
 
 
 def variants(h_outer: int, base: OuterVariant) -> List[OuterVariant]:
