@@ -138,6 +138,7 @@ def test_alltoall_and_allgather_are_point_to_point_exchanges_with_the_collective
                     outs = [torch.empty(3) for _ in range(world)]
                     pg.allgather([outs], [torch.full((3,), float(rank))], ag).wait()
                     got[(rank, set_timeout)] = (recv.tolist(), [o.tolist() for o in outs])
+                got[rank] = pg.stats.as_dict()
             except Exception as e:  # reported below
                 errors.append((rank, repr(e)))
 
@@ -152,3 +153,10 @@ def test_alltoall_and_allgather_are_point_to_point_exchanges_with_the_collective
                 recv, outs = got[(rank, set_timeout)]
                 assert recv == [[10.0 * s + rank] * 2 for s in range(world)], (world, rank)
                 assert outs == [[float(s)] * 3 for s in range(world)], (world, rank)
+            # Timed without emulation too (link.py _timed_work: the auto watch reads these), through
+            # the future (the all-to-all) and through wait (the all-gather): one span per call.
+            stats = got[rank]
+            for op in ("alltoall", "allgather"):
+                key = f"{op}/payload"
+                assert stats["calls"][key] == 2 and len(stats["spans"][key]) == 2, stats
+                assert stats["seconds"][key] > 0 and all(b >= a for a, b in stats["spans"][key]), stats

@@ -62,7 +62,7 @@ from hier_localsgd.core.runtime.addresses import STORE_ATTEMPT_S, connect_store,
 from hier_localsgd.core.runtime.choices import NCCL_BACKENDS
 from hier_localsgd.core.runtime.device import comm_device, settle
 from hier_localsgd.core.runtime.invariants import InvariantViolation, check_distinct_clusters
-from hier_localsgd.core.links.works import ChainedWork, DoneWork, FailedWork, PeerWork
+from hier_localsgd.core.links.works import ChainedWork, DoneWork, FailedWork, PeerWork, TimedWork
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec
 
 logger = logging.getLogger(__name__)
@@ -353,6 +353,15 @@ class LinkProcessGroup(ProcessGroupWrapper):
         logger.warning("%s link: injecting failure %r", self.level, exc)
         return FailedWork(work, exc)
 
+    def _timed_work(self, op: str, started: float, work: Work) -> Work:
+        """A payload collective on a link without emulation: timed from this call to its
+        completion (no analytical bound: 0), as the emulated ones are (LinkStats.timed).
+        ``sync.outer.auto``'s link watch reads these times (experiments/auto_watch.py)."""
+        if self._kind != PAYLOAD:
+            return work
+        stats = self.stats
+        return TimedWork(work, lambda: stats.timed(op, PAYLOAD, started, 0.0))
+
     @staticmethod
     def _nbytes(tensors: List[torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -420,7 +429,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         self.stats.record("allreduce", self._kind, n, sent_per_rank("allreduce", n, self._world))
         emu = self.emu
         if emu is None:
-            return self._finish(super().allreduce(tensors, opts))
+            return self._finish(self._timed_work("allreduce", time.time(), super().allreduce(tensors, opts)))
         started = time.time()
         is_sum = getattr(opts, "reduceOp", ReduceOp.SUM) == ReduceOp.SUM
         if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and is_sum and len(tensors) == 1:
@@ -469,7 +478,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         self.stats.record("broadcast", self._kind, n, sent)
         emu = self.emu
         if emu is None:
-            return self._finish(super().broadcast(tensor_list, opts))
+            return self._finish(self._timed_work("broadcast", time.time(), super().broadcast(tensor_list, opts)))
         started = time.time()
         if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and len(tensor_list) == 1:
             self._lossy_broadcast(tensor_list[0], root, opts)
@@ -518,7 +527,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         self.stats.record("allgather", self._kind, n, sent_per_rank("allgather", n, self._world))
         emu = self.emu
         if emu is None:
-            return self._finish(self._exchange_allgather(output_tensors, input_tensor, opts))
+            return self._finish(self._timed_work("allgather", time.time(), self._exchange_allgather(output_tensors, input_tensor, opts)))
         started = time.time()
         self._exchange_allgather(output_tensors, input_tensor, opts).wait()
         if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1 and len(output_tensors) == 1:
@@ -557,7 +566,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         self.stats.record("alltoall", self._kind, n, sent_per_rank("alltoall", n, self._world))
         emu = self.emu
         if emu is None:
-            return self._finish(self._exchange_alltoall(output_buffer, input_buffer, opts))
+            return self._finish(self._timed_work("alltoall", time.time(), self._exchange_alltoall(output_buffer, input_buffer, opts)))
         started = time.time()
         self._exchange_alltoall(output_buffer, input_buffer, opts).wait()
         if self._kind == PAYLOAD and emu.spec.model.enabled and self._world > 1:

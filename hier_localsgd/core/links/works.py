@@ -1,14 +1,14 @@
 """The works a link's collectives return (core/links/link.py): torch ``Work`` objects for a
-collective that already completed, one reported as failed, a set of point-to-point
-exchanges completed by a helper thread, and a collective chained to the copy back of its
-staged result."""
+collective that already completed, one reported as failed, one timed when it completes, a
+set of point-to-point exchanges completed by a helper thread, and a collective chained to
+the copy back of its staged result."""
 
 from __future__ import annotations
 
 import threading
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch.distributed.distributed_c10d import Work
@@ -48,6 +48,37 @@ class FailedWork(Work):
             raise exc
 
         return self._work.get_future().then(fail)
+
+
+class TimedWork(Work):
+    """The real collective's work; ``done`` runs once, when the collective is seen complete:
+    its ``wait`` returned, or its future resolved (the comm layer waits on the future, whose
+    callback runs as the collective ends). A collective that fails is not timed."""
+
+    def __init__(self, work: Work, done: Callable[[], None]) -> None:
+        super().__init__()
+        self._work = work
+        self._done: Optional[Callable[[], None]] = done
+        self._lock = threading.Lock()
+
+    def _fire(self) -> None:
+        with self._lock:
+            done, self._done = self._done, None
+        if done is not None:
+            done()
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        ok = self._work.wait() if timeout is None else self._work.wait(timeout)
+        self._fire()
+        return ok
+
+    def get_future(self) -> torch.futures.Future:
+        def then(fut: torch.futures.Future) -> object:
+            value = fut.value()  # raises the collective's error: then it is not timed
+            self._fire()
+            return value
+
+        return self._work.get_future().then(then)
 
 
 class PeerWork(Work):
