@@ -456,6 +456,7 @@ class LocalJob:
         """
         keys = list(order) if order is not None else self.keys()
         extra = [f"run.start_gate={self.gate_path}"] if gate else []
+        self.gate_path.unlink(missing_ok=True)  # one opened by an earlier start_all (a restart of every group)
         for i, (c, r) in enumerate(keys):
             if i and stagger_s:
                 time.sleep(stagger_s)
@@ -518,7 +519,7 @@ class LocalJob:
     def wait(
         self,
         timeout_s: float,
-        tick: Optional[Callable[[], None]] = None,
+        tick: Optional[Callable[[], Optional[bool]]] = None,
         tick_every_s: float = 1.0,
         restart: bool = False,
         restart_delay_s: float = 2.0,
@@ -531,6 +532,8 @@ class LocalJob:
         launch script or torchelastic would; it rejoins and heals. A lighthouse
         that exits is started again at its address after
         ``lighthouse.restart_delay_s`` unless ``lighthouse.supervise`` is false.
+        ``tick`` runs about every ``tick_every_s``; one that returns ``True`` ends the wait at
+        once (``sync.outer.auto``'s link watch: experiments/auto_watch.py).
         Returns the replica groups' exit codes (None: still running).
         """
         deadline = time.time() + timeout_s
@@ -573,8 +576,8 @@ class LocalJob:
             # would otherwise end the wait without its "exit" event.
             if not due and all(seen_exit.get(k) == p.popen.pid for k, p in self.replicas.items()):
                 break
-            if tick is not None:
-                tick()
+            if tick is not None and tick() is True:
+                return self.exit_codes()
             time.sleep(min(tick_every_s, 0.2) if due else tick_every_s)
         if tick is not None:
             tick()
@@ -605,7 +608,21 @@ class LocalJob:
 
     def stop(self, grace_s: float = 10.0) -> None:
         self._drop_spare()
-        procs = [p for p in self.replicas.values()] + list(self.lighthouses.values())
+        self._terminate([p for p in self.replicas.values()] + list(self.lighthouses.values()), grace_s)
+        if self.netns is not None:
+            self.netns.close()  # never raises; kills whatever is still inside first
+
+    def stop_replicas(self, reason: str, grace_s: float = 10.0) -> None:
+        """Stops every replica group (SIGTERM, SIGKILL after ``grace_s``) and records it with
+        ``reason``; the lighthouses and the network stay up (the whole job's groups restart)."""
+        self._drop_spare()
+        for key, p in self.replicas.items():
+            if p.popen.poll() is None:
+                self._record({"t": time.time(), "event": "stop", "key": key, "reason": reason, "pid": p.popen.pid})
+        self._terminate(list(self.replicas.values()), grace_s)
+
+    @staticmethod
+    def _terminate(procs: Sequence[Proc], grace_s: float) -> None:
         for p in procs:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -619,8 +636,6 @@ class LocalJob:
                 except ProcessLookupError:
                     pass
                 p.popen.wait(timeout=10)
-        if self.netns is not None:
-            self.netns.close()  # never raises; kills whatever is still inside first
 
     def __enter__(self) -> "LocalJob":
         return self
