@@ -23,9 +23,11 @@ starts, the launcher
 
 What it replaces: ``sync.outer.compression``, ``delay`` and ``fragments`` (H_inner and
 H_outer stay as configured), among the variants the job's config accepts (a lossy outer
-link refuses topk2; a model with fewer layer units than fragments refuses F). What it does not do: re-measure and re-choose while the job
-runs (a changed link is met only at the next start), or choose for processes it does not
-launch (a user's own launcher runs ``replay`` or the ``plan`` command and passes the
+link refuses topk2; a model with fewer layer units than fragments refuses F). While the job
+runs, the demo's launcher watches the rate its outer rounds see and, when it moves past
+``sync.outer.auto_rechoose``, probes again and re-chooses, restarting every group from its
+durable checkpoints (experiments/auto_watch.py). What it does not do: choose for processes it
+does not launch (a user's own launcher runs ``replay`` or the ``plan`` command and passes the
 overrides to every process, so every process runs one configuration).
 
 With the user-space emulation on loopback the measured rate is the emulator's (plus the
@@ -46,8 +48,8 @@ from hier_localsgd import costs
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.core.runtime.status import AUTO_FILE
 from hier_localsgd.tools.plan.network import OuterVariant, sync_times
-from hier_localsgd.core.runtime.choices import TOPK2
-from hier_localsgd.tools.plan.pick import HIDE_FRACTION, PAYLOAD_STEP_COST, overrides_of, pick_outer, variants
+from hier_localsgd.core.runtime.choices import TOPK2_STEP_COST
+from hier_localsgd.tools.plan.pick import HIDE_FRACTION, overrides_of, pick_outer, variants
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -82,7 +84,7 @@ class AutoInputs:
     # topk2, a model with fewer layer units than fragments refuses F): never picked.
     refused: List[List[Any]] = field(default_factory=list)
     steps: int = 0  # train.steps: the run over which an overlapped merge's lag counts (0: not counted)
-    topk2_step_cost: float = PAYLOAD_STEP_COST[TOPK2]  # plan.topk2_step_cost
+    topk2_step_cost: float = TOPK2_STEP_COST  # plan.topk2_step_cost
 
 
 def choose(inp: AutoInputs) -> Dict[str, Any]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List
 
 from hier_localsgd.config import Config
+from hier_localsgd.experiments.auto_watch import wait_rechoosing, watch_for
 from hier_localsgd.experiments.summary import human, summarize
 from hier_localsgd.launch.local import LocalJob
 
@@ -86,14 +87,17 @@ def run_demo(cfg: Config, overrides: List[str]) -> int:
     progress = Progress(job, cfg.train.steps, cfg.demo.progress)
     stop_dashboard = start_dashboard(cfg, job) if cfg.demo.dashboard else None
     try:
+        watch, base = None, list(job.overrides)
         if cfg.sync.outer.auto:  # measure the WAN and the step, pick the outer configuration (auto.py)
             from hier_localsgd.experiments.auto import resolve
 
-            job.overrides = [*job.overrides, *resolve(cfg, job)]
+            job.overrides = [*base, *resolve(cfg, job)]
+            watch = watch_for(cfg, job)  # re-chooses if the link changes (auto_watch.py)
         job.start_lighthouses()
         job.start_all()
         # With kill buttons on, a killed replica group is restarted and heals, as it would be under launch/replica.sh.
-        codes = job.wait(cfg.demo.timeout_s, tick=progress, restart=cfg.dashboard.allow_kill)
+        codes = wait_rechoosing(job, cfg, watch, lambda picked: [*base, *picked], cfg.demo.timeout_s, tick=progress,
+                                restart=cfg.dashboard.allow_kill)
     finally:
         progress.close()
         job.stop()

@@ -91,6 +91,10 @@ class LevelConfig:
     # outer only: the launcher measures the WAN and the step and picks compression, delay
     # and fragments with the planner's model (experiments/auto.py; local jobs: demo, bench)
     auto: bool = False
+    # outer, with auto: while the job runs the launcher watches the rate the outer rounds see
+    # and re-chooses when it leaves [1/f, f] of the rate the pick was made for (f this factor;
+    # the groups restart from their durable checkpoints: experiments/auto_watch.py); 0 = never
+    auto_rechoose: float = 2.0
     # A stale update (as in asynchronous Local SGD; docs/architecture.md): work measured
     # from the model it started from and applied to the newest one, instead of weight 0.
     # outer: a cluster whose global model is behind the quorum's by 1..max_staleness outer
@@ -122,6 +126,9 @@ class LevelConfig:
             fail(f"{path}.early_quorum", "only the inner level asks for its quorum early (sync.inner.early_quorum)")
         if self.auto and path != "sync.outer":
             fail(f"{path}.auto", "only the outer level's configuration picks itself (sync.outer.auto)")
+        if path == "sync.outer" and (isinstance(self.auto_rechoose, bool) or not isinstance(self.auto_rechoose, (int, float))
+                                     or not (self.auto_rechoose == 0 or self.auto_rechoose > 1)):
+            fail(f"{path}.auto_rechoose", f"{self.auto_rechoose!r} — a factor above 1 (the rate's change that re-chooses), or 0 for never")
         if self.eager and (path != "sync.outer" or (self.delay == 0 and not self.auto)):
             fail(f"{path}.eager", "eager updates need an overlapped outer level (sync.outer.delay > 0, or sync.outer.auto)")
         rounds = self.every // self.fragments  # inner rounds between (fragment) outer rounds
