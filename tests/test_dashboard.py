@@ -595,6 +595,13 @@ def test_the_page_shows_what_outer_auto_measured_and_picked(tmp_path, browser):
         expect(shown).to_contain_text("WAN 10.0 Mbit/s 20.0 ms, step 31 ms", timeout=10_000)
         expect(shown).to_contain_text("sync.outer.compression=topk2 sync.outer.delay=1")
         expect(shown).to_contain_text("(hides, modelled time 2.067×)")
+        expect(shown).not_to_contain_text("re-chosen")
+        # After a re-choice for a changed link (auto_watch.py): the newest pick at the top, and the count.
+        rec["history"] = [{"reason": "start", "step": None}, {"reason": "link", "step": 98}]
+        rec["overrides"][0] = "sync.outer.compression=int8"
+        (tmp_path / "auto.json").write_text(json.dumps(rec))
+        expect(shown).to_contain_text("sync.outer.compression=int8 sync.outer.delay=1", timeout=10_000)
+        expect(shown).to_contain_text("re-chosen for the link 1× (last at step 98)")
         assert errors == []
     finally:
         page.close()

@@ -335,6 +335,7 @@ def _auto_view(rec: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     if not rec or not isinstance(rec.get("inputs"), dict):
         return None
     inp, pick = rec["inputs"], rec.get("pick") or {}
+    links = [h for h in rec.get("history") or [] if isinstance(h, dict) and h.get("reason") == "link"]
 
     def scaled(v: Any, k: float) -> Optional[float]:
         n = number(v)
@@ -349,6 +350,9 @@ def _auto_view(rec: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         "outer_round_s": number(pick.get("outer_round_s")),
         # modelled time to the target against an outer level that costs nothing (tools/plan/pick.py)
         "time_factor": number(pick.get("time_factor")),
+        # re-choices for a changed link (experiments/auto_watch.py): how many, the last one's step
+        "rechosen": len(links),
+        "rechosen_at_step": links[-1].get("step") if links else None,
     }
 
 

@@ -96,14 +96,15 @@ function setConn(ok, s, err) {
   }
 }
 
-// sync.outer.auto: what it measured and what it picked (experiments/auto.py)
+// sync.outer.auto: what it measured and what it picked (experiments/auto.py), re-choices (auto_watch.py)
 function autoLine(a) {
   if (!a) return "";
   const f = (v, d) => (v === null || v === undefined) ? "?" : Number(v).toFixed(d);
   return '<br><span id="outer-auto">outer auto: WAN ' + f(a.wan_mbit, 1) + " Mbit/s " + f(a.wan_latency_ms, 1) +
     " ms, step " + f(a.step_ms, 0) + " ms → " + esc(a.overrides.join(" ")) +
     (a.hides === true ? " (hides" : a.hides === false ? " (does not hide" : " (") +
-    (a.time_factor === null || a.time_factor === undefined ? ")" : ", modelled time " + f(a.time_factor, 3) + "×)") + "</span>";
+    (a.time_factor === null || a.time_factor === undefined ? ")" : ", modelled time " + f(a.time_factor, 3) + "×)") +
+    (a.rechosen ? "; re-chosen for the link " + a.rechosen + "× (last at step " + f(a.rechosen_at_step, 0) + ")" : "") + "</span>";
 }
 
 // ---------------------------------------------------------------------------- render
