@@ -81,7 +81,7 @@ def time_factor(sync_per_step_s: float, step_s: float, inner_share_s: float, pay
 
 def pick_outer(st: SyncTimes, step_s: float, clusters: int, wan: LinkSpec, round_overhead_s: float, h_inner: int, h_outer: int,
                base: OuterVariant, hide_fraction: float = HIDE_FRACTION, refused: Collection[Tuple[str, int, int]] = (),
-               steps: int = 0, topk2_step_cost: float = PAYLOAD_STEP_COST[TOPK2]) -> Dict[str, Any]:
+               steps: int = 0, topk2_step_cost: float = TOPK2_STEP_COST) -> Dict[str, Any]:
     """The variant to run and the costed table it was chosen from (rows sorted as ranked).
     ``refused``: ``(compression, delay, fragments)`` the job's config does not accept (a
     lossy link, fewer layer units than fragments): left out. ``steps``: the run's length
