@@ -158,7 +158,7 @@ def test_a_job_whose_wan_drops_mid_run_re_chooses_restarts_from_checkpoints_and_
     assert link["t"] > dropped["t"] and link["overrides"] != start["overrides"]
     assert all(r < 1 / cfg.sync.outer.auto_rechoose for r in link["seen"]["ratios"]), link
     # What the rounds read and what the WAN probe measured again: the tbf's 1 Mbit/s, within the collectives' overheads.
-    assert 0.5e6 / 8 < link["seen"]["rate_Bps"] < 2e6 / 8, link["seen"]
+    assert 0.25e6 / 8 < link["seen"]["rate_Bps"] < 2e6 / 8, link["seen"]  # a leader's wait for the other counts in
     assert 0.5e6 / 8 < link["wan_probe"]["bandwidth_Bps"] < 1.25e6 / 8, link["wan_probe"]
     assert rec["overrides"] == link["overrides"] and replay(run_dir / "auto.json")["overrides"] == link["overrides"]
     assert link["pick"]["delay"] >= 1, link["pick"]

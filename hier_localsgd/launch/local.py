@@ -471,7 +471,7 @@ class LocalJob:
     def open_gate_when_ready(self, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            states = [(self.status(k) or {}).get("state") for k in self.replicas]
+            states = [(self.last_status(k) or {}).get("state") for k in self.replicas]  # this start's, not a stopped one's
             exited = [p.popen.poll() is not None for p in self.replicas.values()]
             if all(s in ("ready", "running", "finished") or e for s, e in zip(states, exited)):
                 break

@@ -125,12 +125,13 @@ class LinkStats:
         self.tensor_bytes[key] += tensor_bytes
         self.sent_bytes[kind] += sent
 
-    def timed(self, op: str, kind: str, started: float, bound: float) -> None:
-        """A collective that began at ``started`` (``time.time()``) ended now."""
+    def timed(self, op: str, kind: str, started: float, bound: float, span: bool = True) -> None:
+        """A collective that began at ``started`` (``time.time()``) ended now; ``span``: keep
+        its [start, end] (the emulated links' payload collectives, which the bench lines up)."""
         key, ended = f"{op}/{kind}", time.time()
         self.seconds[key] += ended - started
         self.bound_seconds[key] += bound
-        if kind == PAYLOAD and len(self.spans[key]) < MAX_SPANS:
+        if span and kind == PAYLOAD and len(self.spans[key]) < MAX_SPANS:
             self.spans[key].append([started, ended])
 
     emulation: Optional[LinkEmulation] = None
@@ -360,7 +361,7 @@ class LinkProcessGroup(ProcessGroupWrapper):
         if self._kind != PAYLOAD:
             return work
         stats = self.stats
-        return TimedWork(work, lambda: stats.timed(op, PAYLOAD, started, 0.0))
+        return TimedWork(work, lambda: stats.timed(op, PAYLOAD, started, 0.0, span=False))  # totals only: status stays small
 
     @staticmethod
     def _nbytes(tensors: List[torch.Tensor]) -> int:
