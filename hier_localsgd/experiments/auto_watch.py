@@ -217,7 +217,7 @@ def wait_rechoosing(job: "LocalJob", cfg: "Config", watch: Optional[LinkWatch], 
         assert watch is not None
         seen = fired[0]
         step = max((int((job.last_status(k) or {}).get("step") or 0) for k in job.keys()), default=None)
-        print(f"auto: the outer rounds read {seen['rate_Bps'] * 8 / 1e6:.2f} Mbit/s, {statistics.median(seen['ratios']):.2f}x "
+        print(f"auto: the outer rounds read {seen['rate_Bps'] * 8 / 1e6:.2f} Mbit/s, {statistics.median(seen['ratios']):.3g}x "
               f"their baseline: stopping every group to probe the WAN again", flush=True)
         job.stop_replicas("sync.outer.auto: re-choosing for the link")
         probe = probe_wan(job, cfg)
