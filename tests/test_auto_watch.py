@@ -170,3 +170,44 @@ def test_a_job_whose_wan_drops_mid_run_re_chooses_restarts_from_checkpoints_and_
     assert summary["consistent"] is True, summary
     assert not summary["missing_results"], summary
     assert [job.result(k)["steps"] for k in job.keys()] == [200] * 4
+
+
+@pytest.mark.slow
+def test_a_probe_that_fails_after_the_stop_resumes_every_group_with_the_running_pick(tmp_path, monkeypatch, capsys):
+    """The stop came, then the WAN probe raised: every group restarts from its checkpoint with
+    the running configuration, and the run ends consistent (real lighthouses and groups on
+    loopback; the watch fires once by hand, the probe is made to fail)."""
+    import hier_localsgd.experiments.auto_watch as aw
+
+    run_dir = tmp_path / "run"
+    overrides = [*FAST_JOB, "sync.inner.every=5", "sync.outer.every=2", "train.steps=60", "train.min_step_time_s=0.05",
+                 "train.log_every=1", "checkpoint.every=1", f"run.dir={run_dir}"]
+    cfg = load_config(overrides, validate_for="demo")
+    job = LocalJob(cfg, overrides)
+
+    class FiresOnceAtStep20(LinkWatch):
+        def poll(self):
+            if not getattr(self, "fired", False) and int((job.status((0, 0)) or {}).get("step", 0)) >= 20:
+                self.fired = True
+                return {"rate_Bps": 1e5, "ratios": [0.01] * WINDOWS, "baseline_Bps": 1e7, "pick": {}}
+            return None
+
+    def no_route(*_):
+        raise RuntimeError("no route to the other cluster")
+
+    monkeypatch.setattr(aw, "probe_wan", no_route)
+    running = ["sync.outer.compression=none", "sync.outer.delay=0", "sync.outer.fragments=1", "sync.outer.auto=false"]
+    watch = FiresOnceAtStep20(job, BASE, running, 2.0)
+    with job:
+        job.start_lighthouses()
+        job.start_all()
+        codes = wait_rechoosing(job, cfg, watch, lambda picked: [*overrides, *picked], 300)
+    out = capsys.readouterr().out
+    logs = [(run_dir / "logs" / f"c{c}r{r}.log").read_text(errors="replace") for c, r in job.keys()]
+    assert all(c == 0 for c in codes.values()), (codes, [log[-2000:] for log in logs])
+    assert "the WAN probe failed (no route to the other cluster); every group resumes with the running pick" in out, out
+    assert watch.overrides == running and watch.baseline is None  # the running pick, a new baseline
+    assert len([h for h in job.history if h["event"] == "stop"]) == 4, job.history
+    assert all("resumed at step" in log for log in logs), [log[-2000:] for log in logs]
+    assert [job.result(k)["steps"] for k in job.keys()] == [60] * 4
+    assert summarize(cfg, job, 0.0)["consistent"] is True

@@ -27,6 +27,9 @@ Failure semantics and costs:
 
 * Needs durable checkpoints (``checkpoint.every > 0``): without them a restart would lose the
   run, so the watch stays off and says so in one line.
+* A probe that fails after the stop (it raises: a worker that timed out, say) restarts every
+  group with the running pick, says so in one line, and takes the changed link's readings as
+  the new baseline (no second stop for the same change).
 * A re-choice costs the steps since each group's newest checkpoint (up to
   ``checkpoint.every`` outer rounds, and a round's checkpoint is written after its commit),
   the probe (seconds; longer on a slow link, whose large probe takes longer), and a restart
@@ -220,12 +223,18 @@ def wait_rechoosing(job: "LocalJob", cfg: "Config", watch: Optional[LinkWatch], 
         print(f"auto: the outer rounds read {seen['rate_Bps'] * 8 / 1e6:.2f} Mbit/s, {statistics.median(seen['ratios']):.3g}x "
               f"their baseline: stopping every group to probe the WAN again", flush=True)
         job.stop_replicas("sync.outer.auto: re-choosing for the link")
-        probe = probe_wan(job, cfg)
-        inputs = replace(watch.inputs, wan_bandwidth_Bps=probe["bandwidth_Bps"], wan_latency_s=probe["latency_s"])
-        got = choose(inputs)
-        log_rechoice(Path(job.run_dir), seen, probe, inputs, got, step)
-        print(f"auto: WAN {probe['bandwidth_Bps'] * 8 / 1e6:.1f} Mbit/s {probe['latency_s'] * 1e3:.1f} ms -> "
-              f"{' '.join(got['overrides'])}; every group resumes from its newest checkpoint", flush=True)
-        job.overrides = [*compose(got["overrides"]), "checkpoint.resume=true"]
-        watch.restarted(inputs, got["overrides"])
+        try:
+            probe = probe_wan(job, cfg)
+        except Exception as e:  # the groups are stopped: they go on with the running pick
+            print(f"auto: the WAN probe failed ({e}); every group resumes with the running pick", flush=True)
+            inputs, overrides = watch.inputs, watch.overrides
+        else:
+            inputs = replace(watch.inputs, wan_bandwidth_Bps=probe["bandwidth_Bps"], wan_latency_s=probe["latency_s"])
+            got = choose(inputs)
+            overrides = got["overrides"]
+            log_rechoice(Path(job.run_dir), seen, probe, inputs, got, step)
+            print(f"auto: WAN {probe['bandwidth_Bps'] * 8 / 1e6:.1f} Mbit/s {probe['latency_s'] * 1e3:.1f} ms -> "
+                  f"{' '.join(overrides)}; every group resumes from its newest checkpoint", flush=True)
+        job.overrides = [*compose(overrides), "checkpoint.resume=true"]
+        watch.restarted(inputs, overrides)  # a new baseline: after a failed probe, the changed link's
         job.start_all()
