@@ -143,29 +143,40 @@ def test_a_failure_one_rank_of_a_group_sees_is_acted_on_by_both_ranks(tmp_path):
     assert all(any(e["kind"] == "commit" and e["level"] == "inner" and e["step"] == 30 for e in ev[g]) for g in (0, 1))
 
 
-def _ddp_rank(rank: int, store_file: str, q) -> None:  # type: ignore[no-untyped-def]
-    """One rank wired as the trainer wires it: FlatParams (parameters in one buffer) + DDP."""
+def _ddp_rank(rank: int, store_port: int, q) -> None:  # type: ignore[no-untyped-def]
+    """One rank wired as the trainer wires it: FlatParams (parameters in one buffer) + DDP.
+    Every wait has a deadline; an error goes back to the test with its traceback."""
+    import traceback
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
+    from torch.distributed import TCPStore
     from torch.nn.parallel import DistributedDataParallel
 
     from hier_localsgd.core.tensors.flat_params import FlatParams
     from hier_localsgd.train.model import build_model, lm_loss
 
-    torch.set_num_threads(1)
-    # A file store: no port to pick, so no other test's listener can take it first.
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
-    x = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(100 + rank))  # a batch per rank
-    solo = build_model("tiny", 64, 16, 32, seed=0)  # the same model without DDP: this rank's own gradient
-    lm_loss(solo, x[:, :-1], x[:, 1:]).backward()
-    own = torch.cat([p.grad.reshape(-1) for p in solo.parameters()])
-    model = build_model("tiny", 64, 16, 32, seed=0)
-    FlatParams(model)
-    ddp = DistributedDataParallel(model, forward_sync_buffers=False)
-    lm_loss(ddp, x[:, :-1], x[:, 1:]).backward()
-    avg = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    q.put((rank, own.numpy(), avg.numpy()))  # numpy: pickled by value, not shared by fd
-    dist.destroy_process_group()
+    try:
+        torch.set_num_threads(1)
+        # The test process holds the store's port (bound before the ranks start: no other
+        # test's listener can take it), and no file lock is involved.
+        store = TCPStore("127.0.0.1", store_port, world_size=2, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+        x = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(100 + rank))  # a batch per rank
+        solo = build_model("tiny", 64, 16, 32, seed=0)  # the same model without DDP: this rank's own gradient
+        lm_loss(solo, x[:, :-1], x[:, 1:]).backward()
+        own = torch.cat([p.grad.reshape(-1) for p in solo.parameters()])
+        model = build_model("tiny", 64, 16, 32, seed=0)
+        FlatParams(model)
+        ddp = DistributedDataParallel(model, forward_sync_buffers=False)
+        lm_loss(ddp, x[:, :-1], x[:, 1:]).backward()
+        avg = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        q.put((rank, own.numpy(), avg.numpy()))  # numpy: pickled by value, not shared by fd
+        dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+        raise
 
 
 def test_ddp_inside_a_group_averages_gradients(tmp_path):
@@ -176,9 +187,14 @@ def test_ddp_inside_a_group_averages_gradients(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, world_size=3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_rank, args=(r, str(tmp_path / "store"), q)) for r in range(2)]
+    procs = [ctx.Process(target=_ddp_rank, args=(r, server.port, q)) for r in range(2)]
     for p in procs:
         p.start()
     results = []
@@ -188,7 +204,10 @@ def test_ddp_inside_a_group_averages_gradients(tmp_path):
             results.append(q.get(timeout=1))
         except queue.Empty:
             dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            assert not dead and time.monotonic() < deadline, f"ranks {dead} died (rank, exit code), or 120 s passed"
+            errors = [(r, tb) for r, own, tb in results if isinstance(own, str)]
+            assert not dead and time.monotonic() < deadline, f"ranks {dead} died (rank, exit code), or 120 s passed; errors {errors}"
+    errors = [(r, tb) for r, own, tb in results if isinstance(own, str)]
+    assert not errors, errors
     got = {r: (torch.from_numpy(own), torch.from_numpy(avg)) for r, own, avg in results}
     for p in procs:
         p.join(timeout=60)
