@@ -14,6 +14,10 @@ spec):
 * ``flat_overlap`` / ``hier_overlap`` (by ``bench.arms``) — ``flat_count`` with torchft's
   ``fragment_sync_delay`` = H_inner local steps, and ``hier`` with the outer round
   overlapped by one inner round (``sync.outer.delay=1``, overlap.py);
+* ``flat_3x`` / ``flat_half`` / ``flat_overlap_3x`` / ``flat_overlap_half`` (by
+  ``bench.arms``) — the flat period searched: three times as often as ``flat_count`` and
+  half as often, blocking and with ``fragment_sync_delay`` (H_inner, or half the period
+  where H_inner is not under it);
 * ``hier_async`` / ``hier_async_overlap`` (by ``bench.arms``) — ``hier`` with the
   asynchronous outer level (``sync.async_outer.enabled``; overlapped: each push runs behind
   training, ``sync.outer.delay=1``): its curve is every group's evaluation on the hier grid
@@ -82,14 +86,20 @@ def flat_budget_every(C: int, R: int, period: int) -> int:
     return max(1, round(period * flat_wan / hier_wan))
 
 
+def flat_delay(every: int, h_in: int) -> int:
+    """torchft's fragment_sync_delay for a flat arm: one inner period's steps, under the period."""
+    return h_in if h_in < every else every // 2
+
+
 def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
     w = WORKLOADS[cfg.bench.mode]
     h_in, h_out = cfg.bench.h_inner or w["h"][0], cfg.bench.h_outer or w["h"][1]
     period = outer_period(h_in, h_out)
     C, R = cfg.topology.clusters, cfg.topology.replicas_per_cluster
     budget = flat_budget_every(C, R, period)
+    often, seldom = max(1, period // 3), 2 * period  # the flat periods around flat_count's
     steps = w["steps"]
-    lcm = period * budget // math.gcd(period, budget)
+    lcm = math.lcm(period, budget, often, seldom)
     steps = max(steps, lcm) if steps % lcm == 0 else ((steps + lcm - 1) // lcm) * lcm
     b = cfg.bench
     kernel = b.links == "kernel"  # the WAN's rate is tbf's (run_arm shapes it), not user space's
@@ -107,6 +117,12 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
         # the overlapped variants: torchft's own fragment_sync_delay (one inner period's worth
         # of local steps), and the hierarchy's outer round applied one inner round later
         "flat_overlap": ["sync.mode=flat", f"sync.flat.every={period}", f"sync.flat.delay={h_in}"],
+        # the flat period searched (issue #29: every 10, 30, 60 on the full workload), blocking and
+        # overlapped; a delay must stay under the period, so syncing every 10 overlaps 5 steps
+        "flat_3x": ["sync.mode=flat", f"sync.flat.every={often}"],
+        "flat_half": ["sync.mode=flat", f"sync.flat.every={seldom}"],
+        "flat_overlap_3x": ["sync.mode=flat", f"sync.flat.every={often}", f"sync.flat.delay={flat_delay(often, h_in)}"],
+        "flat_overlap_half": ["sync.mode=flat", f"sync.flat.every={seldom}", f"sync.flat.delay={flat_delay(seldom, h_in)}"],
         # torchft's streaming DiLoCo: three fragments in turn, one every period/3 steps, each overlapped
         "flat_overlap_frag3": ["sync.mode=flat", f"sync.flat.every={period}", f"sync.flat.delay={h_in}", "sync.flat.fragments=3"],
         "hier_overlap": ["sync.mode=hier", "sync.outer.delay=1"],

@@ -19,7 +19,7 @@ from hier_localsgd.sync.sections import MODES
 # bench.py; hier_int8 / hier_overlap_int8: hier / hier_overlap with sync.outer.compression=int8;
 # *_fragF: with F streaming fragments (sync.outer.fragments=F; bench.h_outer a multiple of F, overlapped >= 2F)
 # hier_overlap_eager: hier_overlap with eager updates (sync.outer.eager=true); hier_auto: sync.outer.auto=true
-ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "flat_overlap_frag3", "hier", "hier_overlap", "hier_overlap_eager", "hier_auto", "hier_async", "hier_async_overlap", "hier_int8", "hier_overlap_int8",
+ARMS = ("ddp", "flat_budget", "flat_count", "flat_overlap", "flat_overlap_frag3", "flat_3x", "flat_half", "flat_overlap_3x", "flat_overlap_half", "hier", "hier_overlap", "hier_overlap_eager", "hier_auto", "hier_async", "hier_async_overlap", "hier_int8", "hier_overlap_int8",
         "hier_frag2", "hier_overlap_int8_frag2", "hier_overlap_int8_frag3")
 
 
