@@ -189,6 +189,21 @@ def test_ring_and_broadcast_bounds():
     assert costs.transfer_time(1e9, *lan) == pytest.approx(0.8001)
 
 
+def test_latency_hops_are_the_bounds_latency_terms_and_the_compressed_rounds():
+    from hier_localsgd.sync.compression import latency_hops as compressed_hops
+
+    # with no bandwidth term a bound is its latencies alone
+    for n in (2, 3, 5):
+        assert costs.allreduce_time(1e6, n, 1.0, 0.0) == costs.latency_hops("allreduce", n) == 2 * (n - 1)
+        assert costs.allgather_time(1e6, n, 1.0, 0.0) == costs.latency_hops("allgather", n) == n - 1
+        assert costs.broadcast_time(1e6, n, 1.0, 0.0) == costs.latency_hops("broadcast", n) == 1
+        # int8: an all-to-all (n-1 pairwise steps) then an all-gather; topk2: the all-gather alone
+        assert compressed_hops(n, "int8") == 2 * (n - 1) and compressed_hops(n, "topk2") == n - 1
+    assert costs.latency_hops("allreduce", 1) == 0
+    with pytest.raises(ValueError, match="'scatter'"):
+        costs.latency_hops("scatter", 3)
+
+
 def test_sync_times_and_comm_fraction_on_the_demo_topology():
     p = demo_plan()
     st = p["sync"]

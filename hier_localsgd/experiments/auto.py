@@ -119,13 +119,14 @@ def refused_variants(overrides: Sequence[str], h_outer: int, base: OuterVariant)
 
 def fit_link(small: tuple[float, float], large: tuple[float, float], clusters: int) -> tuple[float, float]:
     """(rate B/s, one-way latency s) of a link from two ring all-reduce timings
-    ``(payload bytes, seconds)``: ``t = 2(n−1)·α + ring_bytes(S, n)/B`` (costs.allreduce_time)."""
+    ``(payload bytes, seconds)``: ``t = 2(n−1)·α + ring_bytes(S, n)/B`` (costs.allreduce_time;
+    ``clusters`` >= 2)."""
     (s0, t0), (s1, t1) = small, large
     wire0, wire1 = costs.ring_allreduce_bytes(s0, clusters), costs.ring_allreduce_bytes(s1, clusters)
     if wire1 <= wire0 or t1 <= t0:
         raise ValueError(f"auto: the large probe ({s1:.0f} B, {t1:.4f} s) was not slower than the small one ({s0:.0f} B, {t0:.4f} s)")
     rate = (wire1 - wire0) / (t1 - t0)
-    latency = max(0.0, t0 - wire0 / rate) / (2 * (clusters - 1))
+    latency = max(0.0, t0 - wire0 / rate) / costs.latency_hops("allreduce", clusters)
     return rate, latency
 
 

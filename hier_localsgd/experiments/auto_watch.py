@@ -56,6 +56,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hier_localsgd import costs
 from hier_localsgd.core.links.link import PAYLOAD, sent_per_rank
 from hier_localsgd.core.runtime.status import AUTO_FILE, write_json_atomic
 from hier_localsgd.experiments.auto import AutoInputs, choose, probe_wan
@@ -69,12 +70,6 @@ MIN_TRANSFER_S = 1e-3  # a collective's transfer time is counted as at least thi
 
 RING_OPS = ("allreduce", "alltoall", "allgather")  # the collectives of a synchronous outer round (not a push's HTTP)
 Counters = Dict[str, Tuple[float, float, int]]  # op -> (seconds inside, tensor bytes, calls)
-
-
-def latency_hops(op: str, world: int) -> int:
-    """One-way latencies in one ``op`` collective of ``world`` members on a ring (all-reduce:
-    reduce-scatter then all-gather; all-gather: W−1 steps; all-to-all as concurrent pairs: 1)."""
-    return {"allreduce": 2 * (world - 1), "allgather": world - 1}.get(op, 1)
 
 
 def outer_counters(status: Optional[Dict[str, Any]]) -> Counters:
@@ -102,7 +97,7 @@ def window_rate(before: Counters, after: Counters, world: int, latency_s: float)
         if n <= 0 or s1 < s0:
             continue
         sent += n * sent_per_rank(op, (b1 - b0) / n, world)
-        busy += max(MIN_TRANSFER_S * n, (s1 - s0) - n * latency_hops(op, world) * latency_s)
+        busy += max(MIN_TRANSFER_S * n, (s1 - s0) - n * costs.latency_hops(op, world) * latency_s)
     return sent / busy if sent > 0 and busy > 0 else None
 
 

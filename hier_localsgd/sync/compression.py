@@ -54,6 +54,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from hier_localsgd import costs
 from hier_localsgd.core.ft.comm import LevelComm
 from hier_localsgd.core.tensors.fragments import Ranges, gather, scatter_
 from hier_localsgd.core.runtime.choices import DEFAULT_BLOCK, DEFAULT_TOPK, FP8, INT8, MAX_CHUNK, TOPK2
@@ -252,9 +253,9 @@ def encode_update(q: Quantized) -> Dict[str, object]:
 
 def latency_hops(world: int, fmt: str) -> int:
     """Sequential one-way trips of one compressed outer reduce: an all-to-all and an
-    all-gather (``int8``/``fp8``), or an all-gather alone (``topk2``), each ``world − 1``
-    hops in the planner's model."""
-    return (world - 1) * (1 if fmt == TOPK2 else 2)
+    all-gather (``int8``/``fp8``), or an all-gather alone (``topk2``) (costs.latency_hops)."""
+    ops = ("allgather",) if fmt == TOPK2 else ("alltoall", "allgather")
+    return sum(costs.latency_hops(op, world) for op in ops)
 
 
 def build(fmt: str, block: int, numel: int, topk: int = DEFAULT_TOPK) -> Optional[OuterCompression]:
