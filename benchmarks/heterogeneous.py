@@ -18,7 +18,7 @@ what was measured.
 
 ``--extra`` adds overrides to every run, e.g. ``sync.async_outer.enabled=true`` for the
 asynchronous outer level (and ``sync.async_outer.match_pace=true``), which the simulator
-models too (tools/simulate/engine.py; not its grace window); ``--no-simulate`` skips it.
+models too (tools/simulate/engine.py; its grace window: batches.py); ``--no-simulate`` skips it.
 """
 
 from __future__ import annotations

@@ -64,6 +64,22 @@ def _push(srv, cluster, base, delta, final=False, model=None, key=b"k" * 32, tok
                                                            "delta": delta, "model": model}, key, 30.0)
 
 
+def test_the_grace_window_rule_against_a_hand_computation():
+    """global_server.py batch_end / batch_closes (the simulator runs the same functions)."""
+    from hier_localsgd.sync.global_server import GRACE_SHARE, batch_closes, batch_end
+
+    assert GRACE_SHARE == 0.1
+    assert batch_end(100.0, 2.0, [], []) == 102.0  # grace_s alone
+    assert batch_end(100.0, 2.0, [12.0, 30.0], []) == pytest.approx(101.2)  # a tenth of the shortest blocking period
+    assert batch_end(100.0, 2.0, [30.0], [100.5]) == 100.5  # an overlapped contributor's answer must leave by then
+    assert batch_closes(102.0, 102.0, 1, 1, [None])  # the end closes it, whoever may still come
+    assert not batch_closes(101.0, 102.0, 1, 1, [None])  # a cluster not heard yet may come
+    assert not batch_closes(101.0, 102.0, 1, 1, [101.9])  # one expected inside the window
+    assert batch_closes(101.0, 102.0, 1, 1, [102.1, 150.0])  # nobody else expected by the end
+    assert not batch_closes(101.0, 102.0, 1, 2, [150.0])  # min_clusters not reached: the window runs out
+    assert batch_closes(101.0, 102.0, 2, 2, [])
+
+
 def test_the_server_merges_equal_pushes_into_one_version_and_restarts_from_a_leaders_copy():
     srv = _server()
     try:

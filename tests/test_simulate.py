@@ -32,8 +32,11 @@ def small(mode: str = "hier", *overrides: str, **sim) -> Config:
 
 
 def free_network(**failures) -> Config:
-    """Syncs that cost nothing (so every figure is a whole number of seconds), 1 s steps."""
-    fast = ["links.inner.bandwidth_gbps=1e12", "links.inner.latency_ms=0", "links.outer.bandwidth_gbps=1e12", "links.outer.latency_ms=0"]
+    """Syncs that cost nothing (so every figure is a whole number of seconds), 1 s steps. The
+    asynchronous level's server closes each batch at once (``grace_s`` 0: a version per push,
+    as the hand computations below count); the grace window's own tests set it."""
+    fast = ["links.inner.bandwidth_gbps=1e12", "links.inner.latency_ms=0", "links.outer.bandwidth_gbps=1e12", "links.outer.latency_ms=0",
+            "sync.async_outer.grace_s=0"]
     return small("hier", *fast, "simulate.params=1000", "plan.hardware.step_time_s=1.0", duration_s=60.0,
                  failures=FailureConfig(model="none", restart_s=6.0, heal_s=0.0, outer_heal_s=0.0, **failures))
 
@@ -506,6 +509,65 @@ def test_a_leader_or_cluster_lost_with_its_push_in_flight_costs_what_the_model_s
     r = sim.run()
     assert r.lost == lost and sim.pushes_at[0] == pushes0, (r.lost, dict(sim.pushes_at))
     assert sim.pushes_at[1] == [30.0, 65.0, 100.0, 135.0] and r.balance_error < 1e-12
+
+
+def test_the_servers_grace_window_merges_pushes_into_versions_as_computed_by_hand():
+    """The server's grace window (sync/global_server.py; batches.py), 1 s steps, H 10 x 3, 120 s,
+    free syncs. Equal speeds: both clusters push at 30, 60, 90 and 120 s; each pair closes as
+    one batch, so 4 versions where grace 0 makes 8, at the same times. Cluster 1 at half
+    speed, grace 4 s: cluster 0's push at 30 s waits for cluster 1, not heard yet, until a
+    tenth of its own 30 s period (33 s; version 1). Cluster 1's push at 60 s waits for
+    cluster 0, expected at its last push plus its period (60 s), up to min(4, 6) s: cluster
+    0 comes at 63 s and both close as version 2 (cluster 1 waited 3 s). At 93 s cluster 1
+    is expected at 60 + 60 = 120 s, after the window: version 3 at once. At 123 s both push
+    together: version 4. Sync: 2 groups x (3 + 3) s = 12. With min_clusters 2 a lone push
+    waits out its window (93 -> 96 s), and so does cluster 1's at 123 s (until 126 s, when
+    cluster 0 comes): 24."""
+    cfg = free_network()
+    cfg.simulate.duration_s = 120.0
+    cfg.sync.async_outer.enabled, cfg.sync.async_outer.max_staleness = True, 4
+    versions = {}
+    for grace in (0.0, 2.0):
+        cfg.sync.async_outer.grace_s = grace
+        sim = engine.Simulation(params.resolve(cfg), 0)
+        r = sim.run()
+        assert sim.pushes_at == {0: [30.0, 60.0, 90.0, 120.0], 1: [30.0, 60.0, 90.0, 120.0]}, dict(sim.pushes_at)
+        assert (r.sync, r.goodput) == (0.0, 1.0)
+        versions[grace] = sim.round_no
+    assert versions == {0.0: 8, 2.0: 4}
+    cfg.topology.cluster_speed, cfg.sync.async_outer.grace_s = [1.0, 0.5], 4.0
+    for min_clusters, pushes0, pushes1, sync, end in ((1, [30.0, 63.0, 93.0, 123.0], [60.0, 123.0], 12.0, 123.0),
+                                                      (2, [30.0, 63.0, 93.0, 126.0], [60.0, 123.0], 24.0, 126.0)):
+        cfg.sync.async_outer.min_clusters = min_clusters
+        sim = engine.Simulation(params.resolve(cfg), 0)
+        r = sim.run()
+        assert sim.pushes_at == {0: pushes0, 1: pushes1}, (min_clusters, dict(sim.pushes_at))
+        assert (sim.round_no, r.sync, r.end_s, r.committed, r.lost) == (4, sync, end, 480.0, {}), min_clusters
+        assert r.balance_error < 1e-12
+
+
+def test_an_overlapped_push_waits_in_its_batch_no_longer_than_its_clusters_training():
+    """overlapped(): pushes of 15 s (7.5 s each way), the apply round 10 steps (10 s) after a
+    push. Equal speeds, grace 2 s: both pushes reach the server together and close as one
+    version, at the times of test_an_overlapped_push_hides_behind_the_next_round_as_computed_by_hand
+    (4 versions, not 8). Cluster 1 at half speed: cluster 0's first push (out at 30 s, at the
+    server at 37.5 s) waits for cluster 1, not heard yet: with grace 2 s until 39.5 s, back
+    at 47 s, so its apply round (40 s) waits 7 s and its next push is at step 60, 67 s; with
+    grace 20 s only until 47.5 s, when its answer must leave for its apply round (37.5 + 10 s
+    of training): back at 55 s, next push at 75 s."""
+    cfg = overlapped()
+    cfg.sync.async_outer.grace_s = 2.0
+    sim = engine.Simulation(params.resolve(cfg), 0)
+    r = sim.run()
+    assert sim.pushes_at == {0: [30.0, 65.0, 100.0, 135.0], 1: [30.0, 65.0, 100.0, 135.0]}, dict(sim.pushes_at)
+    assert (r.end_s, r.committed, r.goodput, sim.round_no) == (150.0, 480.0, 0.8, 4)
+    cfg.topology.cluster_speed = [1.0, 0.5]
+    for grace, second in ((2.0, 67.0), (20.0, 75.0)):
+        cfg.sync.async_outer.grace_s = grace
+        sim = engine.Simulation(params.resolve(cfg), 0)
+        r = sim.run()
+        assert sim.pushes_at[0][:2] == [30.0, second], (grace, dict(sim.pushes_at))
+        assert r.balance_error < 1e-12
 
 
 def test_overlapped_pushes_conserve_time_under_every_failure_kind():

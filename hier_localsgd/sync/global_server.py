@@ -89,7 +89,7 @@ from hashlib import sha256
 import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections import deque
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -118,6 +118,26 @@ _OPENER = no_redirect_opener()
 def _positive(x: Any) -> bool:
     """A finite number above 0 (not a bool): a request's period or steps."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def batch_end(opened: float, grace_s: float, periods: Iterable[float], frees: Iterable[float]) -> float:
+    """The latest time an open batch closes (module doc): ``grace_s`` after it ``opened``, and
+    at most :data:`GRACE_SHARE` of each blocking contributor's period (``periods``); an
+    overlapped contributor waits behind its cluster's training, but only until its answer
+    must leave (``frees``: :meth:`GlobalModelServer._free_until`)."""
+    return min([opened + min([grace_s] + [GRACE_SHARE * p for p in periods]), *frees])
+
+
+def batch_closes(now: float, end: float, inside: int, min_clusters: int, others: Iterable[Optional[float]]) -> bool:
+    """Whether an open batch of ``inside`` contributors closes at ``now``: at its ``end``; before
+    that once it has ``min_clusters`` and none of the ``others`` (each cluster outside it and
+    not final: when its next push is expected, None if its pace is unknown) may come by the
+    end. tools/simulate/batches.py runs the same rule on the simulator's clock."""
+    if now >= end:
+        return True
+    if inside < min_clusters:
+        return False
+    return all(e is not None and e > end for e in others)
 
 
 def average(d: Dict[int, float], k: int, x: float) -> None:
@@ -520,23 +540,13 @@ class GlobalModelServer:
         could still join it in time has (module doc)."""
         assert self.model is not None and self._batch_opened is not None
         inside = {c.cluster for c in self.model.pending}
-        # The share of a period caps what a blocking push waits; an overlapped one waits
-        # behind its cluster's training (up to grace_s).
-        known = [self._period[k] for k in inside if k in self._period and not self._overlapped.get(k)]
-        window = min([self.grace_s] + [GRACE_SHARE * p for p in known])
-        end = min([self._batch_opened + window] + [self._free[k] for k in inside if self._overlapped.get(k) and k in self._free])
-        if now >= end:
-            return True
-        if len(inside) < self.min_clusters:
-            return False
-        for k in range(self.clusters):
-            if k in inside or k in self._finals:
-                continue
-            if k not in self._period:  # not heard yet: its pace is unknown, so it may come
-                return False
-            if self._expect.get(k, self._last[k] + self._period[k]) <= end:
-                return False  # expected inside the window (or late)
-        return True
+        periods = [self._period[k] for k in inside if k in self._period and not self._overlapped.get(k)]
+        frees = [self._free[k] for k in inside if self._overlapped.get(k) and k in self._free]
+        end = batch_end(self._batch_opened, self.grace_s, periods, frees)
+        # not heard yet (no period): its pace is unknown, so it may come
+        others = [self._expect.get(k, self._last[k] + self._period[k]) if k in self._period else None
+                  for k in range(self.clusters) if k not in inside and k not in self._finals]
+        return batch_closes(now, end, len(inside), self.min_clusters, others)
 
     def _close(self) -> None:
         assert self.model is not None

@@ -127,8 +127,8 @@ def async_push_s(up_bytes: float, down_bytes: float, wan: LinkSpec, round_overhe
     """The asynchronous outer level's exchange (``sync.async_outer``): the pseudo-gradient
     up to the global model server (``up_bytes``: :func:`async_push_bytes`) and the model
     or its steps back (``down_bytes``: :func:`async_down_bytes`), one WAN transfer each (no ring, nobody waited for), plus a round's overhead. Not
-    modelled: the server's own link shared by the clusters' pushes, and the grace window
-    (sync/global_server.py)."""
+    modelled here: the server's own link shared by the clusters' pushes, and the grace window
+    (sync/global_server.py; the simulator models the window: tools/simulate/batches.py)."""
     return (costs.transfer_time(up_bytes, wan.latency_s, wan.bandwidth_Bps)
             + costs.transfer_time(down_bytes, wan.latency_s, wan.bandwidth_Bps) + round_overhead_s)
 

@@ -47,20 +47,24 @@ stream), then
 
 With the asynchronous outer level (``sync.async_outer.enabled``) step 3 is instead a push:
 the leader sends its pseudo-gradient to the global model server and gets the newest model
-back (two WAN transfers of the model, ``SimParams.push_time``), nobody waits for another
-cluster, and the cluster keeps its own step count. The push is merged, one version each,
-if the cluster's base is at most ``sync.async_outer.max_staleness`` versions behind; beyond
-that its work since its last push is discarded (sync/global_model.py). With
+back (two WAN transfers of the model, ``SimParams.push_time``: the push reaches the server
+half-way), and the cluster keeps its own step count. The push is merged if the cluster's
+base is at most ``sync.async_outer.max_staleness`` versions behind when it arrives; beyond
+that its work since its last push is discarded (sync/global_model.py) and it is answered
+at once. A merged push waits in the server's open batch until the grace window closes it
+(batches.py, with global_server.py's own rule: ``sync.async_outer.grace_s``, a tenth of a
+contributor's period, the clusters expected inside the window, ``min_clusters``); a batch
+is one version, and its pushes are answered then (pushes.py). With
 ``sync.async_outer.match_pace`` the server sets each cluster's push schedule as the real one
-does (:meth:`Simulation.set_schedule`: the paces, transits and the fastest cluster's gap
-learnt from the pushes, with global_server.py's rules), and a cluster's rounds end on the
-H_inner grid and at its push steps (async_outer.py ``next_round_step``). With
-``sync.outer.delay`` > 0 the pushes are overlapped (pushes.py): the cluster trains on while
-its push is out, and its next round merges the answer, waiting for it if it is not back;
-the run's last push is blocking. Not modelled there: the grace window that merges
-equal-speed pushes into one version, the server's own link (pushes do not compete for it),
-the end's wait for the final version, and the synchronous level's overlap (its rounds run
-blocking).
+does (paces.py: the paces, transits and the fastest cluster's gap learnt from the pushes,
+with global_server.py's rules; the answer's ``push_in`` from when the batch closed), and a
+cluster's rounds end on the H_inner grid and at its push steps (async_outer.py
+``next_round_step``). With ``sync.outer.delay`` > 0 the pushes are overlapped (pushes.py):
+the cluster trains on while its push is out, and its next round merges the answer, waiting
+for it if it is not back; the run's last push is blocking. Not modelled: the server's own
+link (pushes do not compete for it), the end's wait for the final version, and the
+synchronous level's overlap (its rounds run blocking). A blocking push whose leader dies
+after it reached the server counts as lost to its cluster (the server still merges it).
 
 A cluster whose model derives from an older global model than the current one (it missed
 a committed outer round, or it restarted from scratch) contributes weight 0 at its next
@@ -136,24 +140,24 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from hier_localsgd import costs
 from hier_localsgd.sync.async_outer import is_push_step, next_round_step
-from hier_localsgd.sync.global_model import staleness_factor
 from hier_localsgd.tools.plan.network import comm_fraction
 from hier_localsgd.tools.simulate.barrier import OuterBarrier
+from hier_localsgd.tools.simulate.batches import Batches
 from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.failures import Failures
 from hier_localsgd.tools.simulate.paces import PaceServer
 from hier_localsgd.tools.simulate.params import SimParams
-from hier_localsgd.tools.simulate.pushes import OverlappedPushes
+from hier_localsgd.tools.simulate.pushes import Pushes
 from hier_localsgd.tools.simulate.state import (  # noqa: F401  (lighthouse_forms_at: re-exported)
-    ABORT, APPLY, BARRIER, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_ARRIVE, PUSH_DONE, QUORUM, RESTART,
+    ABORT, APPLY, BARRIER, BATCH_END, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_ARRIVE, PUSH_DONE, PUSH_UP, QUORUM, RESTART,
     S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, SYNC_DONE, WATCHDOG, Cluster, RunResult, lighthouse_forms_at,
 )
 
 
-class Simulation(OuterBarrier, Failures, OverlappedPushes):
+class Simulation(OuterBarrier, Failures, Pushes):
     """One run. ``run()`` returns a :class:`RunResult`. The outer barrier (barrier.py), the
-    failures (failures.py) and overlapped pushes (pushes.py) are mixins working on this
-    class's state."""
+    failures (failures.py) and the asynchronous level's pushes (pushes.py) are mixins working
+    on this class's state."""
 
     def __init__(self, p: SimParams, seed: int) -> None:
         self.p = p
@@ -195,6 +199,7 @@ class Simulation(OuterBarrier, Failures, OverlappedPushes):
         self.step_kills: Dict[int, List[Tuple[int, int, str]]] = defaultdict(list)  # cluster -> [(step, replica, phase)]
         self.cluster_end = [INF] * p.clusters  # when each cluster finished its steps
         self.paces = PaceServer(p.period, p.h_inner)  # match_pace: the global model server's schedule
+        self.batches = Batches(p.clusters, p.grace_s, p.async_min_clusters)  # its grace window
         self.pushes_at: Dict[int, List[float]] = defaultdict(list)  # the asynchronous level: when each cluster pushed
         for c in self.clusters:
             self.reset_schedule(c, 0.0)
@@ -215,7 +220,7 @@ class Simulation(OuterBarrier, Failures, OverlappedPushes):
             FAIL: self.on_fail, CLUSTER_FAIL: self.on_cluster_fail, KILL: self.on_kill,
             RESTART: self.on_restart, WATCHDOG: self.on_watchdog, ABORT: self.on_abort,
             CLUSTER_START: self.on_cluster_start, OUTER_TIMEOUT: self.on_outer_timeout, PUSH_DONE: self.on_push_done,
-            PUSH_ARRIVE: self.on_push_arrive, APPLY: self.on_apply,
+            PUSH_ARRIVE: self.on_push_arrive, APPLY: self.on_apply, PUSH_UP: self.on_push_up, BATCH_END: self.on_batch_end,
         }
         # A safety net for runs that cannot finish: the outer level stopped committing (see
         # docs/planner.md, "out of step"), or kills come faster than a restarted cluster
@@ -424,7 +429,7 @@ class Simulation(OuterBarrier, Failures, OverlappedPushes):
             c.pushed_step = max(c.pushed_step, c.step)
             self.enter(c, t, "sync")
             self.fire(c, t, ("OUTER_QUORUM",))
-            self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
+            self.push(t + self.p.push_time() / 2, PUSH_UP, c.idx, 0, c.epoch)  # the upload: half the exchange
         elif self.is_outer_round(c):
             c.state = S_OUTER
             c.phase_start = t
@@ -433,38 +438,6 @@ class Simulation(OuterBarrier, Failures, OverlappedPushes):
             self.fire(c, t, ("OUTER_QUORUM",))
         else:
             self.commit(c, t)
-
-    def on_push_done(self, t: float, ci: int, _b: int, epoch: int) -> None:
-        """The asynchronous outer level: the server merged (or refused) this cluster's push
-        and answered with the newest version (sync/global_model.py: merged if at most
-        ``max_staleness`` versions behind; a version per merged push, as with no grace
-        window); the cluster adopts it and keeps its own step count."""
-        c = self.clusters[ci]
-        if epoch != c.epoch or c.state != S_OUTER:
-            return
-        p = self.p
-        self.slow_bytes += p.ranks * 2 * p.sync_bytes
-        if c.outer_join:  # a restarted cluster's join push: no work, nothing merged; it adopts
-            c.outer_weight, c.outer_outcome, c.state = 0.0, "committed", S_COMMIT
-            self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
-            self.push(t + p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
-            return
-        merged = staleness_factor(self.round_no - c.base, p.max_staleness) > 0
-        if merged:
-            self.round_no += 1
-        else:
-            c.stale_cause = c.delay_cause if c.stale_cause < 0 else c.stale_cause
-        c.outer_weight = 1.0 if merged else 0.0
-        if p.match_pace:
-            self.set_schedule(c, t - p.push_time() / 2)  # answered as the push arrives (its upload: half the exchange)
-        self.outer_rounds += 1
-        c.outer_outcome = "committed"
-        c.state = S_COMMIT
-        self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
-        if p.steps == 0 and t >= p.duration_s:
-            self.stop_pending = True
-            self.outstanding.add(ci)
-        self.push(t + p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
 
     def commit(self, c: Cluster, t: float) -> None:
         """INNER_COMMIT: adopt the round (and the outer outcome, if any); next round."""
@@ -526,12 +499,6 @@ class Simulation(OuterBarrier, Failures, OverlappedPushes):
             self.kill_at(c, t, r)
         if self.hier and self.stop_pending and not self.outstanding:
             self.end = t
-
-    def set_schedule(self, c: Cluster, now: float) -> None:
-        """match_pace: the global model server takes the push arriving at ``now`` and sets
-        the cluster's next push (paces.py); the cluster's period runs from its last adoption."""
-        push_in = self.paces.push(c.idx, now, c.push_start - c.period_t0, c.step - c.period_step0, self.running)
-        c.push_period, c.due = push_in, c.step + push_in
 
     def running(self, ci: int) -> bool:
         """Whether cluster ``ci`` has steps left (match_pace waits for no finished cluster)."""
@@ -601,7 +568,7 @@ class Simulation(OuterBarrier, Failures, OverlappedPushes):
                 else:
                     uncommitted += c.round_compute
                 uncommitted += c.pending
-                if c.flight is not None and c.flight["version"] is None:  # not at the server yet
+                if c.flight is not None and not c.flight["arrived"]:  # not at the server yet
                     uncommitted += c.flight["work"]
             for m in c.members:
                 if not m.alive:

@@ -2,8 +2,10 @@
 
 What sync/global_server.py learns from each push (``_arrived``, ``_pushed_work``) and the
 ``push_in`` it answers (``_push_in``), with its rules (:func:`fastest`, :func:`meet_in`,
-:func:`average`), on the simulator's clock. The engine (engine.py) calls :meth:`PaceServer.push`
-as each push arrives and sets the cluster's schedule from the answer.
+:func:`average`), on the simulator's clock. The engine (engine.py) calls :meth:`PaceServer.arrive` as a
+blocking push arrives and :meth:`PaceServer.answer` when its batch closes (batches.py), and
+sets the cluster's schedule from the answer; an overlapped push is timed from its arrival,
+so pushes.py answers it there (:meth:`PaceServer.push`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ class PaceServer:
         self.fastest: Optional[int] = None
 
     def push(self, k: int, now: float, period_s: float, steps: int, running: Callable[[int], bool], lo: Optional[int] = None) -> int:
+        """Cluster ``k``'s push arrives at ``now`` and is answered at once (:meth:`arrive`,
+        then :meth:`answer`). Returns its ``push_in``."""
+        self.arrive(k, now, period_s, steps)
+        return self.answer(k, now, running, lo)
+
+    def arrive(self, k: int, now: float, period_s: float, steps: int) -> None:
         """Cluster ``k``'s push arrives at ``now``, ``period_s`` seconds and ``steps`` steps
-        after it last adopted a model; answered at once. Returns its ``push_in``.
-        ``running(j)``: whether cluster j has steps left (a finished one is not waited for).
-        ``lo``: the push's ``min_steps`` (an overlapped push's counts from its apply round:
-        async_outer.py ``overlap_floor``); by default half of H_inner."""
+        after it last adopted a model."""
         if period_s > 0:
             average(self.period, k, period_s)
             if steps > 0:
@@ -43,7 +48,14 @@ class PaceServer:
                 average(self.transit, k, now - self.answered[k] - period_s)
         if k in self.pushed:
             average(self.gap, k, now - self.pushed[k])
-        self.pushed[k] = self.answered[k] = now
+        self.pushed[k] = now
+
+    def answer(self, k: int, now: float, running: Callable[[int], bool], lo: Optional[int] = None) -> int:
+        """Cluster ``k``'s push is answered at ``now`` (when its batch closes). Returns its
+        ``push_in``. ``running(j)``: whether cluster j has steps left (a finished one is not
+        waited for). ``lo``: the push's ``min_steps`` (an overlapped push's counts from its
+        apply round: async_outer.py ``overlap_floor``); by default half of H_inner."""
+        self.answered[k] = now
         live = {j: x for j, x in self.pace.items() if running(j)
                 and (j == k or now - self.pushed[j] < SILENT_PERIODS * self.period.get(j, 0.0))}
         if k not in live:
@@ -53,3 +65,12 @@ class PaceServer:
         if f == k or not gap:
             return self.full
         return meet_in(self.pushed[f] + gap - now - self.transit.get(k, 0.0), live[k], gap, self.lo if lo is None else lo, self.full)
+
+    def expected_at(self, k: int, ref: float, push_in: int, overlapped: bool = False) -> Optional[float]:
+        """When the server expects cluster ``k``'s next push after answering it with
+        ``push_in`` (global_server.py ``_answer_push``: from the answer, plus the cluster's
+        transit; an overlapped push's from its arrival, ``ref`` then): None for the fastest
+        cluster or an unknown pace (its period says then)."""
+        if k == self.fastest or k not in self.pace:
+            return None
+        return ref + (0.0 if overlapped else self.transit.get(k, 0.0)) + push_in * self.pace[k]

@@ -74,6 +74,9 @@ class SimParams:
     # answer is merged at the cluster's next round (engine.py launch). The synchronous
     # level's overlap is not simulated (its rounds run blocking).
     overlap: bool = False
+    # sync.async_outer.grace_s, .min_clusters: the server's batch window (batches.py)
+    grace_s: float = 0.0
+    async_min_clusters: int = 1
 
     def speed(self, cluster: int) -> float:
         return self.speeds[cluster] if self.speeds else 1.0
@@ -260,6 +263,7 @@ def resolve(cfg: "Config") -> SimParams:
         asynchronous=hier and s.async_outer.enabled, max_staleness=s.async_outer.max_staleness,
         match_pace=hier and s.async_outer.enabled and s.async_outer.match_pace,
         overlap=hier and s.async_outer.enabled and s.outer.delay > 0,
+        grace_s=s.async_outer.grace_s, async_min_clusters=s.async_outer.min_clusters,
     )
     check_size(p)
     return p

@@ -1,15 +1,22 @@
-"""Overlapped pushes of the asynchronous outer level, simulated (``sync.outer.delay`` > 0
-with ``sync.async_outer.enabled``; the model: engine.py's docstring).
+"""The asynchronous outer level's pushes, simulated (``sync.async_outer.enabled``; the
+model: engine.py's docstring).
 
-As sync/async_outer.py runs them: at a push round the cluster commits its inner round and
-goes on training while its leader's push is out (:meth:`OverlappedPushes.launch`). The
-push reaches the server half an exchange later (:meth:`on_push_arrive`), where it is merged
-(one version) or refused as too stale, as a blocking push would be; the work it carries is
-committed (or discarded) there, since the global model holds it from then on whatever
-happens to the cluster. The answer is back one exchange after the launch; the cluster's
-next round (the apply round) merges it (``θ ← θ_v + (θ_now − θ_s)``), waiting for it if
-it is not back yet, then broadcasts it inside the cluster (:meth:`apply_round`). The steps
-since the launch ride on the next push. The run's last push is blocking (engine.py).
+**Blocking.** At its push round the leader sends its push; it reaches the server half an
+exchange later (:meth:`Pushes.on_push_up`), where it is merged if at most
+``max_staleness`` versions behind, and then waits in the open batch until the grace window
+closes it (batches.py, :meth:`Pushes.close_batch`: one version), or refused and answered at
+once. The answer is back half an exchange after it left (:meth:`Pushes.on_push_done`).
+
+**Overlapped** (``sync.outer.delay`` > 0), as sync/async_outer.py runs them: at a push
+round the cluster commits its inner round and goes on training while its leader's push is
+out (:meth:`Pushes.launch`). The push reaches the server half an exchange later
+(:meth:`Pushes.on_push_arrive`), where it is merged (it joins the open batch) or refused as
+too stale, as a blocking push would be; the work it carries is committed (or discarded)
+there, since the global model holds it from then on whatever happens to the cluster. The
+answer is back half an exchange after its batch closed (or after it was refused); the
+cluster's next round (the apply round) merges it (``θ ← θ_v + (θ_now − θ_s)``), waiting for
+it if it is not back yet, then broadcasts it inside the cluster (:meth:`Pushes.apply_round`).
+The steps since the launch ride on the next push. The run's last push is blocking.
 
 Failures: a leader that dies before its push reached the server takes the upload with it:
 the push is dropped at the apply round and its work rides on the next push (its tokens
@@ -18,7 +25,7 @@ round and merges the newest version (async_outer.py ``recover``). A failed apply
 leaves the push for the next round. A cluster lost whole loses an upload in progress; a
 push that arrived stays merged.
 
-:class:`OverlappedPushes` is mixed into :class:`~hier_localsgd.tools.simulate.engine.Simulation`
+:class:`Pushes` is mixed into :class:`~hier_localsgd.tools.simulate.engine.Simulation`
 and works on its state.
 """
 
@@ -26,13 +33,95 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from hier_localsgd.sync.async_outer import min_push_steps, overlap_floor
+from hier_localsgd.sync.async_outer import min_push_steps, next_round_step, overlap_floor
 from hier_localsgd.sync.global_model import staleness_factor
-from hier_localsgd.tools.simulate.state import APPLY, PUSH_ARRIVE, S_OUTER, Cluster
+from hier_localsgd.tools.simulate.state import APPLY, BATCH_END, COMMIT, PUSH_ARRIVE, PUSH_DONE, S_COMMIT, S_OUTER, Cluster
 
 
-class OverlappedPushes:
-    """Launch, arrival and apply round of an overlapped push; a mixin of ``Simulation``."""
+class Pushes:
+    """A blocking push's arrival and answer, the server's batches, and an overlapped push's
+    launch, arrival and apply round; a mixin of ``Simulation``."""
+
+    def on_push_up(self, t: float, ci: int, _b: int, epoch: int) -> None:
+        """A blocking push reaches the server: merged if at most ``max_staleness`` versions
+        behind (sync/global_model.py), then it waits in the open batch (batches.py);
+        refused, it is answered at once."""
+        c = self.clusters[ci]
+        if epoch != c.epoch or c.state != S_OUTER:
+            return
+        p = self.p
+        period_s = c.push_start - c.period_t0
+        self.batches.arrive(ci, t, period_s)
+        if p.match_pace:
+            self.paces.arrive(ci, t, period_s, c.step - c.period_step0)
+        c.push_merged = staleness_factor(self.round_no - c.base, p.max_staleness) > 0
+        if c.push_merged:
+            self.batches.join(ci, t, ("blocking", epoch))
+            self.check_batch(t)
+        else:
+            self.answer_blocking(c, t)
+
+    def check_batch(self, t: float) -> None:
+        """Closes the open batch if the grace window says so, else looks again at its end."""
+        b = self.batches
+        if b.opened is None:
+            return
+        if b.closes(t, self.running):
+            self.close_batch(t)
+        else:
+            self.push(b.end(), BATCH_END, 0, 0, b.gen)
+
+    def on_batch_end(self, t: float, _a: int, _b: int, gen: int) -> None:
+        if gen == self.batches.gen:
+            self.check_batch(t)
+
+    def close_batch(self, t: float) -> None:
+        """The open batch becomes one version; every push in it is answered."""
+        self.round_no += 1
+        for k, (kind, token) in self.batches.close():
+            c = self.clusters[k]
+            if kind == "blocking" and token == c.epoch and c.state == S_OUTER:
+                self.answer_blocking(c, t)
+            elif kind == "overlapped" and c.flight is not None and c.flight["id"] == token:
+                self.answer_flight(c, t, self.round_no)
+
+    def answer_blocking(self, c: Cluster, t: float) -> None:
+        """The server answers a blocking push at ``t`` (match_pace: with the cluster's next
+        push, global_server.py ``_answer_push``); the answer is back half an exchange later."""
+        p = self.p
+        if p.match_pace:
+            c.answer_push_in = self.paces.answer(c.idx, t, self.running)
+            self.batches.expect(c.idx, self.paces.expected_at(c.idx, t, c.answer_push_in))
+        self.push(t + p.push_time() / 2, PUSH_DONE, c.idx, 0, c.epoch)
+
+    def on_push_done(self, t: float, ci: int, _b: int, epoch: int) -> None:
+        """The asynchronous outer level: the answer to this cluster's push is back with the
+        newest version (its push merged into it, or refused as too stale: on_push_up); the
+        cluster adopts it and keeps its own step count."""
+        c = self.clusters[ci]
+        if epoch != c.epoch or c.state != S_OUTER:
+            return
+        p = self.p
+        self.slow_bytes += p.ranks * 2 * p.sync_bytes
+        if c.outer_join:  # a restarted cluster's join push: no work, nothing merged; it adopts
+            c.outer_weight, c.outer_outcome, c.state = 0.0, "committed", S_COMMIT
+            self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
+            self.push(t + p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
+            return
+        if not c.push_merged:
+            c.stale_cause = c.delay_cause if c.stale_cause < 0 else c.stale_cause
+        c.outer_weight = 1.0 if c.push_merged else 0.0
+        if p.match_pace:  # the server's schedule (answer_blocking): the next period starts at the adoption
+            c.push_period, c.due = c.answer_push_in, c.step + c.answer_push_in
+        self.outer_rounds += 1
+        c.outer_outcome = "committed"
+        c.state = S_COMMIT
+        self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
+        if p.steps == 0 and t >= p.duration_s:
+            self.stop_pending = True
+            self.outstanding.add(ci)
+        self.push(t + p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
+
 
     def launch(self, c: Cluster, t: float) -> None:
         """The push round committed: the cluster's work since its last push leaves with the
@@ -42,7 +131,7 @@ class OverlappedPushes:
         c.flight = {"id": self.seq, "t": t, "step": c.step, "base": c.base, "work": c.pending,
                     "steps": len(c.active) * c.outer_acc - c.acc0_sum + c.carried_steps,
                     "period_t0": c.period_t0, "period_step0": c.period_step0,
-                    "answer": t + p.push_time(), "lost": False, "version": None, "push_in": 0}
+                    "answer": None, "lost": False, "arrived": False, "version": None, "push_in": 0, "apply_epoch": None}
         c.pending = 0.0
         c.outer_acc = c.acc0_sum = c.carried_steps = 0
         for r in c.active:
@@ -56,24 +145,42 @@ class OverlappedPushes:
 
     def on_push_arrive(self, t: float, ci: int, _b: int, token: int) -> None:
         """The push reaches the server: merged if at most ``max_staleness`` versions behind
-        (its work committed: the global model holds it), else refused (its work discarded);
-        either way the answer carries the newest version."""
+        (its work committed: the global model holds it), and it waits in the open batch
+        (batches.py; answered when the batch closes); else refused (its work discarded) and
+        answered at once. The answer carries the newest version."""
         c = self.clusters[ci]
         fl = c.flight
         if fl is None or fl["id"] != token or fl["lost"]:
             return
         p = self.p
+        fl["arrived"] = True
+        period_s = fl["t"] - fl["period_t0"]
+        # its seconds of training to its apply round, at this period's pace (async_outer.py request)
+        steps = fl["step"] - fl["period_step0"]
+        free_s = next_round_step(fl["step"], c.due, c.push_period, p.h_inner) - fl["step"]
+        self.batches.arrive(ci, t, period_s, free_s * period_s / steps if steps > 0 else None)
+        if p.match_pace:  # the server's schedule, from the push's own period (engine.py answer_blocking)
+            lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
+            fl["push_in"] = self.paces.push(ci, t, period_s, steps, self.running, lo=lo)
+            self.batches.expect(ci, self.paces.expected_at(ci, t, fl["push_in"], overlapped=True))
+        self.outer_rounds += 1
         if staleness_factor(self.round_no - fl["base"], p.max_staleness) > 0:
-            self.round_no += 1
             self.committed += fl["work"]
+            self.batches.join(ci, t, ("overlapped", fl["id"]))
+            self.check_batch(t)
         else:
             self.lose("discarded", fl["work"], c.stale_cause if c.stale_cause >= 0 else c.delay_cause)
             self.steps_discarded += fl["steps"]
-        fl["version"] = self.round_no
-        self.outer_rounds += 1
-        if p.match_pace:  # the server's schedule, from the push's own period (engine.py set_schedule)
-            lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
-            fl["push_in"] = self.paces.push(ci, t, fl["t"] - fl["period_t0"], fl["step"] - fl["period_step0"], self.running, lo=lo)
+            self.answer_flight(c, t, self.round_no)
+
+    def answer_flight(self, c: Cluster, t: float, version: int) -> None:
+        """The server answers the push in flight at ``t`` with ``version``; back half an
+        exchange later. An apply round already waiting for it merges it then."""
+        fl = c.flight
+        assert fl is not None
+        fl["version"], fl["answer"] = version, t + self.p.push_time() / 2
+        if fl["apply_epoch"] is not None:
+            self.push(max(fl["apply_t"], fl["answer"]) + self.p.broadcast_time(len(c.active)), APPLY, c.idx, 0, fl["apply_epoch"])
 
     def drop_upload(self, c: Cluster, fid: int, whole: bool) -> None:
         """The leader (``whole``: the whole cluster) failed (failure ``fid``): a push not yet
@@ -85,10 +192,10 @@ class OverlappedPushes:
             return
         if whole:
             c.flight = None
-            if fl["version"] is None:
+            if not fl["arrived"]:
                 self.lose("discarded", fl["work"], fid)
                 self.steps_discarded += fl["steps"]
-        elif fl["version"] is None:
+        elif not fl["arrived"]:
             fl["lost"] = True
 
     def apply_round(self, c: Cluster, t: float) -> None:
@@ -101,8 +208,11 @@ class OverlappedPushes:
         self.enter(c, t, "sync")
         self.fire(c, t, ("BROADCAST",))
         c.epoch += 1
-        ready = t if fl["lost"] else max(t, fl["answer"])
-        self.push(ready + self.p.broadcast_time(len(c.active)), APPLY, c.idx, 0, c.epoch)
+        if fl["lost"] or fl["answer"] is not None:
+            ready = t if fl["lost"] else max(t, fl["answer"])
+            self.push(ready + self.p.broadcast_time(len(c.active)), APPLY, c.idx, 0, c.epoch)
+        else:  # not answered yet (its batch is open, or it is on its way): answer_flight schedules the merge
+            fl["apply_t"], fl["apply_epoch"] = t, c.epoch
 
     def on_apply(self, t: float, ci: int, _b: int, epoch: int) -> None:
         c = self.clusters[ci]
@@ -111,7 +221,7 @@ class OverlappedPushes:
         fl: Dict[str, Any] = c.flight  # type: ignore[assignment]
         c.flight = None
         p = self.p
-        if fl["version"] is None:
+        if not fl["arrived"]:
             # Never reached the server: dropped; its work rides on the next push.
             c.pending += fl["work"]
             c.carried_steps += fl["steps"]

@@ -36,7 +36,7 @@ def lighthouse_forms_at(now: float, first_joined: float, joined: int, waiting_fo
 # ----------------------------------------------------------------------------- state
 # Event kinds, in the heap as (time, seq, kind, a, b, token).
 (COMPUTE_DONE, QUORUM, SYNC_DONE, COMMIT, OUTER_DONE, BARRIER, FAIL, CLUSTER_FAIL, KILL, RESTART, WATCHDOG, ABORT, CLUSTER_START, OUTER_TIMEOUT, PUSH_DONE,
- PUSH_ARRIVE, APPLY) = range(17)
+ PUSH_ARRIVE, APPLY, PUSH_UP, BATCH_END) = range(19)
 
 # Cluster states.
 S_COMPUTE, S_QUORUM, S_SYNC, S_OUTER, S_COMMIT, S_DOWN, S_DONE = "compute", "quorum", "sync", "outer", "commit", "down", "done"
@@ -93,10 +93,15 @@ class Cluster:
         self.early_hang = False  # ... and it hung rather than died
         self.outer_join = False  # restarted whole: its join round is an outer round of weight 0
         self.pushed_step = 0  # asynchronous: the furthest step it pushed at (restarted whole, it resumes there)
+        # asynchronous, blocking: whether the server merged its push (decided as it arrived),
+        # and the push_in of its answer (match_pace; 0: none), applied when the answer is back
+        self.push_merged = False
+        self.answer_push_in = 0
         # asynchronous, overlapped (engine.py launch): the push in flight, or None. Keys: id,
         # t, step, base, work (replica-seconds it carries), steps (group-steps), period_t0,
-        # period_step0, answer (when its answer is back), lost (its upload died with its
-        # leader), version (the server's, once it arrived; None before), push_in.
+        # period_step0, answer (when its answer is back; None until the server answered), lost (its upload died with its
+        # leader), arrived (at the server), version (the server's, once its batch closed or it
+        # was refused; None before), push_in, apply_epoch (an apply round waits for its answer).
         self.flight: Optional[Dict[str, Any]] = None
         self.carried_steps = 0  # group-steps of a dropped push that ride on the next one
         self.armed: List[Tuple[int, str]] = []  # replayed kills of this round's sync phases: (replica or -1, phase)
