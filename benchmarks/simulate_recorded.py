@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heterogeneous as H  # noqa: E402
 
+from hier_localsgd.config import load_config  # noqa: E402
 from hier_localsgd.train.model import build_model  # noqa: E402
 
 ASYNC = ["sync.async_outer.enabled=true"]
@@ -40,7 +41,8 @@ RECORDED: List[Tuple[str, List[str], float, Measured]] = [
 
 
 def main() -> None:
-    params = sum(p.numel() for p in build_model("tiny", 256, 64, 64, 0).parameters())
+    cfg = load_config(["model=tiny"], validate_for="demo")  # the runs' model (heterogeneous.py's demo: model=tiny)
+    params = sum(p.numel() for p in build_model(cfg.model.name, 256, cfg.train.seq_len, cfg.model.dim, 0).parameters())
     print("| recorded runs | speeds | grace | fitted overhead ms | loop s: measured, simulated | steps/s per cluster: measured, simulated | pushes per cluster: measured, simulated |")
     print("|---|---|---|---|---|---|---|")
     for name, extra, calib_loop, measured in RECORDED:

@@ -65,19 +65,28 @@ def _push(srv, cluster, base, delta, final=False, model=None, key=b"k" * 32, tok
 
 
 def test_the_grace_window_rule_against_a_hand_computation():
-    """global_server.py batch_end / batch_closes (the simulator runs the same functions)."""
-    from hier_localsgd.sync.global_server import GRACE_SHARE, batch_closes, batch_end
+    """global_server.py batch_end / batch_closes / free_until (the simulator runs the same)."""
+    from hier_localsgd.sync.global_server import GRACE_SHARE, MAX_AGE_S, batch_closes, batch_end, free_until
 
     assert GRACE_SHARE == 0.1
-    assert batch_end(100.0, 2.0, [], []) == 102.0  # grace_s alone
-    assert batch_end(100.0, 2.0, [12.0, 30.0], []) == pytest.approx(101.2)  # a tenth of the shortest blocking period
-    assert batch_end(100.0, 2.0, [30.0], [100.5]) == 100.5  # an overlapped contributor's answer must leave by then
-    assert batch_closes(102.0, 102.0, 1, 1, [None])  # the end closes it, whoever may still come
-    assert not batch_closes(101.0, 102.0, 1, 1, [None])  # a cluster not heard yet may come
-    assert not batch_closes(101.0, 102.0, 1, 1, [101.9])  # one expected inside the window
-    assert batch_closes(101.0, 102.0, 1, 1, [102.1, 150.0])  # nobody else expected by the end
-    assert not batch_closes(101.0, 102.0, 1, 2, [150.0])  # min_clusters not reached: the window runs out
-    assert batch_closes(101.0, 102.0, 2, 2, [])
+    blocking = {0: False, 1: False, 2: True}
+    assert batch_end(100.0, 2.0, [0], {}, blocking, {}) == 102.0  # grace_s alone (no period known)
+    assert batch_end(100.0, 2.0, [0, 1], {0: 12.0, 1: 30.0}, blocking, {}) == pytest.approx(101.2)  # a tenth of the shortest period
+    assert batch_end(100.0, 2.0, [2], {2: 5.0}, blocking, {2: 100.5}) == 100.5  # overlapped: its period does not cap, its free time does
+    assert free_until(now=10.0, at=9.0, free_s=3.0) == 11.0  # out at 9, applied 3 s later, less the 1 s way back
+    assert free_until(now=10.0, at=10.0, free_s=1e9) == 10.0 + MAX_AGE_S
+
+    def closes(now, inside, min_clusters=1, period=None, last=None, expect=None, final=()):
+        return batch_closes(now, 102.0, inside, 3, final.__contains__, min_clusters, period or {}, last or {}, expect or {})
+
+    assert closes(102.0, {0})  # the end closes it, whoever may still come
+    assert not closes(101.0, {0})  # clusters 1 and 2 not heard yet may come
+    assert closes(101.0, {0}, final=(1, 2))  # final clusters are not waited for
+    assert not closes(101.0, {0}, period={1: 30.0, 2: 30.0}, last={1: 70.0, 2: 80.0})  # 1 expected at 100 (late: it may come)
+    assert closes(101.0, {0}, period={1: 30.0, 2: 30.0}, last={1: 75.0, 2: 80.0})  # expected at 105 and 110
+    assert not closes(101.0, {0}, period={1: 30.0, 2: 30.0}, last={1: 75.0, 2: 80.0}, expect={2: 101.5})  # match_pace's expectation
+    assert not closes(101.0, {0}, min_clusters=2, final=(1, 2))  # min_clusters not reached: the window runs out
+    assert closes(101.0, {0, 1}, min_clusters=2, final=(2,))
 
 
 def test_the_server_merges_equal_pushes_into_one_version_and_restarts_from_a_leaders_copy():

@@ -15,8 +15,8 @@ spec):
   ``fragment_sync_delay`` = H_inner local steps, and ``hier`` with the outer round
   overlapped by one inner round (``sync.outer.delay=1``, overlap.py);
 * ``flat_3x`` / ``flat_half`` / ``flat_overlap_3x`` / ``flat_overlap_half`` (by
-  ``bench.arms``) — the flat period searched: three times as often as ``flat_count`` and
-  half as often, blocking and with ``fragment_sync_delay`` (H_inner, or half the period
+  ``bench.arms``) — the flat period searched: about three times as often as ``flat_count``
+  (every period // 3 steps) and half as often, blocking and with ``fragment_sync_delay`` (H_inner, or half the period
   where H_inner is not under it);
 * ``hier_async`` / ``hier_async_overlap`` (by ``bench.arms``) — ``hier`` with the
   asynchronous outer level (``sync.async_outer.enabled``; overlapped: each push runs behind
@@ -99,7 +99,10 @@ def plan_arms(cfg: Config) -> Tuple[List[str], Dict[str, List[str]], int]:
     budget = flat_budget_every(C, R, period)
     often, seldom = max(1, period // 3), 2 * period  # the flat periods around flat_count's
     steps = w["steps"]
-    lcm = math.lcm(period, budget, often, seldom)
+    # every selected arm's period divides the steps (the searched periods only when selected,
+    # so the other arms' steps stay as they were)
+    searched = [often if "3x" in a else seldom for a in cfg.bench.arms if a.startswith("flat") and a.endswith(("3x", "half"))]
+    lcm = math.lcm(period, budget, *searched)
     steps = max(steps, lcm) if steps % lcm == 0 else ((steps + lcm - 1) // lcm) * lcm
     b = cfg.bench
     kernel = b.links == "kernel"  # the WAN's rate is tbf's (run_arm shapes it), not user space's

@@ -126,6 +126,16 @@ def overlap_floor(step: int, due: int, period: int, h_inner: int, full: int) -> 
     return min(full, next_round_step(step, due, period, h_inner) - step + min_push_steps(h_inner))
 
 
+def overlap_free_s(step: int, due: int, period: int, h_inner: int, period_s: float, period_steps: int) -> Optional[float]:
+    """An overlapped push's ``free_s`` at ``step``: the seconds of training to its apply round
+    (:func:`next_round_step` on the schedule ``due``, ``period``) at the pace of its period
+    (``period_s`` over ``period_steps``); None without a step in the period. The server
+    answers it by then (global_server.py ``free_until``)."""
+    if period_steps <= 0:
+        return None
+    return (next_round_step(step, due, period, h_inner) - step) * period_s / period_steps
+
+
 class AsyncOuter:
     """The leader's pushes and final pulls (module doc).
 
@@ -396,7 +406,7 @@ class AsyncOuter:
         period_s, period_steps = time.time() - self.since, c.step - self.since_step
         # An overlapped push waits at the server for free only until its apply round
         # (global_server.py _free_until): the seconds of training to it, at this period's pace.
-        free_s = self.apply_in(c.step) * period_s / period_steps if overlap and period_steps > 0 else None
+        free_s = overlap_free_s(c.step, self.due, self.period, st.settings.h_inner, period_s, period_steps) if overlap else None
         return {"cluster": st.id.cluster, "base": c.outer_round if version is None else version, "epoch": self.epoch, "step": c.step,
                 "tokens": self.tokens + self.round_work if contribute else 0.0,
                 "period_s": period_s, "period_steps": period_steps, "free_s": free_s,

@@ -89,7 +89,7 @@ from hashlib import sha256
 import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Collection, Deque, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -120,24 +120,48 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
-def batch_end(opened: float, grace_s: float, periods: Iterable[float], frees: Iterable[float]) -> float:
-    """The latest time an open batch closes (module doc): ``grace_s`` after it ``opened``, and
-    at most :data:`GRACE_SHARE` of each blocking contributor's period (``periods``); an
-    overlapped contributor waits behind its cluster's training, but only until its answer
-    must leave (``frees``: :meth:`GlobalModelServer._free_until`)."""
+def batch_end(opened: float, grace_s: float, inside: Iterable[int], period: Dict[int, float],
+              overlapped: Dict[int, bool], free: Dict[int, float]) -> float:
+    """The latest time an open batch of the clusters ``inside`` closes (module doc): ``grace_s``
+    after it ``opened``, and at most :data:`GRACE_SHARE` of each blocking contributor's
+    ``period``; an overlapped contributor waits behind its cluster's training, but only until
+    its ``free`` time (:func:`free_until`)."""
+    inside = list(inside)
+    periods = [period[k] for k in inside if k in period and not overlapped.get(k)]
+    frees = [free[k] for k in inside if overlapped.get(k) and k in free]
     return min([opened + min([grace_s] + [GRACE_SHARE * p for p in periods]), *frees])
 
 
-def batch_closes(now: float, end: float, inside: int, min_clusters: int, others: Iterable[Optional[float]]) -> bool:
-    """Whether an open batch of ``inside`` contributors closes at ``now``: at its ``end``; before
-    that once it has ``min_clusters`` and none of the ``others`` (each cluster outside it and
-    not final: when its next push is expected, None if its pace is unknown) may come by the
-    end. tools/simulate/batches.py runs the same rule on the simulator's clock."""
+def batch_closes(now: float, end: float, inside: Collection[int], clusters: int, final: Callable[[int], bool], min_clusters: int,
+                 period: Dict[int, float], last: Dict[int, float], expect: Dict[int, float]) -> bool:
+    """Whether an open batch of the clusters ``inside`` closes at ``now``: at its ``end``;
+    before that once it has ``min_clusters`` and no other cluster that is not ``final`` may
+    come by the end: one not heard yet (no ``period``: its pace is unknown) may, and one
+    expected by then (at ``expect``, match_pace's, else its ``last`` push plus its period).
+    tools/simulate/batches.py runs the same rule on the simulator's clock."""
     if now >= end:
         return True
-    if inside < min_clusters:
+    if len(inside) < min_clusters:
         return False
-    return all(e is not None and e > end for e in others)
+    for k in range(clusters):
+        if k in inside or final(k):
+            continue
+        if k not in period or expect.get(k, last[k] + period[k]) <= end:
+            return False
+    return True
+
+
+def free_until(now: float, at: float, free_s: float) -> float:
+    """When the answer to an overlapped push that went out at ``at`` (server clock; it
+    arrived ``now``) must leave, its cluster applying it ``free_s`` seconds of training
+    later: ``at + free_s`` less the way back, taken as the way here (``now - at``)."""
+    return at + min(free_s, MAX_AGE_S) - (now - at)
+
+
+def expected_push(ref: float, transit: float, push_in: int, pace: float) -> float:
+    """When match_pace expects a cluster's next push: ``push_in`` steps at its ``pace``
+    (seconds per step) after ``ref``, plus its ``transit`` (:meth:`GlobalModelServer._answer_push`)."""
+    return ref + transit + push_in * pace
 
 
 def average(d: Dict[int, float], k: int, x: float) -> None:
@@ -470,7 +494,7 @@ class GlobalModelServer:
             ref, transit = (arrived, 0.0) if self._overlapped.get(cluster) else (now, self._transit.get(cluster, 0.0))
             ans["push_in"] = self._push_in(cluster, ref, lo, full, transit)
             if cluster != self._fastest and cluster in self._pace:
-                self._expect[cluster] = ref + transit + ans["push_in"] * self._pace[cluster]
+                self._expect[cluster] = expected_push(ref, transit, ans["push_in"], self._pace[cluster])
             else:
                 self._expect.pop(cluster, None)
         return ans
@@ -531,7 +555,7 @@ class GlobalModelServer:
         ``at + free_s`` less the way back (taken as the way here, ``now - at``), or its
         cluster waits. Not given (a blocking push, an older leader): no such cap."""
         if _positive(free_s):
-            self._free[cluster] = at + min(float(free_s), MAX_AGE_S) - (now - at)  # type: ignore[arg-type]
+            self._free[cluster] = free_until(now, at, float(free_s))  # type: ignore[arg-type]
         else:
             self._free.pop(cluster, None)
 
@@ -540,13 +564,8 @@ class GlobalModelServer:
         could still join it in time has (module doc)."""
         assert self.model is not None and self._batch_opened is not None
         inside = {c.cluster for c in self.model.pending}
-        periods = [self._period[k] for k in inside if k in self._period and not self._overlapped.get(k)]
-        frees = [self._free[k] for k in inside if self._overlapped.get(k) and k in self._free]
-        end = batch_end(self._batch_opened, self.grace_s, periods, frees)
-        # not heard yet (no period): its pace is unknown, so it may come
-        others = [self._expect.get(k, self._last[k] + self._period[k]) if k in self._period else None
-                  for k in range(self.clusters) if k not in inside and k not in self._finals]
-        return batch_closes(now, end, len(inside), self.min_clusters, others)
+        end = batch_end(self._batch_opened, self.grace_s, inside, self._period, self._overlapped, self._free)
+        return batch_closes(now, end, inside, self.clusters, self._finals.__contains__, self.min_clusters, self._period, self._last, self._expect)
 
     def _close(self) -> None:
         assert self.model is not None

@@ -1,16 +1,17 @@
 """The global model server's grace window, simulated (sync/global_server.py: a batch of
 pushes closes into one version when :func:`~hier_localsgd.sync.global_server.batch_closes`
-says so; the simulator runs the same rule on its clock).
+says so; the simulator runs the same functions on its clock).
 
 A push that the server merges joins the open batch (or opens one). The batch closes at
 its end (:func:`~hier_localsgd.sync.global_server.batch_end`: ``grace_s``, at most a tenth
-of a blocking contributor's period, and by the time an overlapped contributor's answer
-must leave), or before it once ``sync.async_outer.min_clusters`` contributors are in and
-no other running cluster is expected to push by the end: when its next push is expected
-from its last arrival plus its period (the seconds since it last adopted a model, as its
-pushes report them), or where match_pace's answer set it (:meth:`Batches.expect`). A
-cluster not heard yet is waited for (its pace is unknown). A closed batch is one version;
-every push in it is answered then.
+of a blocking contributor's period, and by an overlapped contributor's free time: its
+arrival plus its seconds of training to its apply round, as the server reckons it,
+:func:`~hier_localsgd.sync.global_server.free_until`), or before it once
+``sync.async_outer.min_clusters`` contributors are in and no other running cluster is
+expected to push by the end: from its last arrival plus its period (the seconds since it
+last adopted a model, as its pushes report them), or where match_pace's answer put it
+(:meth:`Batches.expect`). A cluster not heard yet is waited for (its pace is unknown). A
+closed batch is one version; every push in it is answered then.
 
 What the server learns is kept as it keeps it (``_arrived``, ``_free_until``): a moving
 average of each cluster's period and the time of its last push. An overlapped push's age
@@ -19,9 +20,11 @@ at the server (the leader's seconds from building it to sending it) is 0 here.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from hier_localsgd.sync.global_server import average, batch_closes, batch_end
+from hier_localsgd.sync.global_server import average, batch_closes, batch_end, free_until
+
+Token = Tuple[str, Any]  # the engine's: ("blocking", epoch) or ("overlapped", flight id)
 
 
 class Batches:
@@ -35,19 +38,19 @@ class Batches:
         self.expected: Dict[int, float] = {}  # match_pace: when the answer told it to push next
         self.free: Dict[int, float] = {}  # an overlapped push's answer must leave by then
         self.overlapped: Dict[int, bool] = {}
-        self.inside: Dict[int, int] = {}
+        self.inside: Dict[int, Token] = {}
         self.opened: Optional[float] = None
         self.gen = 0  # the open batch's number (an end event of a closed one is stale)
 
-    def arrive(self, k: int, now: float, period_s: float, free_s: Optional[float] = None) -> None:
-        """Cluster ``k``'s push arrives (``free_s``: an overlapped push's seconds of training
-        until its apply round; None for a blocking one)."""
+    def arrive(self, k: int, now: float, period_s: float, overlapped: bool = False, free_s: Optional[float] = None) -> None:
+        """Cluster ``k``'s push arrives (``period_s`` 0: no steps since it adopted, a join
+        push; ``free_s``: an overlapped push's seconds of training until its apply round)."""
         if period_s > 0:
             average(self.period, k, period_s)
         self.last[k] = now
-        self.overlapped[k] = free_s is not None
-        if free_s is not None and free_s > 0:
-            self.free[k] = now + free_s
+        self.overlapped[k] = overlapped
+        if overlapped and free_s is not None and free_s > 0:
+            self.free[k] = free_until(now, now, free_s)  # its age at the server: 0 here
         else:
             self.free.pop(k, None)
 
@@ -58,7 +61,7 @@ class Batches:
         else:
             self.expected[k] = at
 
-    def join(self, k: int, now: float, token: int) -> None:
+    def join(self, k: int, now: float, token: Token) -> None:
         """A merged push joins the open batch, or opens one."""
         if self.opened is None:
             self.opened = now
@@ -66,18 +69,16 @@ class Batches:
 
     def end(self) -> float:
         assert self.opened is not None
-        periods = [self.period[k] for k in self.inside if k in self.period and not self.overlapped.get(k)]
-        frees = [self.free[k] for k in self.inside if self.overlapped.get(k) and k in self.free]
-        return batch_end(self.opened, self.grace_s, periods, frees)
+        return batch_end(self.opened, self.grace_s, self.inside, self.period, self.overlapped, self.free)
 
     def closes(self, now: float, running: Callable[[int], bool]) -> bool:
         """Whether the open batch closes at ``now`` (``running(k)``: cluster k has steps left;
-        a finished cluster is final to the server)."""
-        others = [self.expected.get(k, self.last[k] + self.period[k]) if k in self.period else None
-                  for k in range(self.clusters) if k not in self.inside and running(k)]
-        return batch_closes(now, self.end(), len(self.inside), self.min_clusters, others)
+        one that finished is final to the server here, a little later than for the real
+        one, which knows it from the final push's arrival)."""
+        return batch_closes(now, self.end(), self.inside, self.clusters, lambda k: not running(k), self.min_clusters,
+                            self.period, self.last, self.expected)
 
-    def close(self) -> List[Tuple[int, int]]:
+    def close(self) -> List[Tuple[int, Token]]:
         """Closes the open batch: its ``(cluster, token)`` pairs."""
         out = list(self.inside.items())
         self.inside, self.opened = {}, None

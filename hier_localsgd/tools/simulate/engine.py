@@ -57,14 +57,17 @@ contributor's period, the clusters expected inside the window, ``min_clusters``)
 is one version, and its pushes are answered then (pushes.py). With
 ``sync.async_outer.match_pace`` the server sets each cluster's push schedule as the real one
 does (paces.py: the paces, transits and the fastest cluster's gap learnt from the pushes,
-with global_server.py's rules; the answer's ``push_in`` from when the batch closed), and a
+with global_server.py's rules; the ``push_in`` of the answer, given when the server answers), and a
 cluster's rounds end on the H_inner grid and at its push steps (async_outer.py
 ``next_round_step``). With ``sync.outer.delay`` > 0 the pushes are overlapped (pushes.py):
 the cluster trains on while its push is out, and its next round merges the answer, waiting
 for it if it is not back; the run's last push is blocking. Not modelled: the server's own
 link (pushes do not compete for it), the end's wait for the final version, and the
 synchronous level's overlap (its rounds run blocking). A blocking push whose leader dies
-after it reached the server counts as lost to its cluster (the server still merges it).
+after the push reached the server: the server still makes its version, but the simulated
+cluster aborts the round and pushes that work again later, merged a second time (the real
+server merges a cluster's push from one base once, and the cluster's steps after it are
+lost): its work counts once, the versions one too many.
 
 A cluster whose model derives from an older global model than the current one (it missed
 a committed outer round, or it restarted from scratch) contributes weight 0 at its next
@@ -123,10 +126,11 @@ Layout: config.py (``simulate.*``), params.py (the shared deployment, ``plan.*``
 ``simulate.*`` resolved into one run's figures), state.py (the lighthouse rule, event kinds,
 clusters, the result), engine.py (this: the event loop, the round, the accounting),
 barrier.py (the outer barrier at the global lighthouse), failures.py (failure processes
-and their consequences), pushes.py (overlapped asynchronous pushes), paces.py (match_pace's
-push schedule), report.py (many runs, the report, validation set-ups).
-:class:`Simulation` is one class whose outer-barrier and failure handlers come from the
-mixins of barrier.py and failures.py: every handler works on the whole state of the run
+and their consequences), pushes.py (the asynchronous level's pushes, blocking and
+overlapped), batches.py (the server's grace window), paces.py (match_pace's push schedule),
+report.py (many runs, the report, validation set-ups). :class:`Simulation` is one class
+whose outer-barrier, failure and push handlers come from the mixins of barrier.py,
+failures.py and pushes.py: every handler works on the whole state of the run
 (clusters, members, the event queue, the counters), so they share it through ``self``
 rather than hand it around.
 """
@@ -512,7 +516,8 @@ class Simulation(OuterBarrier, Failures, Pushes):
     def adopt(self, c: Cluster) -> None:
         """The cluster now holds the current global model and step (its period starts now)."""
         c.period_t0, c.period_step0 = self.now, c.step
-        c.base = self.round_no
+        c.base = self.round_no if c.answer_version < 0 else c.answer_version  # an asynchronous answer's version
+        c.answer_version = -1
         c.step = max(c.step, c.pushed_step if self.p.asynchronous else self.global_step)
         c.outer_acc = 0
         c.acc0_sum = c.carried_steps = 0
@@ -548,6 +553,8 @@ class Simulation(OuterBarrier, Failures, Pushes):
         c.cat = "wait"  # finished replica groups idle until the run ends
         if all(cc.state == S_DONE for cc in self.clusters):
             self.end = t
+        elif self.p.asynchronous:
+            self.check_batch(t)  # a batch that waited for this cluster may close
         elif self.hier:
             if c.mgr_id >= 0:  # a clean exit: its Manager leaves at once
                 self.prev_quorum.discard(c.mgr_id)

@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.state import (
-    ABORT, CLUSTER_FAIL, CLUSTER_START, FAIL, KILL, PUSH_DONE, RESTART, S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, WATCHDOG,
+    ABORT, CLUSTER_FAIL, CLUSTER_START, FAIL, KILL, PUSH_UP, RESTART, S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, WATCHDOG,
     Cluster, Member,
 )
 
@@ -401,7 +401,7 @@ class Failures:
             if asynchronous:
                 c.push_start = t
                 self.enter(c, t, "sync")
-                self.push(t + self.p.push_time(), PUSH_DONE, c.idx, 0, c.epoch)
+                self.push(t + self.p.push_time() / 2, PUSH_UP, c.idx, 0, c.epoch)  # pushes.py on_push_up
             else:
                 self.enter(c, t, "wait")
                 self.arrive(c, t)

@@ -2,10 +2,9 @@
 
 What sync/global_server.py learns from each push (``_arrived``, ``_pushed_work``) and the
 ``push_in`` it answers (``_push_in``), with its rules (:func:`fastest`, :func:`meet_in`,
-:func:`average`), on the simulator's clock. The engine (engine.py) calls :meth:`PaceServer.arrive` as a
-blocking push arrives and :meth:`PaceServer.answer` when its batch closes (batches.py), and
-sets the cluster's schedule from the answer; an overlapped push is timed from its arrival,
-so pushes.py answers it there (:meth:`PaceServer.push`).
+:func:`average`), on the simulator's clock. pushes.py calls :meth:`PaceServer.arrive` as a push arrives and
+:meth:`PaceServer.answer` when its batch closes (batches.py) or it is refused, and sets the
+cluster's schedule from the answer (an overlapped push's counted from its arrival).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from hier_localsgd.sync.async_outer import min_push_steps
-from hier_localsgd.sync.global_server import SILENT_PERIODS, average, fastest, meet_in
+from hier_localsgd.sync.global_server import SILENT_PERIODS, average, expected_push, fastest, meet_in
 
 
 class PaceServer:
@@ -31,12 +30,6 @@ class PaceServer:
         self.answered: Dict[int, float] = {}
         self.fastest: Optional[int] = None
 
-    def push(self, k: int, now: float, period_s: float, steps: int, running: Callable[[int], bool], lo: Optional[int] = None) -> int:
-        """Cluster ``k``'s push arrives at ``now`` and is answered at once (:meth:`arrive`,
-        then :meth:`answer`). Returns its ``push_in``."""
-        self.arrive(k, now, period_s, steps)
-        return self.answer(k, now, running, lo)
-
     def arrive(self, k: int, now: float, period_s: float, steps: int) -> None:
         """Cluster ``k``'s push arrives at ``now``, ``period_s`` seconds and ``steps`` steps
         after it last adopted a model."""
@@ -50,27 +43,33 @@ class PaceServer:
             average(self.gap, k, now - self.pushed[k])
         self.pushed[k] = now
 
-    def answer(self, k: int, now: float, running: Callable[[int], bool], lo: Optional[int] = None) -> int:
+    def answer(self, k: int, now: float, running: Callable[[int], bool], lo: Optional[int] = None,
+               ref: Optional[float] = None, transit: Optional[float] = None) -> int:
         """Cluster ``k``'s push is answered at ``now`` (when its batch closes). Returns its
-        ``push_in``. ``running(j)``: whether cluster j has steps left (a finished one is not
-        waited for). ``lo``: the push's ``min_steps`` (an overlapped push's counts from its
-        apply round: async_outer.py ``overlap_floor``); by default half of H_inner."""
+        ``push_in``, counted from ``ref`` plus ``transit`` (by default ``now`` and the
+        cluster's learnt transit; an overlapped push's: its arrival and 0, as
+        global_server.py ``_answer_push``). ``running(j)``: whether cluster j has steps left
+        (a finished one is not waited for). ``lo``: the push's ``min_steps`` (an overlapped
+        push's counts from its apply round: async_outer.py ``overlap_floor``); by default
+        half of H_inner."""
         self.answered[k] = now
+        ref = now if ref is None else ref
+        transit = self.transit.get(k, 0.0) if transit is None else transit
         live = {j: x for j, x in self.pace.items() if running(j)
-                and (j == k or now - self.pushed[j] < SILENT_PERIODS * self.period.get(j, 0.0))}
+                and (j == k or ref - self.pushed[j] < SILENT_PERIODS * self.period.get(j, 0.0))}
         if k not in live:
             return self.full
         f = self.fastest = fastest(live, self.fastest)
         gap = self.gap.get(f)
         if f == k or not gap:
             return self.full
-        return meet_in(self.pushed[f] + gap - now - self.transit.get(k, 0.0), live[k], gap, self.lo if lo is None else lo, self.full)
+        return meet_in(self.pushed[f] + gap - ref - transit, live[k], gap, self.lo if lo is None else lo, self.full)
 
-    def expected_at(self, k: int, ref: float, push_in: int, overlapped: bool = False) -> Optional[float]:
+    def expected_at(self, k: int, ref: float, push_in: int, transit: Optional[float] = None) -> Optional[float]:
         """When the server expects cluster ``k``'s next push after answering it with
-        ``push_in`` (global_server.py ``_answer_push``: from the answer, plus the cluster's
-        transit; an overlapped push's from its arrival, ``ref`` then): None for the fastest
-        cluster or an unknown pace (its period says then)."""
+        ``push_in`` from ``ref`` (global_server.py ``expected_push``; ``transit`` by default
+        the cluster's learnt one): None for the fastest cluster or an unknown pace (its
+        period says then)."""
         if k == self.fastest or k not in self.pace:
             return None
-        return ref + (0.0 if overlapped else self.transit.get(k, 0.0)) + push_in * self.pace[k]
+        return expected_push(ref, self.transit.get(k, 0.0) if transit is None else transit, push_in, self.pace[k])

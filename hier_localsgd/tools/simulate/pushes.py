@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from hier_localsgd.sync.async_outer import min_push_steps, next_round_step, overlap_floor
+from hier_localsgd.sync.async_outer import min_push_steps, overlap_floor, overlap_free_s
 from hier_localsgd.sync.global_model import staleness_factor
 from hier_localsgd.tools.simulate.state import APPLY, BATCH_END, COMMIT, PUSH_ARRIVE, PUSH_DONE, S_COMMIT, S_OUTER, Cluster
 
@@ -50,6 +50,12 @@ class Pushes:
         if epoch != c.epoch or c.state != S_OUTER:
             return
         p = self.p
+        if c.outer_join:  # a restarted cluster's join push (no steps): it marks the cluster alive, merges nothing
+            self.batches.arrive(ci, t, 0.0)
+            c.answer_version = self.round_no
+            self.push(t + p.push_time() / 2, PUSH_DONE, ci, 0, c.epoch)
+            self.check_batch(t)
+            return
         period_s = c.push_start - c.period_t0
         self.batches.arrive(ci, t, period_s)
         if p.match_pace:
@@ -57,9 +63,9 @@ class Pushes:
         c.push_merged = staleness_factor(self.round_no - c.base, p.max_staleness) > 0
         if c.push_merged:
             self.batches.join(ci, t, ("blocking", epoch))
-            self.check_batch(t)
         else:
             self.answer_blocking(c, t)
+        self.check_batch(t)  # its arrival moved what the server expects of it
 
     def check_batch(self, t: float) -> None:
         """Closes the open batch if the grace window says so, else looks again at its end."""
@@ -89,6 +95,7 @@ class Pushes:
         """The server answers a blocking push at ``t`` (match_pace: with the cluster's next
         push, global_server.py ``_answer_push``); the answer is back half an exchange later."""
         p = self.p
+        c.answer_version = self.round_no  # the version the answer carries (the cluster's base once adopted)
         if p.match_pace:
             c.answer_push_in = self.paces.answer(c.idx, t, self.running)
             self.batches.expect(c.idx, self.paces.expected_at(c.idx, t, c.answer_push_in))
@@ -122,7 +129,6 @@ class Pushes:
             self.outstanding.add(ci)
         self.push(t + p.broadcast_time(len(c.active)), COMMIT, ci, 0, c.epoch)
 
-
     def launch(self, c: Cluster, t: float) -> None:
         """The push round committed: the cluster's work since its last push leaves with the
         push (its replica-seconds and group-steps), and the next push's period starts."""
@@ -153,32 +159,33 @@ class Pushes:
         if fl is None or fl["id"] != token or fl["lost"]:
             return
         p = self.p
-        fl["arrived"] = True
-        period_s = fl["t"] - fl["period_t0"]
-        # its seconds of training to its apply round, at this period's pace (async_outer.py request)
-        steps = fl["step"] - fl["period_step0"]
-        free_s = next_round_step(fl["step"], c.due, c.push_period, p.h_inner) - fl["step"]
-        self.batches.arrive(ci, t, period_s, free_s * period_s / steps if steps > 0 else None)
-        if p.match_pace:  # the server's schedule, from the push's own period (engine.py answer_blocking)
-            lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
-            fl["push_in"] = self.paces.push(ci, t, period_s, steps, self.running, lo=lo)
-            self.batches.expect(ci, self.paces.expected_at(ci, t, fl["push_in"], overlapped=True))
+        fl["arrived"], fl["arrived_t"] = True, t
+        period_s, steps = fl["t"] - fl["period_t0"], fl["step"] - fl["period_step0"]
+        self.batches.arrive(ci, t, period_s, overlapped=True,
+                            free_s=overlap_free_s(fl["step"], c.due, c.push_period, p.h_inner, period_s, steps))
+        if p.match_pace:
+            self.paces.arrive(ci, t, period_s, steps)
         self.outer_rounds += 1
         if staleness_factor(self.round_no - fl["base"], p.max_staleness) > 0:
             self.committed += fl["work"]
             self.batches.join(ci, t, ("overlapped", fl["id"]))
-            self.check_batch(t)
         else:
             self.lose("discarded", fl["work"], c.stale_cause if c.stale_cause >= 0 else c.delay_cause)
             self.steps_discarded += fl["steps"]
             self.answer_flight(c, t, self.round_no)
+        self.check_batch(t)  # its arrival moved what the server expects of it
 
     def answer_flight(self, c: Cluster, t: float, version: int) -> None:
         """The server answers the push in flight at ``t`` with ``version``; back half an
         exchange later. An apply round already waiting for it merges it then."""
         fl = c.flight
         assert fl is not None
-        fl["version"], fl["answer"] = version, t + self.p.push_time() / 2
+        p = self.p
+        fl["version"], fl["answer"] = version, t + p.push_time() / 2
+        if p.match_pace:  # the server's schedule, from the push's own period, counted from its arrival
+            lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
+            fl["push_in"] = self.paces.answer(c.idx, t, self.running, lo=lo, ref=fl["arrived_t"], transit=0.0)
+            self.batches.expect(c.idx, self.paces.expected_at(c.idx, fl["arrived_t"], fl["push_in"], transit=0.0))
         if fl["apply_epoch"] is not None:
             self.push(max(fl["apply_t"], fl["answer"]) + self.p.broadcast_time(len(c.active)), APPLY, c.idx, 0, fl["apply_epoch"])
 

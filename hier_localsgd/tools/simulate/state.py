@@ -97,6 +97,7 @@ class Cluster:
         # and the push_in of its answer (match_pace; 0: none), applied when the answer is back
         self.push_merged = False
         self.answer_push_in = 0
+        self.answer_version = -1  # the version of an answer not adopted yet (-1: none; engine.py adopt)
         # asynchronous, overlapped (engine.py launch): the push in flight, or None. Keys: id,
         # t, step, base, work (replica-seconds it carries), steps (group-steps), period_t0,
         # period_step0, answer (when its answer is back; None until the server answered), lost (its upload died with its
