@@ -113,6 +113,12 @@ def next_round_step(step: int, due: int, period: int, h_inner: int) -> int:
     return s
 
 
+def steps_to_apply(step: int, due: int, period: int, h_inner: int) -> int:
+    """Steps from an overlapped push at ``step`` to its apply round: the next round on the
+    schedule (``due``, ``period``; :func:`next_round_step`), which holds until then."""
+    return next_round_step(step, due, period, h_inner) - step
+
+
 def min_push_steps(h_inner: int) -> int:
     """The fewest steps between two pushes (a push's ``min_steps``): half an inner round,
     the shortest round the schedule allows (:func:`skips_round`)."""
@@ -121,19 +127,19 @@ def min_push_steps(h_inner: int) -> int:
 
 def overlap_floor(step: int, due: int, period: int, h_inner: int, full: int) -> int:
     """An overlapped push's ``min_steps`` at ``step`` on the schedule (``due``, ``period``):
-    counted from its apply round, the next round on the schedule (:func:`next_round_step`),
-    clamped to the full period (:meth:`AsyncOuter.floor_for`)."""
-    return min(full, next_round_step(step, due, period, h_inner) - step + min_push_steps(h_inner))
+    counted from its apply round (:func:`steps_to_apply`), clamped to the full period
+    (:meth:`AsyncOuter.floor_for`)."""
+    return min(full, steps_to_apply(step, due, period, h_inner) + min_push_steps(h_inner))
 
 
 def overlap_free_s(step: int, due: int, period: int, h_inner: int, period_s: float, period_steps: int) -> Optional[float]:
     """An overlapped push's ``free_s`` at ``step``: the seconds of training to its apply round
-    (:func:`next_round_step` on the schedule ``due``, ``period``) at the pace of its period
-    (``period_s`` over ``period_steps``); None without a step in the period. The server
-    answers it by then (global_server.py ``free_until``)."""
+    (:func:`steps_to_apply`) at the pace of its period (``period_s`` over ``period_steps``);
+    None without a step in the period. The server answers it by then (global_server.py
+    ``free_until``)."""
     if period_steps <= 0:
         return None
-    return (next_round_step(step, due, period, h_inner) - step) * period_s / period_steps
+    return steps_to_apply(step, due, period, h_inner) * period_s / period_steps
 
 
 class AsyncOuter:
@@ -245,9 +251,9 @@ class AsyncOuter:
         return overlap_floor(step, self.due, self.period, self.st.settings.h_inner, self.full)
 
     def apply_in(self, step: int) -> int:
-        """Steps from an overlapped push at ``step`` to its apply round: the next round on
-        the current schedule (which holds until then)."""
-        return next_round_step(step, self.due, self.period, self.st.settings.h_inner) - step
+        """Steps from an overlapped push at ``step`` to its apply round on the current
+        schedule (:func:`steps_to_apply`)."""
+        return steps_to_apply(step, self.due, self.period, self.st.settings.h_inner)
 
     def next_push(self, push_in: object) -> int:
         """The server's ``push_in`` (match_pace: the steps to this cluster's next push, so it
