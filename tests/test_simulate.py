@@ -511,6 +511,30 @@ def test_a_leader_or_cluster_lost_with_its_push_in_flight_costs_what_the_model_s
     assert sim.pushes_at[1] == [30.0, 65.0, 100.0, 135.0] and r.balance_error < 1e-12
 
 
+def test_a_blocking_push_merged_before_its_leader_died_is_merged_once():
+    """overlapped(delay=0): blocking pushes of 15 s (7.5 s each way), grace 0. Both clusters
+    push at 30 s; the pushes reach the server at 37.5 s (versions 1 and 2). Cluster 0's
+    leader dies at 38 s, mid-push: the round fails, and the global model holds the 2 x 20 s
+    of the rounds before it (committed); the round's own 2 x 10 s are lost (the leader's at
+    its death, the survivor's rolled back), as chaos.py counts them. The survivor trains the
+    round again (38-48 s) and pushes from version 0 again: the server merged a push of
+    cluster 0's from version 0 already, so it refuses this one (answered at once, back at
+    63 s; its 10 s discarded) and the cluster adopts version 2. Its next push, at 83 s, is
+    version 4 (cluster 1's at 75 s: 3); cluster 1's at 120 s is version 5 and its answer at
+    135 s ends the run. Committed: cluster 1's 2 x 90, cluster 0's 40 + 2 x 20. Before, the
+    repeat was merged as a version of its own (6 versions). A whole cluster lost at 38 s:
+    the server holds its 40 too (before: counted as discarded with the cluster)."""
+    sim = engine.Simulation(params.resolve(overlapped(delay=0, kills=["38:0:0"])), 0)
+    r = sim.run()
+    assert sim.pushes_at == {0: [30.0, 48.0, 83.0, 128.0], 1: [30.0, 75.0, 120.0]}, dict(sim.pushes_at)
+    assert (sim.round_no, r.end_s, r.committed) == (5, 135.0, 260.0)
+    assert r.lost == {"own_work": 10.0, "rollback": 10.0, "discarded": 10.0} and r.balance_error < 1e-12
+    whole = engine.Simulation(params.resolve(overlapped(delay=0, kills=["38:0"])), 0)
+    w = whole.run()
+    assert (whole.round_no, w.committed, w.lost) == (5, 280.0, {"own_work": 10.0, "rollback": 10.0})
+    assert whole.pushes_at[0] == [30.0, 89.0, 134.0] and w.balance_error < 1e-12
+
+
 def test_the_servers_grace_window_merges_pushes_into_versions_as_computed_by_hand():
     """The server's grace window (sync/global_server.py; batches.py), 1 s steps, H 10 x 3, 120 s,
     free syncs. Equal speeds: both clusters push at 30, 60, 90 and 120 s; each pair closes as

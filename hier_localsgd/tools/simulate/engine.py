@@ -64,10 +64,9 @@ the cluster trains on while its push is out, and its next round merges the answe
 for it if it is not back; the run's last push is blocking. Not modelled: the server's own
 link (pushes do not compete for it), the end's wait for the final version, and the
 synchronous level's overlap (its rounds run blocking). A blocking push whose leader dies
-after the push reached the server: the server still makes its version, but the simulated
-cluster aborts the round and pushes that work again later, merged a second time (the real
-server merges a cluster's push from one base once, and the cluster's steps after it are
-lost): its work counts once, the versions one too many.
+after the push reached the server stays merged (its earlier rounds' work committed); the
+cluster trains one round again and pushes from the same base, which the server refuses as
+the real one does (at most once per base, pushes.py ``merges``).
 
 A cluster whose model derives from an older global model than the current one (it missed
 a committed outer round, or it restarted from scratch) contributes weight 0 at its next
@@ -405,6 +404,8 @@ class Simulation(OuterBarrier, Failures, Pushes):
         self.push(t + heal + reconf + p.inner_time(len(c.active)), SYNC_DONE, c.idx, 0, c.epoch)
 
     def is_outer_round(self, c: Cluster) -> bool:
+        if c.push_again:  # its push round failed after the server merged the push (pushes.py server_holds_push)
+            return True
         if self.p.match_pace:  # and the run's last step (hier.py is_outer_round)
             return is_push_step(c.step, c.due, c.push_period) or 0 < self.p.steps <= c.step
         return self.hier and c.step % self.p.period == 0
@@ -429,6 +430,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
         elif self.is_outer_round(c) and p.asynchronous:
             c.state = S_OUTER
             c.phase_start = c.push_start = t
+            c.push_arrived = c.push_again = False
             self.pushes_at[ci].append(t)
             c.pushed_step = max(c.pushed_step, c.step)
             self.enter(c, t, "sync")

@@ -271,6 +271,7 @@ class Failures:
 
     def abort(self, c: Cluster, t: float, fid: int) -> None:
         """The round failed for the cluster: roll back to the last commit, next round."""
+        self.server_holds_push(c)  # a blocking push the server merged stays merged (pushes.py)
         self.book(c, t)
         self.steps_discarded += (len(c.active) - c.round_joiners) * c.round_len
         self.lose("rollback", c.round_compute, fid)
@@ -282,7 +283,10 @@ class Failures:
             self.end = t
 
     def cluster_lost(self, c: Cluster, t: float, fid: int) -> None:
-        """Every replica group of the cluster is down: its uncommitted work is gone."""
+        """Every replica group of the cluster is down: its uncommitted work is gone (but
+        for a blocking push the server merged, pushes.py ``server_holds_push``)."""
+        self.server_holds_push(c, lost=True)
+        c.push_again = False
         self.lose("discarded", c.pending + c.round_compute, fid)
         c.pending = 0.0
         c.round_compute = 0.0

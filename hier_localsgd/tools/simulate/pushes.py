@@ -18,7 +18,12 @@ cluster's next round (the apply round) merges it (``θ ← θ_v + (θ_now − θ
 it if it is not back yet, then broadcasts it inside the cluster (:meth:`Pushes.apply_round`).
 The steps since the launch ride on the next push. The run's last push is blocking.
 
-Failures: a leader that dies before its push reached the server takes the upload with it:
+Failures, blocking: a leader that dies after its push reached the server leaves it merged;
+the cluster trains the round again and its push from the same base is refused (the server
+merges a cluster's push from one base once: :meth:`Pushes.merges`,
+:meth:`Pushes.server_holds_push`).
+
+Failures, overlapped: a leader that dies before its push reached the server takes the upload with it:
 the push is dropped at the apply round and its work rides on the next push (its tokens
 count again). One that dies later is recovered: the new leader asks the server at the apply
 round and merges the newest version (async_outer.py ``recover``). A failed apply round
@@ -60,12 +65,35 @@ class Pushes:
         self.batches.arrive(ci, t, period_s)
         if p.match_pace:
             self.paces.arrive(ci, t, period_s, c.step - c.period_step0)
-        c.push_merged = staleness_factor(self.round_no - c.base, p.max_staleness) > 0
+        c.push_arrived = True
+        c.push_merged = self.merges(c, c.base)
         if c.push_merged:
             self.batches.join(ci, t, ("blocking", epoch))
         else:
             self.answer_blocking(c, t)
         self.check_batch(t)  # its arrival moved what the server expects of it
+
+    def merges(self, c: Cluster, base: int) -> bool:
+        """The server's rule for a push from ``base`` that carries work: merged if at most
+        ``max_staleness`` versions behind (sync/global_model.py) and not a second push from
+        a base it merged a push of this cluster's from (global_server.py: at most once)."""
+        if base == c.merged_base or staleness_factor(self.round_no - base, self.p.max_staleness) <= 0:
+            return False
+        c.merged_base = base
+        return True
+
+    def server_holds_push(self, c: Cluster, lost: bool = False) -> None:
+        """The round of a blocking push fails after the server merged it (its leader died):
+        the global model holds the work its earlier rounds carried (goodput; the failed
+        round's own steps count as lost, rolled back or at death, as chaos.py counts them).
+        The cluster rolls back, trains the round again and pushes from the same base
+        (``push_again``: its next round), which the server refuses (:meth:`merges`): that
+        round's work is lost there, and the processes count the push's steps as discarded
+        at weight 0. ``lost``: the whole cluster is gone; restarted, it adopts at its join round."""
+        if self.p.asynchronous and c.state == S_OUTER and c.push_arrived and c.push_merged and not c.outer_join:
+            self.committed += c.pending
+            c.pending = 0.0
+            c.push_arrived, c.push_again = False, not lost
 
     def check_batch(self, t: float) -> None:
         """Closes the open batch if the grace window says so, else looks again at its end."""
@@ -166,7 +194,7 @@ class Pushes:
         if p.match_pace:
             self.paces.arrive(ci, t, period_s, steps)
         self.outer_rounds += 1
-        if staleness_factor(self.round_no - fl["base"], p.max_staleness) > 0:
+        if self.merges(c, fl["base"]):
             self.committed += fl["work"]
             self.batches.join(ci, t, ("overlapped", fl["id"]))
         else:

@@ -96,6 +96,15 @@ class Cluster:
         # asynchronous, blocking: whether the server merged its push (decided as it arrived),
         # and the push_in of its answer (match_pace; 0: none), applied when the answer is back
         self.push_merged = False
+        self.push_arrived = False  # ... and whether this round's push reached the server
+        # The server's side: the base of this cluster's last merged push. A push from the same
+        # base again (its leader died after the server merged the first) is refused: the
+        # server merges a cluster's work from one base once (global_server.py ``push``).
+        self.merged_base = -1
+        # Its push round failed after the server merged the push: the real cluster rolls back
+        # its step count and trains that round again, then pushes (a repeat); the simulated
+        # step count moves on, so its next round is the push (pushes.py ``server_holds_push``).
+        self.push_again = False
         self.answer_push_in = 0
         self.answer_version = -1  # the version of an answer not adopted yet (-1: none; engine.py adopt)
         # asynchronous, overlapped (engine.py launch): the push in flight, or None. Keys: id,
