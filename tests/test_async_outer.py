@@ -361,7 +361,9 @@ def test_a_leader_dying_after_its_push_was_merged_is_not_merged_twice(tmp_path):
     """c0r0 exits in BROADCAST at step 20, after the server merged its push: its cluster
     rolls back, c0r1 leads and at the next outer round pushes from the same version again
     (the cluster never adopted the answer); the server does not merge that work a second
-    time and answers with the newest model, which holds the first push."""
+    time and answers with the newest model, which holds the first push, and the step it
+    was made at (``held_to``): the members count as lost at weight 0 only their steps past
+    it (none: they rolled back and trained the failed round's steps again)."""
     from harness import logs_tail, run_job
 
     run = run_job(tmp_path, [*ASYNC, "train.steps=80", "faults=[{cluster:0,replica:0,step:20,action:exit,phase:BROADCAST}]"],
@@ -373,6 +375,11 @@ def test_a_leader_dying_after_its_push_was_merged_is_not_merged_twice(tmp_path):
     redo = _pushes(run, (0, 1))[0]  # c0r1's first push as the leader
     assert redo["base"] == first["base"] and redo["weight"] == 0.0, (first, redo)
     assert f"cluster 0 pushed step {redo['step']} from version {first['base']} again: not merged twice" in log, log[-3000:]
+    assert redo["held_to"] == first["step"] == 20, (first, redo)
+    (commit,) = [e for e in run.kinds((0, 1), "commit", level="inner") if e.get("outer") and e["step"] == redo["step"]]
+    assert commit["cluster_weight"] == 0.0 and commit["held_to"] == 20, commit
+    weight0 = [e for e in run.kinds((0, 1), "discard", level="outer") if e["reason"] == "cluster_weight0"]
+    assert sum(e["steps"] for e in weight0) == redo["step"] - 20, weight0  # before: every step since the last adoption
     # The restarted c0r0 rejoins, or (on a busy machine) finds the job finished and exits 0
     # without a result: both are correct, so the survivors are compared.
     _ends_on_one_version(run, [(0, 1), (1, 0), (1, 1)])

@@ -53,14 +53,15 @@ class Fake:
         for k in keys:
             self.exit(k, t + 0.2, -9, **works[k])
 
-    def commit(self, key, t, step, checksum, level="inner", outer=False, cluster_weight=None) -> None:
+    def commit(self, key, t, step, checksum, level="inner", outer=False, cluster_weight=None, **more) -> None:
         e = {"t": t, "kind": "commit", "level": level, "step": step, "checksum": checksum}
         if level == "inner":
-            e.update(outer=outer, cluster_weight=cluster_weight)
+            e.update(outer=outer, cluster_weight=cluster_weight, **more)
         self.events[key].append(e)
 
-    def train(self, key, t_from, t_to, first_step=5, outer_weight=1.0, leader=False, tag=None) -> None:
-        """Inner commits every 5 steps (4 steps/s from T0), outer ones (global model) every 10."""
+    def train(self, key, t_from, t_to, first_step=5, outer_weight=1.0, leader=False, tag=None, **outer) -> None:
+        """Inner commits every 5 steps (4 steps/s from T0), outer ones (global model) every 10
+        (``outer``: more fields of their inner commit events)."""
         c = key[0]
         step = first_step
         while T0 + step / 4 <= t_to:
@@ -69,7 +70,7 @@ class Fake:
                 if step % 10 == 0:
                     if leader:
                         self.commit(key, t - 0.01, step, f"g{step}", level="outer")
-                    self.commit(key, t, step, f"g{step}", outer=True, cluster_weight=outer_weight)
+                    self.commit(key, t, step, f"g{step}", outer=True, cluster_weight=outer_weight, **outer)
                 else:
                     self.commit(key, t, step, f"{tag or f'c{c}'}s{step}")
             step += 5
@@ -225,11 +226,11 @@ def test_inner_committed_work_lost_with_a_whole_cluster_is_discarded():
 
 
 def test_work_of_a_lost_leader_or_non_leader_rides_on_its_cluster_to_the_next_outer_commit():
-    def run(role, weight):
+    def run(role, weight, **outer):
         f = Fake()
         f.train((0, 0), T0, T0 + 7.1, leader=True)
         f.train((0, 1), T0, T0 + 20)
-        f.train((0, 1), T0 + 7.1, T0 + 20, first_step=30, outer_weight=weight, leader=True)  # took over as leader
+        f.train((0, 1), T0 + 7.1, T0 + 20, first_step=30, outer_weight=weight, leader=True, **outer)  # took over as leader
         f.kill(T0 + 7.1, role, {(0, 0): dict(steps_run=28, steps_since_commit=3, steps_since_outer=5)})
         f.events[(0, 1)] = sorted({(e["t"], e["level"]): e for e in f.events[(0, 1)]}.values(), key=lambda e: e["t"])
         return account_work(Timeline(f.history, f.events, f.kills), {}, consistent=True)["steps_lost"]
@@ -237,6 +238,9 @@ def test_work_of_a_lost_leader_or_non_leader_rides_on_its_cluster_to_the_next_ou
     assert run("leader", 1.0) == {"rolled_back_or_weight0": 0, "uncommitted_at_death": 3, "with_lost_cluster": 0, "at_outer_weight0": 0,
                                   "with_lost_state": 0, "unmerged_at_end": 0}
     assert run("leader", 0.0)["at_outer_weight0"] == 5  # the cluster's next outer commit did not use its work
+    # ... unless it was an asynchronous push refused as a repeat of one the server merged
+    # (its leader died after it): the first push carried the work (sync/committed.py held_to)
+    assert run("leader", 0.0, held_to=30)["at_outer_weight0"] == 0
 
 
 def test_killing_the_last_continuous_cluster_loses_the_state_and_nothing_recovers():

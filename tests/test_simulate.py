@@ -519,16 +519,18 @@ def test_a_blocking_push_merged_before_its_leader_died_is_merged_once():
     its death, the survivor's rolled back), as chaos.py counts them. The survivor trains the
     round again (38-48 s) and pushes from version 0 again: the server merged a push of
     cluster 0's from version 0 already, so it refuses this one (answered at once, back at
-    63 s; its 10 s discarded) and the cluster adopts version 2. Its next push, at 83 s, is
+    63 s) and the cluster adopts version 2; the model holds the steps that round trained
+    again (the real cluster's step count went back to 20), so they count as committed, and
+    no step is discarded there (the processes' ``held_to``). Its next push, at 83 s, is
     version 4 (cluster 1's at 75 s: 3); cluster 1's at 120 s is version 5 and its answer at
-    135 s ends the run. Committed: cluster 1's 2 x 90, cluster 0's 40 + 2 x 20. Before, the
-    repeat was merged as a version of its own (6 versions). A whole cluster lost at 38 s:
-    the server holds its 40 too (before: counted as discarded with the cluster)."""
+    135 s ends the run. Committed: cluster 1's 2 x 90, cluster 0's 40 + 10 + 2 x 20. Before,
+    the repeat was merged as a version of its own (6 versions). A whole cluster lost at
+    38 s: the server holds its 40 too (before: counted as discarded with the cluster)."""
     sim = engine.Simulation(params.resolve(overlapped(delay=0, kills=["38:0:0"])), 0)
     r = sim.run()
     assert sim.pushes_at == {0: [30.0, 48.0, 83.0, 128.0], 1: [30.0, 75.0, 120.0]}, dict(sim.pushes_at)
-    assert (sim.round_no, r.end_s, r.committed) == (5, 135.0, 260.0)
-    assert r.lost == {"own_work": 10.0, "rollback": 10.0, "discarded": 10.0} and r.balance_error < 1e-12
+    assert (sim.round_no, r.end_s, r.committed, r.steps_run, r.steps_discarded) == (5, 135.0, 270.0, 350, 20)
+    assert r.lost == {"own_work": 10.0, "rollback": 10.0} and r.balance_error < 1e-12
     whole = engine.Simulation(params.resolve(overlapped(delay=0, kills=["38:0"])), 0)
     w = whole.run()
     assert (whole.round_no, w.committed, w.lost) == (5, 280.0, {"own_work": 10.0, "rollback": 10.0})

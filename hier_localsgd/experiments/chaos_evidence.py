@@ -46,7 +46,8 @@ from its own heal on: its model descends without a break from the job's start.
   counters are its last status, read by the launcher when it records the exit, or by the
   monkey just before the kill). A step is kept only if it was committed at the inner
   level AND its cluster's model carrying it was then committed at the outer level with
-  non-zero cluster weight (sync/hier.py discards what a live process loses at weight 0), or it
+  non-zero cluster weight (sync/hier.py discards what a live process loses at weight 0; an
+  asynchronous push refused as a repeat of a merged one keeps what the first carried), or it
   is in the final model: work since the last outer commit at the end of the run counts
   as kept only if the run ended consistent (one final model), else it is
   ``unmerged_at_end``. Lost, in ``steps_lost``: ``rolled_back_or_weight0`` (the processes'
@@ -388,8 +389,8 @@ def account_work(
                     pending += mine
             elif pending:
                 weight = item.get("cluster_weight")
-                if weight is None or float(weight) > 0:
-                    pass  # kept
+                if weight is None or float(weight) > 0 or item.get("held_to") is not None:
+                    pass  # kept (held_to: a repeat push whose first, merged, carried them: sync/committed.py)
                 else:
                     lost["at_outer_weight0"] += pending
                 pending = 0

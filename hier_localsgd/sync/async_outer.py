@@ -36,7 +36,8 @@ the server merged its contribution or not. The cluster's base did not move (the 
 was never adopted), so the new leader's next push comes from the same base: the server
 merges a cluster's work at most once per base, so if the first push was merged the second
 is not (the work since the failed round is lost; nothing is merged twice) and the cluster
-adopts the newest version, which holds the first. A server that restarted empty asks for the
+adopts the newest version, which holds the first (the answer's ``held_to``, the step of the
+first push: the members count only their steps past it as lost, committed.py). A server that restarted empty asks for the
 leader's model (``need_model``) and continues from the highest version a leader brings.
 Past ``sync.final_wait_s`` without any answer from the server the final pull gives up and
 the cluster ends with its own model (an ``async_final`` event says so; the job's
@@ -473,10 +474,13 @@ class AsyncOuter:
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
         push_in = self.next_push(ans.get("push_in"))
+        held = ans.get("held_to")
+        held_to = held if weight == 0 and type(held) is int and 0 <= held <= req["step"] else -1  # a repeat (global_server.py)
         st.events("commit", level="outer", outer_round=version, step=req["step"], base=req["base"], staleness=staleness,
                   weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
                   asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period,
-                  down_steps=len(ans["updates"]) if isinstance(ans.get("updates"), list) else None)  # None: the model came whole
+                  down_steps=len(ans["updates"]) if isinstance(ans.get("updates"), list) else None,  # None: the model came whole
+                  **({"held_to": held_to} if held_to >= 0 else {}))
         # A cluster restarted whole (behind the steps it had pushed before) resumes its count there.
         ahead = ans.get("cluster_step")
         last = st.settings.final_step
@@ -485,7 +489,7 @@ class AsyncOuter:
         if step > at:
             st.events("resume_step", level="outer", step=at, to=step, version=version)
             logger.info("%s resumes its step count at %d (this cluster's furthest push) with version %d", st.id, step, version)
-        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, step, weight, push_in=push_in)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, step, weight, push_in=push_in, held_to=held_to)
 
     def pull_final(self, cluster_model: torch.Tensor) -> OuterResult:
         """The leader's poll for the job's final version: OUTER_COMMITTED with it, or

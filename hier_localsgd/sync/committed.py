@@ -127,8 +127,11 @@ class CommittedState:
             carried = min(carried_at_launch, st.since_outer) if result.merge else st.since_outer
             if result.cluster_weight == 0:
                 # The global model moved without this cluster's work (it had just
-                # healed to a newer one): the work it carried is lost.
-                self.count_discarded(carried, "outer", "cluster_weight0")
+                # healed to a newer one): the work it carried is lost. A push refused as a
+                # repeat (its earlier push from the same base merged, to step held_to):
+                # only the steps past that one are.
+                lost = carried if result.held_to < 0 else min(carried, max(0, result.step - result.held_to))
+                self.count_discarded(lost, "outer", "cluster_weight0")
             st.since_outer -= carried
         st.tracker.set_extra(**st.work_counters())
         if adopted:
@@ -152,6 +155,7 @@ class CommittedState:
             "commit", level="inner", inner_round=c.inner_round, outer_round=c.outer_round, step=c.step,
             outer=bool(result is not None and result.status == Status.OUTER_COMMITTED),
             cluster_weight=result.cluster_weight if result is not None and result.status == Status.OUTER_COMMITTED else None,
+            **({"held_to": result.held_to} if result is not None and result.status == Status.OUTER_COMMITTED and result.held_to >= 0 else {}),
             total_weight=plan.total_weight, participants=len(plan.weights), checksum=checksum(self.model),
         )
         st.tracker.enter(Phase.LOCAL)

@@ -83,16 +83,20 @@ class OuterResult:
     momentum: Optional[torch.Tensor] = None  # eager updates: the leader's committed outer momentum, as received
     fragment: Optional[int] = None  # streaming fragments: the one this round synced (None: the whole model)
     push_in: int = 0  # asynchronous, sync.async_outer.match_pace: steps to the cluster's next push (0: unchanged)
+    # Asynchronous, a push refused as a repeat (weight 0): the step of the cluster's earlier
+    # push from the same base, which the global model holds (-1: none; committed.py counts
+    # only the steps past it as lost).
+    held_to: int = -1
 
     def header(self) -> torch.Tensor:
         """What BROADCAST sends the cluster before the model (:meth:`from_header` reads it)."""
         frag = -1 if self.fragment is None else self.fragment
-        return torch.tensor([int(self.status), self.outer_round, self.step, self.cluster_weight, frag, self.push_in, float(self.merge)],
-                            dtype=torch.float64)
+        return torch.tensor([int(self.status), self.outer_round, self.step, self.cluster_weight, frag, self.push_in, float(self.merge),
+                             self.held_to], dtype=torch.float64)
 
     @staticmethod
     def empty_header() -> torch.Tensor:
-        return torch.zeros(7, dtype=torch.float64)
+        return torch.zeros(8, dtype=torch.float64)
 
     @staticmethod
     def from_header(header: torch.Tensor, params: Optional[torch.Tensor], **kw: object) -> "OuterResult":
@@ -100,7 +104,7 @@ class OuterResult:
         frag = int(header[4])
         kw.setdefault("merge", bool(header[6]))
         return OuterResult(Status(int(header[0])), params, int(header[1]), int(header[2]), float(header[3]),
-                           fragment=None if frag < 0 else frag, push_in=int(header[5]), **kw)  # type: ignore[arg-type]
+                           fragment=None if frag < 0 else frag, push_in=int(header[5]), held_to=int(header[7]), **kw)  # type: ignore[arg-type]
 
 
 # What a replica announces as its step at the inner quorum (torchft heals every member

@@ -41,6 +41,9 @@ the synchronous level's join round takes the global model, outer_round.py ``join
 A push without a delta also says whether a push of its cluster from its base was merged
 (``merged``): a leader that finds no answer of its own at an overlapped push's apply round
 (the pushing leader died) asks, and merges the answer if so (async_outer.py ``recover``).
+A second push with work from the base of a merged one is not merged (at most once); its
+answer's ``held_to`` is the step of the first, whose work the global model holds, so the
+cluster counts as lost only its steps past it (sync/committed.py).
 A push of no steps since its cluster last adopted (``period_steps`` 0) tells nothing of the
 cluster's period or pace: it only marks the cluster alive.
 
@@ -245,6 +248,7 @@ class GlobalModelServer:
         self._free: Dict[int, float] = {}  # cluster -> until when its overlapped push waits for free (server clock)
         self._finals: set = set()
         self._merged: Dict[int, int] = {}  # cluster -> the base of its last merged push
+        self._merged_step: Dict[int, int] = {}  # cluster -> the step of that push
         self._steps: Dict[int, int] = {}  # cluster -> the furthest step it pushed at (a cluster restarted whole resumes there)
         self._started = time.time()  # a cluster not heard yet is silent since then
         self.final_version: Optional[int] = None
@@ -419,6 +423,7 @@ class GlobalModelServer:
                 ans = self._answer_push(gm, cluster, req, weight=0.0, staleness=gm.version - base, arrived=at)
                 ans["merged"] = self._merged.get(cluster) == base  # a new leader's question (module doc)
                 return ans
+            held_to: Optional[int] = None  # a repeat's: the step of the push from this base it merged
             if delta is not None and self._merged.get(cluster) == base:
                 # A second push from the same version: the cluster never adopted the answer
                 # to its first (its leader died after the push, or the answer was lost), so
@@ -426,9 +431,10 @@ class GlobalModelServer:
                 # adopts the newest version, which holds the first.
                 logger.info("global model server: cluster %d pushed step %d from version %d again: not merged twice", cluster, step, base)
                 delta = None
+                held_to = self._merged_step.get(cluster, step)
             c = gm.add(cluster, base, tokens, delta)
             if c.weight > 0:
-                self._merged[cluster] = base
+                self._merged[cluster], self._merged_step[cluster] = base, step
                 if self._batch_opened is None:
                     self._batch_opened = now
                 mine = self._batch
@@ -443,7 +449,10 @@ class GlobalModelServer:
                 logger.warning("global model server: cluster %d's contribution from version %d not merged (%s): it adopts version %d",
                                cluster, base, c.refused, gm.version)
             self._maybe_final(time.time())
-            return self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused, arrived=at)
+            ans = self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused, arrived=at)
+            if held_to is not None:
+                ans["held_to"] = held_to
+            return ans
 
     def final(self, req: Dict[str, Any]) -> Dict[str, Any]:
         """Waits up to ``wait_s`` for the job's final version (module doc)."""

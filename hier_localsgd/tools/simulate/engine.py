@@ -430,7 +430,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
         elif self.is_outer_round(c) and p.asynchronous:
             c.state = S_OUTER
             c.phase_start = c.push_start = t
-            c.push_arrived = c.push_again = False
+            c.push_arrived = c.push_again = c.push_repeat = False
             self.pushes_at[ci].append(t)
             c.pushed_step = max(c.pushed_step, c.step)
             self.enter(c, t, "sync")
@@ -467,7 +467,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
         if c.broken:
             # The cluster's inner round failed; an outer commit holding its work stands.
             self.steps_discarded += (n - c.round_joiners) * c.round_len
-            if outcome == "committed" and c.outer_weight > 0:
+            if outcome == "committed" and (c.outer_weight > 0 or c.push_repeat):
                 self.committed += c.pending + c.round_compute
             elif outcome == "committed":
                 self.lose("discarded", c.pending + c.round_compute, c.stale_cause)
@@ -484,7 +484,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
                 self.committed += c.pending
                 c.pending = 0.0
             elif outcome == "committed":
-                if c.outer_weight > 0:
+                if c.outer_weight > 0 or c.push_repeat:  # a repeat: the model holds its steps (pushes.py)
                     self.committed += c.pending
                 else:
                     self.lose("discarded", c.pending, c.stale_cause)

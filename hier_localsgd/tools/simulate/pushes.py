@@ -66,6 +66,7 @@ class Pushes:
         if p.match_pace:
             self.paces.arrive(ci, t, period_s, c.step - c.period_step0)
         c.push_arrived = True
+        c.push_repeat = c.base == c.merged_base  # its first push from this base merged (server_holds_push)
         c.push_merged = self.merges(c, c.base)
         if c.push_merged:
             self.batches.join(ci, t, ("blocking", epoch))
@@ -87,9 +88,12 @@ class Pushes:
         the global model holds the work its earlier rounds carried (goodput; the failed
         round's own steps count as lost, rolled back or at death, as chaos.py counts them).
         The cluster rolls back, trains the round again and pushes from the same base
-        (``push_again``: its next round), which the server refuses (:meth:`merges`): that
-        round's work is lost there, and the processes count the push's steps as discarded
-        at weight 0. ``lost``: the whole cluster is gone; restarted, it adopts at its join round."""
+        (``push_again``: its next round), which the server refuses (:meth:`merges`), saying
+        that the model holds the first push's steps: the real cluster trained the failed
+        round's steps again, so nothing more is lost there (sync/committed.py ``held_to``),
+        and the simulated round stands for them (``push_repeat``: committed, as the real
+        processes count it). ``lost``: the whole cluster is gone; restarted, it adopts at
+        its join round."""
         if self.p.asynchronous and c.state == S_OUTER and c.push_arrived and c.push_merged and not c.outer_join:
             self.committed += c.pending
             c.pending = 0.0

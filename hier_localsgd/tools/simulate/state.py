@@ -105,6 +105,7 @@ class Cluster:
         # its step count and trains that round again, then pushes (a repeat); the simulated
         # step count moves on, so its next round is the push (pushes.py ``server_holds_push``).
         self.push_again = False
+        self.push_repeat = False  # this round's push is such a repeat: refused, its steps held by the first
         self.answer_push_in = 0
         self.answer_version = -1  # the version of an answer not adopted yet (-1: none; engine.py adopt)
         # asynchronous, overlapped (engine.py launch): the push in flight, or None. Keys: id,
