@@ -357,6 +357,43 @@ def test_the_global_model_server_restarted_empty_continues_from_the_leaders_vers
 
 
 @pytest.mark.slow
+def test_work_whose_last_push_met_a_server_outage_is_pushed_before_the_final_version(tmp_path):
+    """The global lighthouse (and the model server in it) is killed once cluster 0 is past
+    step 30 and started again, empty, only once both its groups have trained their 60
+    steps: cluster 0's last pushes found no server, so at the end its leader pushes that
+    work (``end_push``, after registering its version with the empty server) before it asks
+    for the final version. The final version holds it: cluster 0's members count no step as
+    lost at weight 0 (before, the final pull dropped every step since the cluster's last
+    adoption: 260 group-steps in one chaos run), and the job ends on one version."""
+    from harness import logs_tail, run_job
+
+    seen = {}
+    c0 = [(0, 0), (0, 1)]
+
+    def step(job, k):
+        return int((job.status(k) or {}).get("step", 0))
+
+    def during(job):
+        if "kill" not in seen and all(step(job, k) >= 30 for k in c0):
+            seen["kill"] = True
+            job.kill_lighthouse("global")
+        elif "kill" in seen and "start" not in seen and all(step(job, k) >= 60 for k in c0):
+            seen["start"] = True
+            job.start_lighthouse("global")
+
+    run = run_job(tmp_path, [*ASYNC, "train.steps=60", "train.min_step_time_s=0.1", "topology.cluster_speed=[1.0,0.5]",
+                             "lighthouse.supervise=false"], during=during, timeout_s=300)
+    assert seen == {"kill": True, "start": True} and all(code == 0 for code in run.codes.values()), (seen, logs_tail(run))
+    ends = [e for k in c0 for e in run.kinds(k, "end_push")]
+    assert len(ends) == 1 and ends[0]["weight"] > 0 and ends[0]["tokens"] > 0, ends
+    lost = [e for k in c0 for e in run.kinds(k, "discard", level="outer")]
+    assert not lost, lost
+    (final,) = [e for e in run.kinds(c0[0], "commit", level="outer") if e.get("pull")]
+    assert final["weight"] == ends[0]["weight"], final
+    _ends_on_one_version(run)
+
+
+@pytest.mark.slow
 def test_a_leader_dying_after_its_push_was_merged_is_not_merged_twice(tmp_path):
     """c0r0 exits in BROADCAST at step 20, after the server merged its push: its cluster
     rolls back, c0r1 leads and at the next outer round pushes from the same version again

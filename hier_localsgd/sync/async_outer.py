@@ -27,7 +27,9 @@ since it from its version (hier.py ``OuterLevel.run``).
 
 At the end (:meth:`pulling`) every member runs join rounds in which the leader asks the
 server for the job's final version (long polls of at most ``POLL_S``) until it is
-fixed, so every cluster ends on one model (global_server.py).
+fixed, so every cluster ends on one model (global_server.py). Work the run's last push did
+not deliver (the server was out) is pushed first, at the first join round the server
+answers (:meth:`_push_at_end`).
 
 Failure semantics: a push the server does not answer (down, restarting, refused) is an
 inner-only round: the cluster's work stays in its model and its tokens keep counting, so
@@ -177,6 +179,10 @@ class AsyncOuter:
         # Overlapped pushes (module doc): the step of the push in flight (-1: none), and the
         # tokens it carried (counted again if its answer is not applied).
         self.launched, self.sent = -1, 0.0
+        # The leader's push, at the end, of work its run's last push did not deliver (:meth:`pull_final`):
+        # the base it went out from (None: not made), and the merge's weight and held_to.
+        self._end_base: Optional[int] = None
+        self._end_weight, self._end_held = 0.0, -1
         st.tracker.set_extra(asynchronous=True)  # the dashboard shows versions and their lag
 
     def started(self, step: int) -> None:
@@ -491,13 +497,40 @@ class AsyncOuter:
             logger.info("%s resumes its step count at %d (this cluster's furthest push) with version %d", st.id, step, version)
         return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, step, weight, push_in=push_in, held_to=held_to)
 
+    def _push_at_end(self, cluster_model: torch.Tensor) -> bool:
+        """The run's last push did not deliver the cluster's work (the server was down or
+        did not answer): the leader pushes it now, once per base, final, before it asks for
+        the job's final version, which then holds it (the next poll asks for it). Returns
+        whether the server answered. The cluster keeps its own model until the final
+        version comes (the answer's newer version is not adopted: every member waits for
+        the final one)."""
+        st = self.st
+        c = st.counters
+        req = self.request(cluster_model, contribute=True, comp=st.comp)
+        res = self.exchange(req, st.outer.backup, cluster_model, True, st.comp, st.tracker)
+        if res.status != Status.OUTER_COMMITTED:
+            return False
+        self._end_base, self._end_weight, self._end_held = c.outer_round, res.cluster_weight, res.held_to
+        st.events("end_push", level="outer", step=req["step"], base=req["base"], tokens=req["tokens"], weight=round(res.cluster_weight, 6))
+        logger.info("%s pushed the work its last push did not deliver (%g group-steps from version %d): weight %g",
+                    st.id, req["tokens"], req["base"], res.cluster_weight)
+        return True
+
     def pull_final(self, cluster_model: torch.Tensor) -> OuterResult:
         """The leader's poll for the job's final version: OUTER_COMMITTED with it, or
-        INNER_ONLY (its own cluster model) while it is not fixed or the server is down."""
+        INNER_ONLY (its own cluster model) while it is not fixed or the server is down.
+        Work the run's last push did not deliver is pushed first (:meth:`_push_at_end`);
+        the final version's ``cluster_weight`` is then that push's weight, so the members
+        count the steps it carried as kept (committed.py), else 0."""
         st = self.st
         c = st.counters
         # cluster_weight tells the members whether the server answered (final.py's bound).
         waiting = OuterResult(Status.INNER_ONLY, cluster_model, c.outer_round, c.step, 1.0)
+        if self.tokens > 0 and self._end_base != c.outer_round and st.settings.final_step > 0 and c.step >= st.settings.final_step:
+            # One exchange per round (each within its phase's deadline): the next round polls.
+            if not self._push_at_end(cluster_model):
+                waiting.cluster_weight = 0.0  # not heard: final.py's bound runs
+            return waiting
         try:
             ans = self._call("/final", {"cluster": st.id.cluster, "wait_s": POLL_S}, st.tracker)
             if ans.get("need_model"):  # restarted empty: hand it this cluster's version, then ask again
@@ -513,5 +546,8 @@ class AsyncOuter:
             waiting.cluster_weight = 0.0  # not heard: final.py's bound runs
             return waiting
         version = int(ans["version"])
-        st.events("commit", level="outer", outer_round=version, step=c.step, final=True, asynchronous=True, pull=True)
-        return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, c.step, 0.0)
+        mine = self._end_base is not None and self._end_base == c.outer_round  # this leader's end push carried the work
+        weight, held = (self._end_weight, self._end_held) if mine else (0.0, -1)
+        st.events("commit", level="outer", outer_round=version, step=c.step, final=True, asynchronous=True, pull=True,
+                  weight=round(weight, 6))
+        return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, c.step, weight, held_to=held)
