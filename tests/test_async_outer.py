@@ -39,7 +39,8 @@ def test_the_merge_rule_against_a_hand_computation():
     assert gm.apply() and gm.version == 2
     g2 = torch.tensor([0.25, 0.25])
     buf2 = 0.9 ** 0.25 * buf1 + g2  # a quarter of a round: the momentum decays by 0.9^(1/4)
-    assert torch.allclose(gm.params, theta1 - 0.7 * (g2 + 0.25 * 0.9 * buf2))
+    theta2 = theta1 - 0.7 * (g2 + 0.25 * 0.9 * buf2)
+    assert torch.allclose(gm.params, theta2)
     assert torch.allclose(gm.level.momentum, buf2)
     # Beyond the bound (2 versions behind, max_staleness 1): not merged, nothing to apply.
     c = gm.add(0, base=0, tokens=10, delta=torch.tensor([5.0, 5.0]))
@@ -48,6 +49,13 @@ def test_the_merge_rule_against_a_hand_computation():
     # A diverged cluster's contribution (a NaN anywhere) is refused: the model stays finite.
     c = gm.add(1, base=2, tokens=10, delta=torch.tensor([float("nan"), 0.0]))
     assert (c.weight, c.refused) == (0.0, "non-finite values") and not gm.apply() and bool(torch.isfinite(gm.params).all())
+    # Version 3: a lone fresh contribution of three periods' tokens (its pushes failed
+    # meanwhile) counts one period: a = 1, so 1/C of its pseudo-gradient, half a round.
+    c = gm.add(0, base=2, tokens=30, delta=torch.tensor([0.4, 0.2]))
+    assert (c.staleness, c.weight) == (0, 1.0) and gm.apply() and gm.version == 3
+    g3 = torch.tensor([0.2, 0.1])
+    buf3 = 0.9 ** 0.5 * buf2 + g3
+    assert torch.allclose(gm.params, theta2 - 0.7 * (g3 + 0.5 * 0.9 * buf3)) and gm.history[-1]["share"] == 0.5
     # A restarted server adopting a leader's higher version: its model, momentum from zero.
     gm.adopt(torch.tensor([3.0, 4.0]), version=7)
     assert gm.version == 7 and torch.equal(gm.params, torch.tensor([3.0, 4.0])) and float(gm.level.momentum.abs().sum()) == 0.0
