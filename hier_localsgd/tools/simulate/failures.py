@@ -285,8 +285,8 @@ class Failures:
     def cluster_lost(self, c: Cluster, t: float, fid: int) -> None:
         """Every replica group of the cluster is down: its uncommitted work is gone (but
         for a blocking push the server merged, pushes.py ``server_holds_push``)."""
-        self.server_holds_push(c, lost=True)
-        c.push_again = False
+        self.server_holds_push(c)
+        c.push_again = False  # restarted whole, it adopts at its join round
         self.lose("discarded", c.pending + c.round_compute, fid)
         c.pending = 0.0
         c.round_compute = 0.0

@@ -83,7 +83,7 @@ class Pushes:
         c.merged_base = base
         return True
 
-    def server_holds_push(self, c: Cluster, lost: bool = False) -> None:
+    def server_holds_push(self, c: Cluster) -> None:
         """The round of a blocking push fails after the server merged it (its leader died):
         the global model holds the work its earlier rounds carried (goodput; the failed
         round's own steps count as lost, rolled back or at death, as chaos.py counts them).
@@ -92,12 +92,12 @@ class Pushes:
         that the model holds the first push's steps: the real cluster trained the failed
         round's steps again, so nothing more is lost there (sync/committed.py ``held_to``),
         and the simulated round stands for them (``push_repeat``: committed, as the real
-        processes count it). ``lost``: the whole cluster is gone; restarted, it adopts at
-        its join round."""
+        processes count it). A cluster lost whole clears ``push_again`` (restarted, it adopts
+        at its join round: failures.py ``cluster_lost``)."""
         if self.p.asynchronous and c.state == S_OUTER and c.push_arrived and c.push_merged and not c.outer_join:
             self.committed += c.pending
             c.pending = 0.0
-            c.push_arrived, c.push_again = False, not lost
+            c.push_arrived, c.push_again = False, True
 
     def check_batch(self, t: float) -> None:
         """Closes the open batch if the grace window says so, else looks again at its end."""
