@@ -162,6 +162,43 @@ def test_an_overlapped_cluster_restart_heals_by_its_leaders_outer_commit():
     assert r["recovered"] == 1
 
 
+def test_an_asynchronous_cluster_restart_heals_by_the_version_its_leader_adopts():
+    """With the asynchronous outer level a cluster restarted whole adopts a global version at
+    its join round, at a step of its own (it resumes its count at its furthest push): the
+    evidence is that version's model, by (version, checksum), which cluster 0's leader
+    committed at another step. A commit without a checksum is no evidence, even at a step
+    another cluster also committed at. (Before, the lost cluster healed only at the run's
+    final version, and a chaos plan's next fault on it waited until then.)"""
+    def outer(key, t, step, version, crc):
+        f.events[key].append({"t": t, "kind": "commit", "level": "outer", "step": step, "outer_round": version,
+                              "asynchronous": True, "checksum": crc})
+
+    f = Fake()
+    for k in ALL:
+        f.train(k, T0, T0 + 20 if k[0] == 0 else T0 + 10, tag=f"c{k[0]}")
+        for e in f.events[k]:  # no global model in any inner commit: each cluster adopts at its own steps
+            if e.get("outer"):
+                e["checksum"] = f"c{k[0]}o{e['step']}"
+    outer((0, 0), T0 + 12.6, 50, 7, "v7")  # version 7 (after the kill) at cluster 0's step 50
+    outer((0, 0), T0 + 15.1, 60, 8, "v8")
+    f.kill(T0 + 10.0, "cluster", {(1, 0): dict(steps_run=40), (1, 1): dict(steps_run=40)})
+    for k in [(1, 0), (1, 1)]:
+        f.start(k, T0 + 12.0, restart=True)
+    outer((1, 0), T0 + 13.0, 50, 0, "v0")  # version 0: everyone's initial model, no evidence
+    outer((1, 0), T0 + 13.1, 50, 6, None)  # no checksum: no evidence, although cluster 0 was at step 50 too
+    for k in [(1, 0), (1, 1)]:
+        f.commit(k, T0 + 13.3, 40, "c1o40", outer=True, cluster_weight=0.0)  # the cluster's model after the join
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c1r0": None, "c1r1": None} and r["recovered"] == 0
+    outer((1, 0), T0 + 13.2, 0, 7, "v7")  # the join round adopts version 7, at the cluster's step 0
+    for k in ALL:
+        f.events[k].sort(key=lambda e: e["t"])
+    r = f.evidence()
+    # c1r0 by version 7 (1.2 s after its restart); c1r1 by its healed leader's inner commit
+    assert r["kills"][0]["time_to_heal_s"] == {"c1r0": pytest.approx(1.2), "c1r1": pytest.approx(1.3)}
+    assert r["recovered"] == 1
+
+
 def test_a_heal_counts_only_at_a_step_above_zero():
     f = Fake()
     f.train((0, 0), T0, T0 + 20, leader=True)

@@ -28,7 +28,10 @@ from its own heal on: its model descends without a break from the job's start.
   same batches and commits, at step 5, what it committed at step 5 before. Its two groups
   match each other but neither is continuous, so a lost cluster heals only when it matches
   another cluster, after it adopted a global model through an outer round (its leader's
-  outer ``heal`` event alone is not evidence: the identical commit is).
+  outer ``heal`` event alone is not evidence: the identical commit is). With the
+  asynchronous outer level clusters adopt a global version at different steps of their
+  own, so its outer commits are matched by (version, checksum of the version's model)
+  instead; a commit without a checksum is no evidence (:func:`model_key`).
 * ``recovered``: kills whose every target came back healed through its own restarts: the
   first restart of that target after the kill healed, or, where that restart exited on
   its own before it healed, a later one the supervisor started for it did (before any
@@ -78,6 +81,20 @@ from hier_localsgd.launch.local import Key
 
 
 WORK_KEYS = ("steps_run", "steps_discarded", "steps_since_commit", "steps_since_outer")
+
+
+def model_key(e: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
+    """What a commit event says its model is, comparable across incarnations, or None where
+    it is no evidence. A commit without a checksum says nothing (two such commits at one
+    step are not one model). The asynchronous outer level's commits are keyed by the global
+    model's version and checksum: clusters adopt one version at different steps of their
+    own. Step 0 and version 0 are everyone's initial model."""
+    if not e.get("checksum"):
+        return None
+    if e.get("asynchronous") and at_level(e, "outer"):
+        v = e.get("outer_round")
+        return ("version", v, e["checksum"]) if type(v) is int and v > 0 else None
+    return (e["step"], e["checksum"]) if e.get("step", 0) > 0 else None
 
 
 def name(key: Key) -> str:
@@ -189,8 +206,9 @@ class Timeline:
         self.outages.sort(key=lambda o: o.t)
 
     def _heals(self) -> Dict[int, float]:
-        """When each restarted incarnation healed (by ``id``): its first commit at a step > 0
-        whose (step, checksum) equals a commit made after its predecessor died by another
+        """When each restarted incarnation healed (by ``id``): its first commit whose model
+        (:func:`model_key`: step > 0 and checksum; for the asynchronous outer level, version
+        > 0 and checksum) equals a commit made after its predecessor died by another
         *continuous* incarnation (one of the job's first processes, or a restarted one from
         its own heal on). Inner and outer commits both count (equal checksums: equal models):
         with the overlapped outer sync or streaming fragments, clusters never commit equal
@@ -214,15 +232,15 @@ class Timeline:
                     if since is None:
                         continue
                     for e in self._model_commits(i):
-                        if e.get("step", 0) > 0 and e["t"] >= since:
-                            made.setdefault((e["step"], e.get("checksum")), []).append((e["t"], id(i)))
+                        if model_key(e) is not None and e["t"] >= since:
+                            made.setdefault(model_key(e), []).append((e["t"], id(i)))
             for r in restarts:
                 if id(r) in healed:
                     continue
                 p = prev.get(id(r))
                 died = (p.death if p is not None else None) or r.start
                 for e in self._model_commits(r):
-                    if e.get("step", 0) > 0 and any(t > died and who != id(r) for t, who in made.get((e["step"], e.get("checksum")), [])):
+                    if model_key(e) is not None and any(t > died and who != id(r) for t, who in made.get(model_key(e), [])):
                         healed[id(r)] = e["t"]
                         changed = True
                         break

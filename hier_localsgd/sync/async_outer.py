@@ -59,6 +59,7 @@ import torch
 from hier_localsgd.core.links.link import PAYLOAD, LinkStats
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.core.security.wire import tensor_bytes
+from hier_localsgd.core.tensors.flat_params import checksum as model_checksum
 from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.compression import OuterCompression, decode_push
 from hier_localsgd.sync.global_model import apply_update, checksum
@@ -486,6 +487,7 @@ class AsyncOuter:
                   weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
                   asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period,
                   down_steps=len(ans["updates"]) if isinstance(ans.get("updates"), list) else None,  # None: the model came whole
+                  checksum=model_checksum(model),  # version's model: the evidence another cluster's commit of it matches
                   **({"held_to": held_to} if held_to >= 0 else {}))
         # A cluster restarted whole (behind the steps it had pushed before) resumes its count there.
         ahead = ans.get("cluster_step")
@@ -549,5 +551,5 @@ class AsyncOuter:
         mine = self._end_base is not None and self._end_base == c.outer_round  # this leader's end push carried the work
         weight, held = (self._end_weight, self._end_held) if mine else (0.0, -1)
         st.events("commit", level="outer", outer_round=version, step=c.step, final=True, asynchronous=True, pull=True,
-                  weight=round(weight, 6))
+                  weight=round(weight, 6), checksum=model_checksum(model))
         return OuterResult(Status.OUTER_COMMITTED, model.to(cluster_model.dtype), version, c.step, weight, held_to=held)
