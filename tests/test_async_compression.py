@@ -14,7 +14,8 @@ from hier_localsgd.core.security.wire import decode as wire_decode, encode as wi
 from hier_localsgd.core.tensors.compress import Quantized, error_bound, quantized_nbytes
 from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.sync.compression import OuterCompression, decode_push, push_bytes
-from hier_localsgd.sync.global_server import GlobalModelServer, GlobalModelUnavailable, call
+from hier_localsgd.sync.global_server import GlobalModelServer
+from hier_localsgd.sync.global_wire import GlobalModelUnavailable, call
 
 N = 1000  # not a multiple of the block: the last block is padded
 M = 20_000  # the server's model: large enough that a body's header is small beside it

@@ -14,7 +14,8 @@ from hier_localsgd.core.tensors.compress import dequantize, error_bound
 from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.sync.compression import decode_push, down_format, encode_update
 from hier_localsgd.sync.global_model import GlobalModel, apply_update, checksum
-from hier_localsgd.sync.global_server import GlobalModelServer, call
+from hier_localsgd.sync.global_server import GlobalModelServer
+from hier_localsgd.sync.global_wire import call
 
 N = 1000  # not a multiple of the block: the last block is padded
 M = 20_000  # the server's model: large enough that a body's header is small beside it

@@ -15,7 +15,8 @@ import torch
 from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.errors import ConfigError
 from hier_localsgd.sync.global_model import GlobalModel, staleness_factor
-from hier_localsgd.sync.global_server import GlobalModelServer, GlobalModelUnavailable, call
+from hier_localsgd.sync.global_server import GlobalModelServer
+from hier_localsgd.sync.global_wire import GlobalModelUnavailable, call
 
 ALG = LevelAlgorithm.build("diloco", lr=0.7, momentum=0.9, nesterov=True)
 
@@ -73,8 +74,8 @@ def _push(srv, cluster, base, delta, final=False, model=None, key=b"k" * 32, tok
 
 
 def test_the_grace_window_rule_against_a_hand_computation():
-    """global_server.py batch_end / batch_closes / free_until (the simulator runs the same)."""
-    from hier_localsgd.sync.global_server import GRACE_SHARE, MAX_AGE_S, batch_closes, batch_end, free_until
+    """global_schedule.py batch_end / batch_closes / free_until (the simulator runs the same)."""
+    from hier_localsgd.sync.global_schedule import GRACE_SHARE, MAX_AGE_S, batch_closes, batch_end, free_until
 
     assert GRACE_SHARE == 0.1
     blocking = {0: False, 1: False, 2: True}

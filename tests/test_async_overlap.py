@@ -129,7 +129,8 @@ def test_an_overlapped_push_waits_for_the_other_cluster_up_to_grace_not_a_share_
     with a 1 s period, 0.1 s blocking, 4 s overlapped, 1.5 s overlapped with 1.5 s free
     (wide margins on every side)."""
     from hier_localsgd.core.tensors.level import LevelAlgorithm
-    from hier_localsgd.sync.global_server import GlobalModelServer, call
+    from hier_localsgd.sync.global_server import GlobalModelServer
+    from hier_localsgd.sync.global_wire import call
     import time
     import torch
 

@@ -63,7 +63,7 @@ from hier_localsgd.core.tensors.flat_params import checksum as model_checksum
 from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.compression import OuterCompression, decode_push
 from hier_localsgd.sync.global_model import apply_update, checksum
-from hier_localsgd.sync.global_server import GlobalModelUnavailable, body_limit, call, tensor_or_none
+from hier_localsgd.sync.global_wire import GlobalModelUnavailable, body_limit, call, tensor_or_none
 from hier_localsgd.sync.state import SyncState
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round

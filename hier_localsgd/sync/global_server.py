@@ -1,6 +1,7 @@
 """The asynchronous outer level's server: the global model (global_model.py) behind one
 authenticated HTTP endpoint, run by the global lighthouse's process (launch/lighthouse.py)
-at ``sync.async_outer.addr``, and the leaders' client call (:func:`call`).
+at ``sync.async_outer.addr``. The leaders' side of the exchange is global_wire.py; the
+grace window's and match_pace's rules, as functions the simulator runs too, global_schedule.py.
 
 Requests (``POST``, body and answer in the no-code wire format, core/security/wire.py)::
 
@@ -68,10 +69,11 @@ Security as heals (core/ft/heals.py): requests carry ``Authorization: HL1 <time>
 <mac>``, an HMAC over the path, time, nonce and body under ``derive(secret,
 "global-model")``; a bad MAC, a time more than ``MAX_SKEW`` away or a replayed nonce is
 refused with 403 and one log line; answers end with an HMAC over the nonce and the body,
-checked before decoding. Bodies over :func:`body_limit` are refused before they are read.
+checked before decoding (the MACs and the leaders' :func:`~hier_localsgd.sync.global_wire.call`: global_wire.py).
+Bodies over ``body_limit`` are refused before they are read.
 The listener binds the given host, never every interface unless told (``lighthouse.bind``).
 
-Failure semantics: :func:`call` raises :class:`GlobalModelUnavailable` for any
+Failure semantics: global_wire.py's ``call`` raises ``GlobalModelUnavailable`` for any
 unreachable, refused, malformed or forged exchange; the leader's outer round then
 reports an inner-only round (its cluster trains on, async_outer.py).
 """
@@ -79,136 +81,37 @@ reports an inner-only round (its cluster trains on, async_outer.py).
 from __future__ import annotations
 
 import hmac
-import http.client
 import logging
 import math
 import re
 import secrets
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
-from hashlib import sha256
-import socket
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections import deque
-from typing import Any, Callable, Collection, Deque, Dict, Iterable, Optional, Tuple
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import torch
 
-from hier_localsgd.core.ft.heals import MAX_SKEW, bind_family, no_redirect_opener
+from hier_localsgd.core.ft.heals import MAX_SKEW, bind_family
 from hier_localsgd.core.security.wire import WireError, decode, encode
 from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.sync.compression import decode_push, encode_update
 from hier_localsgd.sync.global_model import GlobalModel
+from hier_localsgd.sync.global_schedule import (MAX_AGE_S, SILENT_PERIODS, average, batch_closes, batch_end, expected_push,
+                                                fastest, free_until, meet_in)
+from hier_localsgd.sync.global_wire import AUTH, MAC_BYTES, PUBLIC_KEY, body_limit, request_mac, response_mac
 
 logger = logging.getLogger(__name__)
 
-_PUBLIC_KEY = b"hier_localsgd global model: no job secret"  # integrity only (no secret configured)
-_AUTH = re.compile(r"HL1 (\d{1,12}(?:\.\d{1,6})?) ([0-9a-f]{32}) ([0-9a-f]{64})")
-MAC_BYTES = 32
-SILENT_PERIODS = 3  # a cluster is silent at the end after this many of its periods without a push (and final_wait_s)
 READ_SLOTS = 8  # request bodies read at once (each before its MAC can be checked)
 SOCKET_TIMEOUT_S = 120.0  # per blocking read or write of one connection
-# A batch waits at most this share of its contributors' own push period: a fast cluster
-# gives up at most a tenth of its time to merging with others (module doc).
-GRACE_SHARE = 0.1
-MAX_AGE_S = 60.0  # an overlapped push's reported age is taken up to this (a leader's clock is not trusted further)
-UNKNOWN_MODEL_LIMIT = 8 << 30  # a body before any model is known (a registration carries two)
-_OPENER = no_redirect_opener()
 
 
 def _positive(x: Any) -> bool:
     """A finite number above 0 (not a bool): a request's period or steps."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-def batch_end(opened: float, grace_s: float, inside: Iterable[int], period: Dict[int, float],
-              overlapped: Dict[int, bool], free: Dict[int, float]) -> float:
-    """The latest time an open batch of the clusters ``inside`` closes (module doc): ``grace_s``
-    after it ``opened``, and at most :data:`GRACE_SHARE` of each blocking contributor's
-    ``period``; an overlapped contributor waits behind its cluster's training, but only until
-    its ``free`` time (:func:`free_until`)."""
-    inside = list(inside)
-    periods = [period[k] for k in inside if k in period and not overlapped.get(k)]
-    frees = [free[k] for k in inside if overlapped.get(k) and k in free]
-    return min([opened + min([grace_s] + [GRACE_SHARE * p for p in periods]), *frees])
-
-
-def batch_closes(now: float, end: float, inside: Collection[int], clusters: int, final: Callable[[int], bool], min_clusters: int,
-                 period: Dict[int, float], last: Dict[int, float], expect: Dict[int, float]) -> bool:
-    """Whether an open batch of the clusters ``inside`` closes at ``now``: at its ``end``;
-    before that once it has ``min_clusters`` and no other cluster that is not ``final`` may
-    come by the end: one not heard yet (no ``period``: its pace is unknown) may, and one
-    expected by then (at ``expect``, match_pace's, else its ``last`` push plus its period).
-    tools/simulate/batches.py runs the same rule on the simulator's clock."""
-    if now >= end:
-        return True
-    if len(inside) < min_clusters:
-        return False
-    for k in range(clusters):
-        if k in inside or final(k):
-            continue
-        if k not in period or expect.get(k, last[k] + period[k]) <= end:
-            return False
-    return True
-
-
-def free_until(now: float, at: float, free_s: float) -> float:
-    """When the answer to an overlapped push that went out at ``at`` (server clock; it
-    arrived ``now``) must leave, its cluster applying it ``free_s`` seconds of training
-    later: ``at + free_s`` less the way back, taken as the way here (``now - at``)."""
-    return at + min(free_s, MAX_AGE_S) - (now - at)
-
-
-def expected_push(ref: float, transit: float, push_in: int, pace: float) -> float:
-    """When match_pace expects a cluster's next push: ``push_in`` steps at its ``pace``
-    (seconds per step) after ``ref``, plus its ``transit`` (:meth:`GlobalModelServer._answer_push`)."""
-    return ref + transit + push_in * pace
-
-
-def average(d: Dict[int, float], k: int, x: float) -> None:
-    """``d[k]``'s moving average takes ``x`` (the first value as is, then halves)."""
-    d[k] = x if k not in d else 0.5 * d[k] + 0.5 * x
-
-
-def fastest(paces: Dict[int, float], current: Optional[int]) -> int:
-    """match_pace's fastest cluster among ``paces`` (seconds per step of the live ones):
-    ``current`` stays it until another is 5 % faster, so near-equal clusters do not trade
-    the role at every push."""
-    best = min(paces, key=lambda k: paces[k])
-    return best if current not in paces or paces[best] < 0.95 * paces[current] else current  # type: ignore[return-value]
-
-
-def meet_in(avail_s: float, pace: float, gap: float, lo: int, full: int) -> int:
-    """match_pace's ``push_in`` for a cluster of ``pace`` seconds per step: the steps that
-    fill ``avail_s`` (the seconds to the fastest cluster's next arrival less this cluster's
-    transit); the push after that (``gap`` seconds later) if under ``lo`` steps are left;
-    clamped to ``[lo, full]`` (docs/architecture.md "Matched paces")."""
-    while avail_s < lo * pace:  # too near (or past): meet the push after it
-        avail_s += gap
-    return max(lo, min(full, int(round(avail_s / pace))))
-
-
-class GlobalModelUnavailable(RuntimeError):
-    """The global model server could not be reached, refused, or answered malformed."""
-
-
-def _request_mac(key: bytes, path: str, ts: str, nonce: str, body: bytes) -> str:
-    m = hmac.new(key, f"POST {path} {ts} {nonce}\n".encode(), sha256)
-    m.update(body)
-    return m.hexdigest()
-
-
-def _response_mac(key: bytes, path: str, nonce: str, body: bytes | memoryview) -> bytes:
-    m = hmac.new(key, f"global-model {path} {nonce}\n".encode(), sha256)
-    m.update(body)
-    return m.digest()
-
-
-def body_limit(model_numel: Optional[int]) -> int:
-    """The largest body accepted either way: a delta and a model in fp32, plus 1 MiB."""
-    return UNKNOWN_MODEL_LIMIT if model_numel is None else 8 * model_numel + (1 << 20)
 
 
 class GlobalModelServer:
@@ -230,7 +133,7 @@ class GlobalModelServer:
         self.algorithm, self.full_tokens, self.max_staleness = algorithm, full_tokens, max_staleness
         self.clusters, self.grace_s, self.min_clusters, self.final_wait_s = clusters, grace_s, min_clusters, final_wait_s
         self.down = down
-        self._key = key if key is not None else _PUBLIC_KEY
+        self._key = key if key is not None else PUBLIC_KEY
         self.model: Optional[GlobalModel] = None
         self._cond = threading.Condition()
         self._batch = 0  # the open batch's number
@@ -306,7 +209,7 @@ class GlobalModelServer:
             limit = body_limit(None if self.model is None else self.model.params.numel())
         if n > limit:
             return self._refuse(h, 413, f"body of {n} bytes refused (limit {limit})")
-        m = _AUTH.fullmatch(h.headers.get("Authorization") or "")
+        m = AUTH.fullmatch(h.headers.get("Authorization") or "")
         if m is None:
             return self._refuse(h, 403, "no credentials" if not h.headers.get("Authorization") else "malformed credentials")
         ts, nonce, mac = m.groups()
@@ -324,7 +227,7 @@ class GlobalModelServer:
             self._reading.release()
         if len(body) != n:
             return self._refuse(h, 400, f"body truncated at {len(body)} of {n} bytes")
-        if not hmac.compare_digest(mac.encode(), _request_mac(self._key, h.path, ts, nonce, body).encode()):
+        if not hmac.compare_digest(mac.encode(), request_mac(self._key, h.path, ts, nonce, body).encode()):
             return self._refuse(h, 403, "bad credentials (not the job's secret, or the body was altered)")
         with self._cond:
             for k, seen in list(self._nonces.items()):
@@ -348,7 +251,7 @@ class GlobalModelServer:
         except (WireError, ValueError, TypeError, KeyError) as e:
             return self._refuse(h, 400, f"malformed request: {str(e)[:160]}")
         out = encode(answer).to_bytes()
-        mac = _response_mac(self._key, h.path, nonce, out)
+        mac = response_mac(self._key, h.path, nonce, out)
         try:
             h.send_response(200)
             h.send_header("Content-Type", "application/octet-stream")
@@ -625,51 +528,3 @@ class _Listener(ThreadingHTTPServer):
         fam, addr = bind_family(host)
         self.address_family = fam
         super().__init__((addr[0], port) if fam == socket.AF_INET else (addr[0], port, *addr[2:]), handler)
-
-
-def call(url: str, path: str, request: Dict[str, Any], key: Optional[bytes], timeout_s: float,
-         sizes: Optional[Dict[str, int]] = None, limit: Optional[int] = None) -> Dict[str, Any]:
-    """One authenticated exchange with the server at ``url`` (``http://host:port``);
-    ``sizes`` (if given) gets the bytes of the request's and the answer's bodies; an answer
-    over ``limit`` bytes (default :func:`body_limit` of an unknown model) is refused unread.
-
-    Raises:
-        GlobalModelUnavailable: unreachable, refused, too slow, malformed or forged.
-    """
-    k = key if key is not None else _PUBLIC_KEY
-    body = encode(request).to_bytes()
-    if sizes is not None:
-        sizes["sent"], sizes["received"] = len(body), 0
-    ts, nonce = f"{time.time():.3f}", secrets.token_hex(16)
-    req = urllib.request.Request(f"{url.rstrip('/')}{path}", data=body, method="POST", headers={
-        "Authorization": f"HL1 {ts} {nonce} {_request_mac(k, path, ts, nonce, body)}",
-        "Content-Type": "application/octet-stream"})
-    limit = body_limit(None) if limit is None else limit
-    try:
-        with _OPENER.open(req, timeout=timeout_s) as r:
-            length = r.headers.get("Content-Length") or ""
-            if re.fullmatch(r"[0-9]{1,15}", length) is None or not MAC_BYTES <= int(length) <= limit:
-                raise GlobalModelUnavailable(f"{url}{path}: answer without a valid Content-Length")
-            data = bytearray(r.read(int(length)))  # writable: the decoded tensors view it
-            if sizes is not None:
-                sizes["received"] = len(data)
-    except urllib.error.HTTPError as e:
-        raise GlobalModelUnavailable(f"{url}{path}: answered {e.code} {str(e.reason)[:120]}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
-        raise GlobalModelUnavailable(f"{url}{path}: unreachable or malformed answer: {str(getattr(e, 'reason', e))[:160]}") from None
-    n = len(data) - MAC_BYTES
-    if n < 0 or not hmac.compare_digest(_response_mac(k, path, nonce, memoryview(data)[:n]), bytes(data[n:])):
-        raise GlobalModelUnavailable(f"{url}{path}: answer MAC does not match (not from a holder of the job's secret, or altered)")
-    try:
-        out = decode(memoryview(data)[:n], max_bytes=n)
-    except WireError as e:
-        raise GlobalModelUnavailable(f"{url}{path}: malformed answer: {e}") from None
-    if not isinstance(out, dict):
-        raise GlobalModelUnavailable(f"{url}{path}: malformed answer (not a dict)")
-    return out
-
-
-def tensor_or_none(x: Any, what: str) -> Optional[torch.Tensor]:
-    if x is None or isinstance(x, torch.Tensor):
-        return x
-    raise GlobalModelUnavailable(f"{what}: not a tensor")

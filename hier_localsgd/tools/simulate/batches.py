@@ -1,12 +1,12 @@
 """The global model server's grace window, simulated (sync/global_server.py: a batch of
-pushes closes into one version when :func:`~hier_localsgd.sync.global_server.batch_closes`
+pushes closes into one version when :func:`~hier_localsgd.sync.global_schedule.batch_closes`
 says so; the simulator runs the same functions on its clock).
 
 A push that the server merges joins the open batch (or opens one). The batch closes at
-its end (:func:`~hier_localsgd.sync.global_server.batch_end`: ``grace_s``, at most a tenth
+its end (:func:`~hier_localsgd.sync.global_schedule.batch_end`: ``grace_s``, at most a tenth
 of a blocking contributor's period, and by an overlapped contributor's free time: its
 arrival plus its seconds of training to its apply round, as the server reckons it,
-:func:`~hier_localsgd.sync.global_server.free_until`), or before it once
+:func:`~hier_localsgd.sync.global_schedule.free_until`), or before it once
 ``sync.async_outer.min_clusters`` contributors are in and no other running cluster is
 expected to push by the end: from its last arrival plus its period (the seconds since it
 last adopted a model, as its pushes report them), or where match_pace's answer put it
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from hier_localsgd.sync.global_server import average, batch_closes, batch_end, free_until
+from hier_localsgd.sync.global_schedule import average, batch_closes, batch_end, free_until
 
 Token = Tuple[str, Any]  # the engine's: ("blocking", epoch) or ("overlapped", flight id)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from hier_localsgd.sync.async_outer import min_push_steps
-from hier_localsgd.sync.global_server import SILENT_PERIODS, average, expected_push, fastest, meet_in
+from hier_localsgd.sync.global_schedule import SILENT_PERIODS, average, expected_push, fastest, meet_in
 
 
 class PaceServer:
@@ -67,7 +67,7 @@ class PaceServer:
 
     def expected_at(self, k: int, ref: float, push_in: int, transit: Optional[float] = None) -> Optional[float]:
         """When the server expects cluster ``k``'s next push after answering it with
-        ``push_in`` from ``ref`` (global_server.py ``expected_push``; ``transit`` by default
+        ``push_in`` from ``ref`` (global_schedule.py ``expected_push``; ``transit`` by default
         the cluster's learnt one): None for the fastest cluster or an unknown pace (its
         period says then)."""
         if k == self.fastest or k not in self.pace:
