@@ -476,9 +476,32 @@ def test_mixed_faults_hang_phase_and_multi_kill_each_recover(tmp_path):
         if k["kind"] == "multi_kill":
             assert len(k["targets"]) == 2 and len({t[:2] for t in k["targets"]}) == 2, k
         else:
-            assert k["armed_phase"] == "INNER_REDUCE" and isinstance(k["phase_hit"], bool), k
+            # handed a stop for the phase, the target stopped itself as the phase began: killed in it
+            assert k["armed_phase"] == "INNER_REDUCE" and k["phase_hit"] is True and k["stopped_itself"] is True, k
+            assert list(k["phase"].values()) == ["INNER_REDUCE"], k
     assert r["recovered"] == len(r["kills"]), r["kills"]
     assert r["consistent"] is True
+
+
+def test_a_phase_stop_from_the_inbox_fires_at_its_phase_whatever_the_step_and_once(tmp_path):
+    """core/runtime/faults.py: a poison in the inbox is planned for the step the process
+    reads it at; a stop in the phase inbox for the next start of its phase, at any step. Both
+    pending at once: neither overwrites the other. Each fires once."""
+    from hier_localsgd.core.runtime.faults import ANY_STEP, FaultPlan, deliver, phase_inbox
+
+    inbox = tmp_path / "inbox.json"
+    plan = FaultPlan([], 1, 0, inbox=inbox)
+    assert plan.from_inbox(7) == []
+    deliver(inbox, {"action": "poison", "how": "nan"})
+    deliver(phase_inbox(inbox), {"action": "stop", "phase": "BROADCAST"})
+    got = plan.from_inbox(7)
+    assert [(f.action, f.phase, f.step) for f in got] == [("poison", "LOCAL", 7), ("stop", "BROADCAST", ANY_STEP)]
+    assert not inbox.exists() and not phase_inbox(inbox).exists() and plan.from_inbox(8) == []
+    assert plan.take(8, "INNER_REDUCE", ("stop",)) is None  # not its phase
+    assert plan.take(8, "LOCAL", ("poison",)) is None  # the poison was for step 7
+    f = plan.take(12, "BROADCAST", ("stop",))
+    assert f is not None and f.action == "stop" and (f.cluster, f.replica) == (1, 0)
+    assert plan.take(13, "BROADCAST", ("stop",)) is None  # once
 
 
 def test_lighthouse_and_hang_evidence_from_hand_built_records():

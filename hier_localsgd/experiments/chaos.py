@@ -38,7 +38,7 @@ from hier_localsgd.experiments.chaos_plan import BASELINE_PHASE, PlannedFault, d
 from hier_localsgd.experiments.summary import summarize
 from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.experiments.chaos_stall import StallWatch, stall_limit_s  # noqa: F401  (StallWatch: tests import it here)
-from hier_localsgd.core.runtime.faults import deliver
+from hier_localsgd.core.runtime.faults import SYNC_FAULT_PHASES, deliver, phase_inbox
 from hier_localsgd.core.runtime.status import inbox_path, read_events, replica_dir
 from hier_localsgd.sync.compression import NONE as NO_COMPRESSION
 
@@ -78,6 +78,7 @@ class ChaosMonkey:
         self.faults: List[Dict[str, Any]] = []
         self.pending = PendingFaults()
         self.armed: Optional[Dict[str, Any]] = None  # a phase_kill waiting for its phase
+        self._events: Dict[Key, List[Dict[str, Any]]] = {}  # the processes' events at the last read
         self.kinds_done: List[str] = []
         # chaos.draw=plan: the whole schedule drawn now (chaos_plan.py), fired in order.
         self.plan: Optional[List[PlannedFault]] = None
@@ -104,7 +105,28 @@ class ChaosMonkey:
 
     def _continuous_now(self) -> List["Incarnation"]:
         events = {k: read_events(replica_dir(self.job.run_dir, *k) / "events.jsonl") for k in self.job.keys()}
+        self._events = events  # (an armed phase kill looks for its target's stop in them)
         return Timeline(self.job.history, events, self.kills).continuous(time.time())
+
+    def _arm(self, role: str, phase: str, now: float, target: Optional[Key], **extra: Any) -> None:
+        """Arms a phase_kill of ``target`` (else any process of ``role``) in ``phase``. With a
+        target, a hierarchical job and the processes' inboxes, the target is also handed a
+        ``stop`` for that phase (core/runtime/faults.py ``phase_inbox``): it stops itself as
+        the phase starts, however short the phase, and :meth:`_phase_kill` kills it there."""
+        self.armed = {"role": role, "phase": phase, "since": now, **({"target": target} if target is not None else {}), **extra}
+        if target is not None and self.cfg.sync.mode == "hier" and self.cfg.run.fault_inbox and phase in SYNC_FAULT_PHASES:
+            deliver(phase_inbox(inbox_path(self.job.run_dir, *target)), {"action": "stop", "phase": phase})
+            self.armed["stop_sent"] = True
+
+    def _disarm_stop(self, key: Key) -> None:
+        """Takes back a phase stop ``key`` has not taken yet: a restart must never take it."""
+        phase_inbox(inbox_path(self.job.run_dir, *key)).unlink(missing_ok=True)
+
+    def _stopped(self, key: Key, arm: Dict[str, Any]) -> bool:
+        """Whether ``key`` stopped itself at the armed phase (its ``fault`` event, since the arm)."""
+        return bool(arm.get("stop_sent")) and any(
+            e.get("kind") == "fault" and e.get("action") == "stop" and e.get("phase") == arm["phase"] and e["t"] >= arm["since"]
+            for e in self._events.get(key, []))
 
     def _pick(self, role: str, running: Dict[Key, dict], continuous: Sequence["Incarnation"]) -> Optional[List[Key]]:
         t = self.cfg.topology
@@ -158,7 +180,8 @@ class ChaosMonkey:
             done = self._kill_role(running, continuous, now)
         elif kind == "phase_kill":
             role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
-            self.armed = {"role": role, "phase": phase, "since": now}
+            of_role = sorted(k for k, st in running.items() if bool(st.get("leader")) == (role == "leader") and keeps_continuous([k], continuous))
+            self._arm(role, phase, now, of_role[0] if of_role else None)
             done = True
         elif kind == "multi_kill":
             done = self._multi_kill(running, continuous, now)
@@ -221,16 +244,28 @@ class ChaosMonkey:
         assert arm is not None
         continuous = self._continuous_now()
         running = self._running(continuous)
+        # A target that stopped itself at the phase is killed there, continuous or not (stopped,
+        # it could never heal).
+        tgt = arm.get("target")
+        stopped = [tgt] if tgt is not None and self.job.replicas[tgt].popen.poll() is None and self._stopped(tgt, arm) else []
+        if stopped and tgt not in running:
+            running = {**running, tgt: self.job.status(tgt) or {}}
         cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
                        and keeps_continuous([k], continuous))
         phase = arm.get("phase_as", arm["phase"])  # a planned one in a mode with other phase names
-        hits = [k for k in cands if running[k].get("phase") == phase]
+        hits = stopped or [k for k in cands if running[k].get("phase") == phase]
         if hits or (cands and now - arm["since"] > self.cfg.chaos.phase_arm_s):
             target = (hits or cands)[0]
+            if arm.get("stop_sent"):
+                self._disarm_stop(target)
             extra = {k: arm[k] for k in ("planned", "planned_at", "phase_as") if k in arm}
             if "planned" in arm:
                 extra.update(progress=self.progress(), armed_at_progress=arm["progress"])
+            if arm.get("stop_sent"):
+                extra["stopped_itself"] = bool(stopped)
             self._kill([target], running, now, arm["role"], kind="phase_kill", armed_phase=arm["phase"], phase_hit=bool(hits), **extra)
+            if stopped:  # its status may show the training thread's phase (an overlapped push stops on its stage thread)
+                self.kills[-1]["phase"][name(target)] = phase
             self.armed = None
 
     def _multi_kill(self, running: Dict[Key, dict], continuous: Sequence["Incarnation"], now: float) -> bool:
@@ -351,9 +386,9 @@ class ChaosMonkey:
             if not others:  # never the last cluster standing
                 return False
         if f.kind == "phase_kill":
-            self.armed = {"role": f.role, "phase": f.phase, "since": now, "target": f.targets[0], **extra}
+            self._arm(f.role, f.phase, now, f.targets[0], **extra)
             if self.cfg.sync.mode != "hier" and f.phase in BASELINE_PHASE:
-                self.armed["phase_as"] = BASELINE_PHASE[f.phase]
+                self.armed["phase_as"] = BASELINE_PHASE[f.phase]  # type: ignore[index]
             return True
         was = {name(k): bool(running[k].get("leader")) for k in f.targets}
         self._kill(list(f.targets), running, now, f.role, kind=f.kind, was_leader=was, **extra)
@@ -362,6 +397,8 @@ class ChaosMonkey:
     def finish(self) -> None:
         """Ends every fault still in progress (a stopped process, a cut cluster)."""
         now = time.time()
+        if self.armed is not None and self.armed.get("stop_sent"):
+            self._disarm_stop(self.armed["target"])
         for action, arg in self.pending.due(now, force=True):
             self._end(action, arg, now)
 
@@ -521,8 +558,10 @@ def flat_counterpart(overrides: List[str], extra: Sequence[str] = ()) -> List[st
 
 
 def run_chaos(cfg: Config, overrides: List[str], flat_extra: Sequence[str] = ()) -> int:
-    if "poison" in cfg.chaos.kinds:
-        overrides = [*overrides, "run.fault_inbox=true"]  # the processes take the monkey's poisons (core/runtime/faults.py)
+    if "poison" in cfg.chaos.kinds or "phase_kill" in cfg.chaos.kinds:
+        # the processes take the monkey's poisons and phase stops (core/runtime/faults.py)
+        overrides = [*overrides, "run.fault_inbox=true"]
+        cfg.run.fault_inbox = True  # (the monkey's copy: it hands phase stops only where they are taken)
     compare = cfg.chaos.compare_flat and cfg.sync.mode == "hier"
     flat_over = flat_counterpart(overrides, flat_extra)
     # The flat side's configuration is checked before anything runs (one line, exit 2).

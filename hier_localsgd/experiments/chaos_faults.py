@@ -4,10 +4,14 @@ Kinds (``chaos.kinds``; the schedule draws one per fault, seeded by ``chaos.seed
 
 * ``kill`` — SIGKILL a ``non_leader``, a ``leader`` or a whole ``cluster`` (chaos.py);
 * ``phase_kill`` — SIGKILL a role as it enters a phase (``chaos.phase_targets``, e.g. a
-  leader in OUTER_REDUCE): armed at the scheduled time, fired when the role's status
-  shows the phase (the driver polls every 0.2 s, so a phase shorter than that can be
-  missed); after ``chaos.phase_arm_s`` it fires in whatever phase the role is in, and
-  the record says which phase it hit;
+  leader in OUTER_REDUCE): armed at the scheduled time for one target (a planned fault's
+  own, else the role's first process); in a hierarchical job the target is handed a
+  ``stop`` for that phase through its inbox (core/runtime/faults.py ``phase_inbox``): it
+  SIGSTOPs itself as the phase starts, however short the phase, and the driver kills it
+  there (its ``fault`` event says so; the record's ``stopped_itself``). A baseline has no
+  fault points: there it fires when the target's status shows the phase (the driver polls
+  every 0.2 s, so a shorter phase can be missed). After ``chaos.phase_arm_s`` it fires in
+  whatever phase the target is in, and the record says which phase it hit;
 * ``multi_kill`` — SIGKILL two replica groups of different clusters at the same instant
   (a leader of one and a non-leader of another where there are);
 * ``hang`` — SIGSTOP one replica group (every thread, heartbeats included) for

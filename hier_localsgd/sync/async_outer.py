@@ -64,7 +64,7 @@ from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.compression import OuterCompression, decode_push
 from hier_localsgd.sync.global_model import apply_update, checksum
 from hier_localsgd.sync.global_wire import GlobalModelUnavailable, body_limit, call, tensor_or_none
-from hier_localsgd.sync.state import SyncState
+from hier_localsgd.sync.state import SyncState, fault_point
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
 
@@ -450,7 +450,9 @@ class AsyncOuter:
         fallback = OuterResult(Status.INNER_ONLY if inner_ok else Status.ABORT, like, req["base"], req["step"])
         t0 = time.time()
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
+        fault_point(st, Phase.OUTER_QUORUM, req["step"])
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
+        fault_point(st, Phase.OUTER_REDUCE, req["step"])
         try:
             ans = self._call("/push", aged(req), tr)
             if ans.get("need_model"):

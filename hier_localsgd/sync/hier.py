@@ -505,6 +505,7 @@ class HierarchicalSync:
             result = ol.broadcast_global(result, prior=staged.backup)
 
         tr.enter(Phase.INNER_COMMIT)
+        fault_point(st, Phase.INNER_COMMIT)
         try:
             ok = st.inner_mgr.should_commit(tr.remaining())
         except RuntimeError as e:  # torchft raises after max_retries consecutive failures

@@ -28,9 +28,14 @@ and what happens:
 A fault hits every rank of its replica group, or with ``rank: k`` only group rank k
 (a failure one rank of a several-rank group sees and its siblings do not, group_vote.py).
 
-Faults come from the ``faults`` list of the config, and (with ``run.fault_inbox``) from a
-file the chaos command writes while the process runs (:meth:`FaultPlan.from_inbox`: a
-poison now, at whatever step the process is). Each process builds one
+Faults come from the ``faults`` list of the config, and (with ``run.fault_inbox``) from
+files the chaos command writes while the process runs (:meth:`FaultPlan.from_inbox`): a
+poison in ``inbox.json``, now, at whatever step the process is; a ``stop`` in
+``inbox_phase.json`` (:func:`phase_inbox`), at the next start of its sync phase whatever
+the step (:data:`ANY_STEP`), so that the chaos command's phase kill hits its phase however
+short it is: the process stops itself there, its status showing the phase, and the
+command kills it (two files, so that a pending poison and a pending stop never overwrite
+each other). Each process builds one
 :class:`FaultPlan`; the training loop (phase LOCAL) and the sync strategy (its phases)
 take their faults from it, and :func:`fire` carries every action out: one home for what
 a fault does.
@@ -54,10 +59,14 @@ ACTIONS = ("fail", "raise", "hang", "exit", "stop", "poison")
 POISONS = ("nan", "huge")  # what ``poison`` does to the model (poison_model)
 POISON_SCALE = 1e4
 FAIL_PHASES = ("INNER_REDUCE", "OUTER_REDUCE", "BROADCAST")
+# The sync phases whose start is a fault point (sync/state.py fault_point, called by the
+# hierarchical strategy: sync/hier.py, outer_round.py); the baselines have none.
+SYNC_FAULT_PHASES = ("INNER_QUORUM", "INNER_REDUCE", "BROADCAST", "INNER_COMMIT", "OUTER_QUORUM", "OUTER_REDUCE")
 COLLECTIVES = ("payload", "control")  # which collective a ``fail`` hits (link.PAYLOAD / link.CONTROL)
 # Whom a process kill hits (chaos, and the simulator's failure model): a replica group
 # that does not lead its cluster, one that does, or a whole cluster.
 ROLES = ("non_leader", "leader", "cluster")
+ANY_STEP = -1  # a fault's step: at its phase's next fault point, whatever the step (phase_inbox)
 
 
 class InjectedFault(RuntimeError):
@@ -116,30 +125,40 @@ class FaultPlan:
         self.cluster, self.replica = cluster, replica
         self.inbox = inbox
 
-    def from_inbox(self, step: int) -> Optional[Fault]:
-        """A fault handed over through the inbox file (``{"action": "poison", "how": ...,
-        "id": ...}``, written whole by :func:`deliver`), planned for ``step``; the file is
-        taken (renamed to ``<inbox>.taken``) so it fires once. None: no inbox, or nothing in it."""
-        if self.inbox is None or not self.inbox.exists():
-            return None
-        taken = self.inbox.with_name(self.inbox.name + ".taken")
-        try:
-            os.replace(self.inbox, taken)
-            m = json.loads(taken.read_text())
-        except (OSError, ValueError):
-            return None  # gone meanwhile, or not whole: deliver() writes it atomically
-        f = Fault.from_mapping(0, {**m, "cluster": self.cluster, "replica": self.replica, "step": step})
-        self.faults.append(f)
-        return f
+    def from_inbox(self, step: int) -> List[Fault]:
+        """Faults handed over through the inbox files (``{"action": "poison", "how": ...,
+        "id": ...}``, written whole by :func:`deliver`): the inbox's planned for ``step``,
+        :func:`phase_inbox`'s for :data:`ANY_STEP`. Each file is taken (renamed to
+        ``<name>.taken``) so it fires once. Empty: no inbox, or nothing in it."""
+        if self.inbox is None:
+            return []
+        got = []
+        for path, at in ((self.inbox, step), (phase_inbox(self.inbox), ANY_STEP)):
+            if not path.exists():
+                continue
+            taken = path.with_name(path.name + ".taken")
+            try:
+                os.replace(path, taken)
+                m = json.loads(taken.read_text())
+            except (OSError, ValueError):
+                continue  # gone meanwhile, or not whole: deliver() writes it atomically
+            got.append(Fault.from_mapping(0, {**m, "cluster": self.cluster, "replica": self.replica, "step": at}))
+        self.faults += got
+        return got
 
     def take(self, step: int, phase: str, actions: Iterable[str]) -> Optional[Fault]:
-        """Returns (once) the fault planned for this step and phase, if any."""
+        """Returns (once) the fault planned for this step (or :data:`ANY_STEP`) and phase, if any."""
         wanted = set(actions)
         for f in self.faults:
-            if f.step == step and f.phase == phase and f.action in wanted and f not in self._fired:
+            if f.step in (step, ANY_STEP) and f.phase == phase and f.action in wanted and f not in self._fired:
                 self._fired.add(f)
                 return f
         return None
+
+
+def phase_inbox(inbox: Path) -> Path:
+    """The inbox file of a fault for a sync phase, next to ``inbox`` (module doc)."""
+    return inbox.with_name("inbox_phase.json")
 
 
 def deliver(inbox: Path, fault: Mapping[str, object]) -> None:
