@@ -486,7 +486,8 @@ def test_mixed_faults_hang_phase_and_multi_kill_each_recover(tmp_path):
 def test_a_phase_stop_from_the_inbox_fires_at_its_phase_whatever_the_step_and_once(tmp_path):
     """core/runtime/faults.py: a poison in the inbox is planned for the step the process
     reads it at; a stop in the phase inbox for the next start of its phase, at any step. Both
-    pending at once: neither overwrites the other. Each fires once."""
+    pending at once: neither overwrites the other. Each fires once. A fault point takes the
+    phase inbox's alone."""
     from hier_localsgd.core.runtime.faults import ANY_STEP, FaultPlan, deliver, phase_inbox
 
     inbox = tmp_path / "inbox.json"
@@ -502,6 +503,11 @@ def test_a_phase_stop_from_the_inbox_fires_at_its_phase_whatever_the_step_and_on
     f = plan.take(12, "BROADCAST", ("stop",))
     assert f is not None and f.action == "stop" and (f.cluster, f.replica) == (1, 0)
     assert plan.take(13, "BROADCAST", ("stop",)) is None  # once
+    # a fault point takes a phase stop too (a process held out of its loop), never a poison
+    deliver(inbox, {"action": "poison", "how": "nan"})
+    deliver(phase_inbox(inbox), {"action": "stop", "phase": "OUTER_REDUCE"})
+    assert [(f.action, f.step) for f in plan.from_phase_inbox()] == [("stop", ANY_STEP)] and inbox.exists()
+    assert plan.take(20, "OUTER_REDUCE", ("stop",)) is not None
 
 
 def test_lighthouse_and_hang_evidence_from_hand_built_records():

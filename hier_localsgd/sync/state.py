@@ -269,6 +269,7 @@ def fault_point(st: SyncState, phase: Phase, step: Optional[int] = None, outer_l
     """Fires a planned fault for this step (default: the current one) and phase (tests,
     experiments); OUTER_REDUCE's arms the outer link, every other phase's the inner one."""
     step = st.counters.step if step is None else step
+    st.faults.from_phase_inbox()  # a stop for a phase handed over meanwhile (the chaos command's phase kill)
     f = st.faults.take(step, phase.value, ACTIONS)
     if f is None:
         return

@@ -132,8 +132,20 @@ class FaultPlan:
         ``<name>.taken``) so it fires once. Empty: no inbox, or nothing in it."""
         if self.inbox is None:
             return []
+        return self._take_files(((self.inbox, step), (phase_inbox(self.inbox), ANY_STEP)))
+
+    def from_phase_inbox(self) -> List[Fault]:
+        """The phase inbox's fault alone (:meth:`from_inbox`), for a fault point: a process
+        held out of its training loop (a lighthouse outage, a long wait) still takes a phase
+        stop before its next phase. (The other inbox's fault is planned for the loop's step:
+        only the loop takes it.)"""
+        if self.inbox is None:
+            return []
+        return self._take_files(((phase_inbox(self.inbox), ANY_STEP),))
+
+    def _take_files(self, files: Iterable[tuple]) -> List[Fault]:
         got = []
-        for path, at in ((self.inbox, step), (phase_inbox(self.inbox), ANY_STEP)):
+        for path, at in files:
             if not path.exists():
                 continue
             taken = path.with_name(path.name + ".taken")
