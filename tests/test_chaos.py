@@ -508,6 +508,12 @@ def test_a_phase_stop_from_the_inbox_fires_at_its_phase_whatever_the_step_and_on
     deliver(phase_inbox(inbox), {"action": "stop", "phase": "OUTER_REDUCE"})
     assert [(f.action, f.step) for f in plan.from_phase_inbox()] == [("stop", ANY_STEP)] and inbox.exists()
     assert plan.take(20, "OUTER_REDUCE", ("stop",)) is not None
+    # a stop handed to one process (its pid): another process of the group (a restart) drops it
+    import os
+    deliver(phase_inbox(inbox), {"action": "stop", "phase": "BROADCAST", "pid": os.getpid() + 1})
+    assert plan.from_phase_inbox() == [] and not phase_inbox(inbox).exists()
+    deliver(phase_inbox(inbox), {"action": "stop", "phase": "BROADCAST", "pid": os.getpid()})
+    assert [(f.action, f.phase) for f in plan.from_phase_inbox()] == [("stop", "BROADCAST")]
 
 
 def test_lighthouse_and_hang_evidence_from_hand_built_records():

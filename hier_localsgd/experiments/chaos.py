@@ -114,8 +114,10 @@ class ChaosMonkey:
         ``stop`` for that phase (core/runtime/faults.py ``phase_inbox``): it stops itself as
         the phase starts, however short the phase, and :meth:`_phase_kill` kills it there."""
         self.armed = {"role": role, "phase": phase, "since": now, **({"target": target} if target is not None else {}), **extra}
-        if target is not None and self.cfg.sync.mode == "hier" and self.cfg.run.fault_inbox and phase in SYNC_FAULT_PHASES:
-            deliver(phase_inbox(inbox_path(self.job.run_dir, *target)), {"action": "stop", "phase": phase})
+        pid = (self.job.status(target) or {}).get("pid") if target is not None else None
+        if pid is not None and self.cfg.sync.mode == "hier" and self.cfg.run.fault_inbox and phase in SYNC_FAULT_PHASES:
+            # for this process only (its pid): a restart of the group drops it
+            deliver(phase_inbox(inbox_path(self.job.run_dir, *target)), {"action": "stop", "phase": phase, "pid": pid})  # type: ignore[misc]
             self.armed["stop_sent"] = True
 
     def _disarm_stop(self, key: Key) -> None:
@@ -247,9 +249,19 @@ class ChaosMonkey:
         # A target that stopped itself at the phase is killed there, continuous or not (stopped,
         # it could never heal).
         tgt = arm.get("target")
-        stopped = [tgt] if tgt is not None and self.job.replicas[tgt].popen.poll() is None and self._stopped(tgt, arm) else []
+        stopped = [tgt] if tgt is not None and self._stopped(tgt, arm) and self.job.replicas[tgt].popen.poll() is None else []
         if stopped and tgt not in running:
             running = {**running, tgt: self.job.status(tgt) or {}}
+        if stopped and not keeps_continuous(stopped, continuous):
+            # the last process whose model continues from the start: never killed; let it go on
+            signal_group(self.job.replicas[tgt].popen.pid, signal.SIGCONT)  # type: ignore[index]
+            arm["stop_sent"], stopped = False, []
+        if tgt is not None and "planned" not in arm and tgt not in running and now - arm["since"] > self.cfg.chaos.phase_arm_s:
+            # a drawn (not planned) arm whose target is gone: any process of the role will do
+            if arm.pop("stop_sent", False):
+                self._disarm_stop(tgt)
+            del arm["target"]
+            tgt = None
         cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
                        and keeps_continuous([k], continuous))
         phase = arm.get("phase_as", arm["phase"])  # a planned one in a mode with other phase names

@@ -50,7 +50,7 @@ cluster's period or pace: it only marks the cluster alive.
 
 The grace window is adaptive: each push says the cluster's period (seconds since it last
 adopted a model, or since it began training), and
-a batch waits, at most ``sync.async_outer.grace_s`` and at most :data:`GRACE_SHARE` of its
+a batch waits, at most ``sync.async_outer.grace_s`` and at most ``GRACE_SHARE`` (global_schedule.py) of its
 contributors' own period after it opened, only for clusters expected to push inside that
 window and for ``sync.async_outer.min_clusters`` contributors. Equal-speed clusters,
 whose pushes come close together, merge into one batch (the synchronous round); a cluster

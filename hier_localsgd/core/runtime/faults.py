@@ -18,7 +18,9 @@ and what happens:
 * ``exit``: the process exits with code 17 at once, without any cleanup
   (like a crash that leaves the heartbeat threads alive until the OS reaps it);
 * ``stop``: the process SIGSTOPs itself at the start of a sync phase (every thread,
-  heartbeats included, stops: a wedged host); whoever runs the test sends SIGCONT;
+  heartbeats included, stops: a wedged host); whoever runs the test sends SIGCONT (or,
+  the chaos command, SIGKILL). Handed over through an inbox with a ``pid``, only that
+  process takes it: its restart drops it;
 * ``poison`` (training loop, phase LOCAL): the replica group's live model goes bad at that
   step, as a diverging optimizer, a bit flip or a bad shard would leave it: ``how: nan``
   (the default) puts a NaN in every 64th value, ``how: huge`` multiplies the model by
@@ -154,6 +156,8 @@ class FaultPlan:
                 m = json.loads(taken.read_text())
             except (OSError, ValueError):
                 continue  # gone meanwhile, or not whole: deliver() writes it atomically
+            if m.get("pid") is not None and m.pop("pid") != os.getpid():
+                continue  # handed to an earlier process of this group: a restart never fires it
             got.append(Fault.from_mapping(0, {**m, "cluster": self.cluster, "replica": self.replica, "step": at}))
         self.faults += got
         return got
