@@ -431,6 +431,28 @@ def test_a_leader_dying_after_its_push_was_merged_is_not_merged_twice(tmp_path):
     _ends_on_one_version(run, [(0, 1), (1, 0), (1, 1)])
 
 
+def test_a_planned_fail_at_the_push_drops_it_unsent_and_the_next_push_carries_its_work(tmp_path):
+    """A ``fail`` at c0r0's OUTER_REDUCE at step 20: the asynchronous push has no link to
+    arm (before, the fault raised ValueError mid-run), so the push is not sent and counts
+    as unanswered: an ``outer_unavailable`` event, an inner-only round; cluster 0's next push
+    carries every group-step its inner rounds committed since its last adoption (step 10),
+    and the job ends on one model."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, [*ASYNC, "train.steps=40", "faults=[{cluster:0,replica:0,step:20,action:fail,phase:OUTER_REDUCE}]"],
+                  timeout_s=300)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    (lost,) = [e for e in run.kinds((0, 0), "outer_unavailable") if e["step"] == 20]
+    assert "injected failure in OUTER_REDUCE at step 20" in lost["detail"], lost
+    pushes = {e["step"]: e for e in _pushes(run, (0, 0))}
+    assert 10 in pushes and 20 not in pushes and 30 in pushes, pushes
+    commits = [e for e in run.kinds((0, 0), "commit", level="inner") if not e.get("join")]
+    prev = {b["step"]: a["step"] for a, b in zip(commits, commits[1:])}
+    work = sum(e["total_weight"] * (e["step"] - prev[e["step"]]) for e in commits if 10 < e["step"] <= 30)
+    assert work > 0 and pushes[30]["tokens"] == pytest.approx(work), (pushes[30], commits)
+    _ends_on_one_version(run)
+
+
 @pytest.mark.slow
 def test_a_cluster_cut_off_for_many_versions_rebases_and_the_job_ends_on_one_model(tmp_path):
     """Both groups of cluster 1 are stopped (SIGSTOP) for 6 s while cluster 0 trains on:

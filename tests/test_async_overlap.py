@@ -106,6 +106,7 @@ def test_overlapped_pushes_merge_at_the_next_round_count_every_step_once_and_end
     done = {k: run.kinds(k, "async_final", state="done") for k in ALL}
     assert all(len(v) == 1 for v in done.values()) and len({v[0]["outer_round"] for v in done.values()}) == 1, done
     assert run.summary["consistent"] is True
+    crcs: dict = {}
     for c in (0, 1):
         members = [(c, 0), (c, 1)]
         launches = sorted(e["step"] for k in members for e in run.kinds(k, "outer_launch", asynchronous=True))
@@ -119,6 +120,15 @@ def test_overlapped_pushes_merge_at_the_next_round_count_every_step_once_and_end
         work = sum(e["total_weight"] * (e["step"] - prev) for e, prev in
                    zip(run.kinds((c, 0), "commit", level="inner"), steps[(c, 0)]))
         assert sum(e["tokens"] for e in pushes) == pytest.approx(work), (pushes, work)
+        # Heal evidence (chaos_evidence.py): an overlapped push's answer is pending when it
+        # comes, and its checksum is written when the apply round adopts it.
+        assert all(e.get("pending") and "checksum" not in e for e in pushes if e["step"] < 55), pushes
+        assert all(e.get("checksum") for e in pushes if e["step"] == 55), pushes  # blocking: adopted at once
+        adopts = [e for k in members for e in run.kinds(k, "adopt", level="outer")]
+        assert sorted(e["step"] for e in adopts) == [15, 25, 35, 45], adopts
+        for e in adopts:
+            crcs.setdefault(e["outer_round"], set()).add(e["checksum"])
+    assert all(len(v) == 1 for v in crcs.values()), crcs  # one model per version, whichever cluster adopted it
 
 
 def test_an_overlapped_push_waits_for_the_other_cluster_up_to_grace_not_a_share_of_its_period():

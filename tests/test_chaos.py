@@ -199,6 +199,35 @@ def test_an_asynchronous_cluster_restart_heals_by_the_version_its_leader_adopts(
     assert r["recovered"] == 1
 
 
+def test_an_overlapped_answer_is_heal_evidence_only_once_its_apply_round_adopts_it():
+    """An overlapped push's (or an end push's) commit event is written when its answer comes,
+    before the cluster holds that version (its apply round may drop it): it is ``pending``,
+    without a checksum, and no evidence. The apply round's ``adopt`` event, with the
+    version's checksum, is."""
+    f = Fake()
+    for k in ALL:
+        f.train(k, T0, T0 + 20 if k[0] == 0 else T0 + 10, tag=f"c{k[0]}")
+        for e in f.events[k]:
+            if e.get("outer"):
+                e["checksum"] = f"c{k[0]}o{e['step']}"
+    f.events[(0, 0)].append({"t": T0 + 12.6, "kind": "commit", "level": "outer", "step": 50, "outer_round": 7,
+                             "asynchronous": True, "checksum": "v7"})
+    f.kill(T0 + 10.0, "cluster", {(1, 0): dict(steps_run=40), (1, 1): dict(steps_run=40)})
+    for k in [(1, 0), (1, 1)]:
+        f.start(k, T0 + 12.0, restart=True)
+    # the restarted leader's overlapped push is answered with version 7: not yet adopted
+    f.events[(1, 0)].append({"t": T0 + 13.0, "kind": "commit", "level": "outer", "step": 20, "outer_round": 7,
+                             "asynchronous": True, "pending": True})
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"] == {"c1r0": None, "c1r1": None} and r["recovered"] == 0
+    f.events[(1, 0)].append({"t": T0 + 14.5, "kind": "adopt", "level": "outer", "step": 30, "outer_round": 7,
+                             "asynchronous": True, "checksum": "v7"})  # its apply round
+    for k in ALL:
+        f.events[k].sort(key=lambda e: e["t"])
+    r = f.evidence()
+    assert r["kills"][0]["time_to_heal_s"]["c1r0"] == pytest.approx(2.5)
+
+
 def test_a_heal_counts_only_at_a_step_above_zero():
     f = Fake()
     f.train((0, 0), T0, T0 + 20, leader=True)
@@ -622,6 +651,69 @@ def test_wall_clock_faults_start_one_interval_apart_but_not_right_after_one_ende
     assert monkey.next_kill == 130.0
     monkey.after_end(128.0)  # one that ended at 128: not before 128 + 5
     assert monkey.next_kill == 133.0
+
+
+def test_a_hang_and_a_phase_kill_never_share_a_target(tmp_path):
+    """A hang is never drawn on the armed phase kill's target (its SIGCONT would free a
+    process stopped at its phase), and a phase kill is never armed on, nor falls back to,
+    a group a hang holds stopped (its stop could not fire; the kill would cut the hang
+    short); a planned one waits until the hang ends."""
+    from types import SimpleNamespace
+
+    from hier_localsgd.config import load_config
+    from hier_localsgd.experiments.chaos import ChaosMonkey
+    from hier_localsgd.experiments.chaos_plan import PlannedFault
+
+    cfg = load_config([f"run.dir={tmp_path}", "chaos.kinds=[hang,phase_kill]", "chaos.phase_arm_s=1"], validate_for="chaos")
+    keys = [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+    class Job:
+        run_dir, history, netns = tmp_path, [], None
+
+        def __init__(self):
+            self.replicas = {k: SimpleNamespace(popen=SimpleNamespace(pid=100 + i)) for i, k in enumerate(keys)}
+            self.killed = []
+
+        def keys(self):
+            return keys
+
+        def status(self, key):
+            return {"step": 50, "state": "running", "leader": key[1] == 0, "pid": self.replicas[key].popen.pid, "phase": "LOCAL"}
+
+        def kill(self, key, sig):
+            self.killed.append(key)
+
+    job = Job()
+    monkey = ChaosMonkey(job, cfg)  # type: ignore[arg-type]
+    monkey._continuous_now = lambda: [SimpleNamespace(key=k) for k in keys]  # type: ignore[method-assign]
+    running = {k: job.status(k) for k in keys}
+    import hier_localsgd.experiments.chaos as chaos_mod
+    chaos_mod.signal_group, saved = (lambda pid, sig: None), chaos_mod.signal_group
+    try:
+        monkey._arm("leader", "BROADCAST", 0.0, (0, 0))
+        hung = []
+        for _ in range(30):
+            monkey.pending.items.clear()
+            assert monkey._fault("hang", running, 1.0)
+            hung.append(monkey.faults[-1]["target"])
+        assert "c0r0" not in hung and len(set(hung)) == 3, hung  # drawn from the other three
+        # a hang holds c1r0 (a leader) stopped: the armed leader phase kill, its target gone,
+        # falls back to a leader of the role that runs, c0r0, never the hung c1r0
+        monkey.pending.items[:] = [(99.0, "cont", 102)]
+        monkey.armed = {"role": "leader", "phase": "BROADCAST", "since": 0.0}
+        monkey._running = lambda continuous: {k: running[k] for k in [(1, 0), (0, 1), (1, 1)]}  # type: ignore[method-assign]
+        monkey._phase_kill(5.0)
+        assert job.killed == [] and monkey.armed is not None  # no leader but the hung one: it waits
+        monkey._running = lambda continuous: running  # type: ignore[method-assign]
+        monkey._phase_kill(6.0)
+        assert job.killed == [(0, 0)] and monkey.armed is None
+        # a planned phase kill of the hung group waits for the hang's end
+        pf = PlannedFault(index=0, at=10, kind="phase_kill", role="leader", targets=[(1, 0)], phase="BROADCAST")
+        assert monkey._fire_planned(pf, running, monkey._continuous_now(), 7.0, 50) is False and monkey.armed is None
+        monkey.pending.items.clear()
+        assert monkey._fire_planned(pf, running, monkey._continuous_now(), 8.0, 50) is True and monkey.armed["target"] == (1, 0)
+    finally:
+        chaos_mod.signal_group = saved
 
 
 def test_discarded_steps_are_broken_down_by_the_reason_the_processes_gave():

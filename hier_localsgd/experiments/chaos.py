@@ -29,7 +29,7 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from hier_localsgd.config import Config, load_config
 from hier_localsgd.experiments.chaos_evidence import WORK_KEYS, Incarnation, Timeline, evidence, name
@@ -120,6 +120,13 @@ class ChaosMonkey:
             deliver(phase_inbox(inbox_path(self.job.run_dir, *target)), {"action": "stop", "phase": phase, "pid": pid})  # type: ignore[misc]
             self.armed["stop_sent"] = True
 
+    def _hung(self) -> Set[Key]:
+        """Replica groups a hang holds stopped now (their SIGCONT still pending). A hang and a
+        phase kill never share a target: a phase stop cannot fire in a stopped process, a
+        kill would cut the hang short, and a SIGCONT would free a process that stopped itself."""
+        pids = {arg for _, action, arg in self.pending.items if action == "cont"}
+        return {k for k, r in self.job.replicas.items() if r is not None and getattr(r.popen, "pid", None) in pids}
+
     def _disarm_stop(self, key: Key) -> None:
         """Takes back a phase stop ``key`` has not taken yet: a restart must never take it."""
         phase_inbox(inbox_path(self.job.run_dir, *key)).unlink(missing_ok=True)
@@ -182,7 +189,9 @@ class ChaosMonkey:
             done = self._kill_role(running, continuous, now)
         elif kind == "phase_kill":
             role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
-            of_role = sorted(k for k, st in running.items() if bool(st.get("leader")) == (role == "leader") and keeps_continuous([k], continuous))
+            hung = self._hung()
+            of_role = sorted(k for k, st in running.items() if bool(st.get("leader")) == (role == "leader") and keeps_continuous([k], continuous)
+                             and k not in hung)
             self._arm(role, phase, now, of_role[0] if of_role else None)
             done = True
         elif kind == "multi_kill":
@@ -262,10 +271,13 @@ class ChaosMonkey:
                 self._disarm_stop(tgt)
             del arm["target"]
             tgt = None
+        hung = self._hung()
         cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
-                       and keeps_continuous([k], continuous))
+                       and keeps_continuous([k], continuous) and k not in hung)
         phase = arm.get("phase_as", arm["phase"])  # a planned one in a mode with other phase names
-        hits = stopped or [k for k in cands if running[k].get("phase") == phase]
+        # A target handed a stop is killed once it stopped itself: its status can show the
+        # phase a poll before its ``fault`` event is read (a kill then would race the stop).
+        hits = stopped or ([] if arm.get("stop_sent") else [k for k in cands if running[k].get("phase") == phase])
         if hits or (cands and now - arm["since"] > self.cfg.chaos.phase_arm_s):
             target = (hits or cands)[0]
             if arm.get("stop_sent"):
@@ -300,14 +312,19 @@ class ChaosMonkey:
         """A non-kill fault; ``target`` (a planned fault's group, lighthouse or cluster), else drawn."""
         ch = self.cfg.chaos
         rec: Dict[str, Any] = {"t": now - self.t0, "t_abs": now, "kind": kind, **extra}
+        armed = None if self.armed is None else self.armed.get("target")
+        if kind in ("hang", "poison") and target is None:
+            drawable = sorted(k for k in running if k != armed)  # never the armed phase kill's target (:meth:`_hung`)
+            if not drawable:
+                return False
         if kind == "hang":
-            key = self.rng.choice(sorted(running)) if target is None else target
+            key = self.rng.choice(drawable) if target is None else target
             st = running[key]
             rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=ch.hang_s)
             signal_group(self.job.replicas[key].popen.pid, signal.SIGSTOP)
             self.pending.add(now + ch.hang_s, "cont", self.job.replicas[key].popen.pid)
         elif kind == "poison":
-            key = self.rng.choice(sorted(running)) if target is None else target
+            key = self.rng.choice(drawable) if target is None else target
             st = running[key]
             rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=0.0)
             deliver(inbox_path(self.job.run_dir, *key), POISON)  # fires at the group's next step
@@ -398,6 +415,8 @@ class ChaosMonkey:
             if not others:  # never the last cluster standing
                 return False
         if f.kind == "phase_kill":
+            if f.targets[0] in self._hung():
+                return False  # a hang holds it stopped: armed once it runs again (:meth:`_hung`)
             self._arm(f.role, f.phase, now, f.targets[0], **extra)
             if self.cfg.sync.mode != "hier" and f.phase in BASELINE_PHASE:
                 self.armed["phase_as"] = BASELINE_PHASE[f.phase]  # type: ignore[index]

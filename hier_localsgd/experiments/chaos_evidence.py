@@ -247,8 +247,11 @@ class Timeline:
         return healed
 
     def _model_commits(self, inc: Incarnation) -> List[Dict[str, Any]]:
-        """``inc``'s inner and outer commits, in time order (a flat baseline's once)."""
-        return [e for e in self.of(inc) if is_commit(e, "inner") or is_commit(e, "outer")]
+        """``inc``'s inner and outer commits, in time order (a flat baseline's once), and
+        its leader's adoptions of an overlapped push's answer (``adopt``: the asynchronous
+        level's commit event of such a push is ``pending``, without a checksum: its apply
+        round may drop it)."""
+        return [e for e in self.of(inc) if is_commit(e, "inner") or is_commit(e, "outer") or (e["kind"] == "adopt" and at_level(e, "outer"))]
 
     def _by_pid(self, key: Key, pid: Any) -> Optional[Incarnation]:
         incs = self.incs.get(key, [])

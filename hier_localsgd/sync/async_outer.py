@@ -184,6 +184,7 @@ class AsyncOuter:
         # the base it went out from (None: not made), and the merge's weight and held_to.
         self._end_base: Optional[int] = None
         self._end_weight, self._end_held = 0.0, -1
+        self._failing: Optional[Exception] = None  # a planned 'fail' at the push (:meth:`_arm_failure`)
         st.tracker.set_extra(asynchronous=True)  # the dashboard shows versions and their lag
 
     def started(self, step: int) -> None:
@@ -371,7 +372,7 @@ class AsyncOuter:
         st.tracker.mark_commit("outer", version)
         st.events("recovered", level="outer", step=self.launched, base=c.outer_round, outer_round=version)
         logger.info("%s the last leader's push from step %d was merged: the cluster merges version %d", st.id, self.launched, version)
-        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, c.step, 1.0, merge=True)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, c.step, 1.0, merge=True, checksum=model_checksum(model))
 
     def moved_on(self) -> bool:
         """Whether the job has moved on without this cluster (its join round at step 0,
@@ -436,12 +437,19 @@ class AsyncOuter:
         return self.exchange(req, st.outer.backup, cluster_model, inner_ok, st.comp, tr)
 
     def exchange(self, req: dict, base: torch.Tensor, like: torch.Tensor, inner_ok: bool,
-                 comp: Optional[OuterCompression], tr: PhaseTracker, built: Optional[float] = None) -> OuterResult:
+                 comp: Optional[OuterCompression], tr: PhaseTracker, built: Optional[float] = None,
+                 adopts: bool = True) -> OuterResult:
         """Sends the push ``req`` (:meth:`request`, from ``base``) and takes its answer; on
         the round's tracker (blocking) or the stage's (overlapped: then it touches only
         ``comp``, the stage's copy, and this object's server state; ``built``: when the
         push was built, so each attempt says its age). Never raises for the server: an
-        unanswered push is an INNER_ONLY result with ``like`` (ABORT if not ``inner_ok``)."""
+        unanswered push is an INNER_ONLY result with ``like`` (ABORT if not ``inner_ok``).
+
+        ``adopts``: the caller adopts the answer now (a blocking round). Else (an overlapped
+        push, whose apply round may drop it; an end push, whose version no member adopts)
+        its ``commit`` event carries no checksum, ``pending`` instead: a model the cluster
+        never held is no heal evidence. The apply round writes an ``adopt`` event with it
+        (outer_round.py)."""
         st = self.st
 
         def aged(r: dict) -> dict:
@@ -452,8 +460,11 @@ class AsyncOuter:
         tr.enter(Phase.OUTER_QUORUM, reason="asynchronous: push to the global model server")
         fault_point(st, Phase.OUTER_QUORUM, req["step"])
         tr.enter(Phase.OUTER_REDUCE)  # the push: its answer comes when its batch closes
-        fault_point(st, Phase.OUTER_REDUCE, req["step"])
+        fault_point(st, Phase.OUTER_REDUCE, req["step"], arm_failure=self._arm_failure)
         try:
+            if self._failing is not None:
+                failing, self._failing = self._failing, None
+                raise GlobalModelUnavailable(f"{self.url}/push: {failing}")
             ans = self._call("/push", aged(req), tr)
             if ans.get("need_model"):
                 self._register(final=False, tr=tr, base=base, version=req["base"], step=req["step"])  # the model alone, then the push again
@@ -478,6 +489,7 @@ class AsyncOuter:
             logger.warning("%s global model server: %s; the cluster trains on", st.id, e)
             return fallback
         tr.enter(Phase.OUTER_COMMIT)  # nothing to vote on: the server's version is final
+        crc = model_checksum(model)
         self.epoch = str(ans.get("epoch") or "")
         version, weight, staleness = int(ans["version"]), float(ans.get("weight", 0.0)), int(ans.get("staleness", 0))
         st.tracker.mark_commit("outer", version)
@@ -489,7 +501,8 @@ class AsyncOuter:
                   weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
                   asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period,
                   down_steps=len(ans["updates"]) if isinstance(ans.get("updates"), list) else None,  # None: the model came whole
-                  checksum=model_checksum(model),  # version's model: the evidence another cluster's commit of it matches
+                  # the version's model: the evidence another cluster's commit of it matches
+                  **({"checksum": crc} if adopts else {"pending": True}),
                   **({"held_to": held_to} if held_to >= 0 else {}))
         # A cluster restarted whole (behind the steps it had pushed before) resumes its count there.
         ahead = ans.get("cluster_step")
@@ -499,7 +512,15 @@ class AsyncOuter:
         if step > at:
             st.events("resume_step", level="outer", step=at, to=step, version=version)
             logger.info("%s resumes its step count at %d (this cluster's furthest push) with version %d", st.id, step, version)
-        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, step, weight, push_in=push_in, held_to=held_to)
+        return OuterResult(Status.OUTER_COMMITTED, model.to(like.dtype), version, step, weight, push_in=push_in, held_to=held_to,
+                           checksum=crc)
+
+    def _arm_failure(self, exc: Exception, collective: str) -> None:
+        """A planned ``fail`` at OUTER_REDUCE (core/runtime/faults.py), on the thread that
+        pushes: this push is not sent and counts as unanswered, as on a broken WAN (the
+        cluster trains on; its work rides the next push). ``collective`` is moot: a push is
+        one exchange."""
+        self._failing = exc
 
     def _push_at_end(self, cluster_model: torch.Tensor) -> bool:
         """The run's last push did not deliver the cluster's work (the server was down or
@@ -511,7 +532,7 @@ class AsyncOuter:
         st = self.st
         c = st.counters
         req = self.request(cluster_model, contribute=True, comp=st.comp)
-        res = self.exchange(req, st.outer.backup, cluster_model, True, st.comp, st.tracker)
+        res = self.exchange(req, st.outer.backup, cluster_model, True, st.comp, st.tracker, adopts=False)
         if res.status != Status.OUTER_COMMITTED:
             return False
         self._end_base, self._end_weight, self._end_held = c.outer_round, res.cluster_weight, res.held_to

@@ -87,6 +87,10 @@ class OuterResult:
     # push from the same base, which the global model holds (-1: none; committed.py counts
     # only the steps past it as lost).
     held_to: int = -1
+    # Asynchronous, the leader's only: the checksum of the version's model (the heal evidence
+    # of chaos_evidence.py), written as an ``adopt`` event when an answer is adopted later
+    # than it came (an overlapped push's apply round). Not in the header.
+    checksum: Optional[int] = None
 
     def header(self) -> torch.Tensor:
         """What BROADCAST sends the cluster before the model (:meth:`from_header` reads it)."""

@@ -316,7 +316,7 @@ class OuterLevel:
             comp = self._stage_comp = None if st.comp is None else st.comp.copy()
             req = asy.request(model, contribute, comp, overlap=True)  # here: the counters and tokens of the push round
             base, built = st.outer.backup.clone(), time.time()
-            self.stage.launch(lambda tr: asy.exchange(req, base, model, contribute, comp, tr, built=built))
+            self.stage.launch(lambda tr: asy.exchange(req, base, model, contribute, comp, tr, built=built, adopts=False))
             st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=1, asynchronous=True)
             return
         lvl = Level("outer", st.settings.outer, st.outer.backup)
@@ -365,7 +365,7 @@ class OuterLevel:
         self._stage_outer = lvl
         step = c.step + (res.step - st.snap_step)  # a healed-to newer view moves the step as well
         return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True, fragment=res.fragment,
-                           push_in=res.push_in)
+                           push_in=res.push_in, checksum=res.checksum)
 
     def _last_push(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool) -> OuterResult:
         """The run's last round with an overlapped push in flight (asynchronous): take its
@@ -464,7 +464,8 @@ class OuterLevel:
         momentum, momentum_ok = self._broadcast_momentum(st.outer)
         if not (header_ok and params_ok and momentum_ok) or status is None or (st.comp is not None and residual is None):
             return OuterResult(Status.ABORT, None, st.counters.outer_round, st.counters.step)
-        return OuterResult.from_header(header, params, residual=residual, momentum=momentum)
+        crc = result.checksum if st.leader and result is not None else None  # not in the header: the leader's own
+        return OuterResult.from_header(header, params, residual=residual, momentum=momentum, checksum=crc)
 
     def broadcast_global(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
         """BROADCAST at an apply round: a header, then the global model only if the
@@ -488,7 +489,8 @@ class OuterLevel:
         momentum, momentum_ok = self._broadcast_momentum(self._stage_outer)
         if not (params_ok and momentum_ok) or (st.comp is not None and residual is None):
             return OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        return OuterResult.from_header(header, params, merge=True, residual=residual, momentum=momentum)
+        crc = result.checksum if st.leader and result is not None else None  # not in the header: the leader's own
+        return OuterResult.from_header(header, params, merge=True, residual=residual, momentum=momentum, checksum=crc)
 
     def _broadcast_residual(self, stage: Optional[OuterCompression] = None) -> Optional[torch.Tensor]:
         """Compressed outer reduce: the leader sends the cluster's committed residual
@@ -617,6 +619,9 @@ class OuterLevel:
             self.adopt_into_inner(result.params, result.fragment, base=now)
         if self.asynchronous is not None:  # every member, from the header: one schedule per cluster
             self.asynchronous.adopted(step=result.step, push_in=result.push_in, merge=result.merge)
+            if result.merge and result.checksum is not None:  # the leader: the version is held now (chaos heal evidence)
+                st.events("adopt", level="outer", outer_round=result.outer_round, step=result.step, asynchronous=True,
+                          checksum=result.checksum)
         if result.momentum is not None and not st.leader:
             st.outer.set_momentum(result.momentum)  # eager updates: in step with the leader's
         st.outer.set_backup(result.params)  # the whole global model: other fragments' entries are unchanged in it

@@ -265,9 +265,12 @@ def screen_norm(st: SyncState, level: Level, live: torch.Tensor, base: Optional[
     return n / rounds if n > 0 else n
 
 
-def fault_point(st: SyncState, phase: Phase, step: Optional[int] = None, outer_link: Optional[LinkProcessGroup] = None) -> None:
+def fault_point(st: SyncState, phase: Phase, step: Optional[int] = None, outer_link: Optional[LinkProcessGroup] = None,
+                arm_failure: Optional[Callable[[Exception, str], None]] = None) -> None:
     """Fires a planned fault for this step (default: the current one) and phase (tests,
-    experiments); OUTER_REDUCE's arms the outer link, every other phase's the inner one."""
+    experiments); a ``fail`` at OUTER_REDUCE arms the outer link, at every other phase the
+    inner one; ``arm_failure`` instead where the phase's exchange is not a link's (the
+    asynchronous level's push)."""
     step = st.counters.step if step is None else step
     st.faults.from_phase_inbox()  # a stop for a phase handed over meanwhile (the chaos command's phase kill)
     f = st.faults.take(step, phase.value, ACTIONS)
@@ -276,8 +279,7 @@ def fault_point(st: SyncState, phase: Phase, step: Optional[int] = None, outer_l
     st.events("fault", action=f.action, phase=phase.value, step=step)
     logger.warning("%s injecting fault %s", st.id, f)
     link = outer_link if phase == Phase.OUTER_REDUCE else st.inner_link
-    # (no link: the asynchronous level's push; fire() refuses a 'fail' there in one line)
-    fire(f, f"{phase.value} at step {step}", None if link is None else link.arm_failure)
+    fire(f, f"{phase.value} at step {step}", arm_failure or (None if link is None else link.arm_failure))
 
 
 def outage(st: SyncState, level: str, e: LighthouseOutage) -> None:

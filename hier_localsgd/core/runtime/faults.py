@@ -8,7 +8,9 @@ and what happens:
   result is reported as failed, as a broken link would be
   (:meth:`hier_localsgd.core.links.link.LinkProcessGroup.arm_failure`); with
   ``collective: control``, the phase's next control collective instead (in a REDUCE
-  phase, the consistency guard's exchange, guard.py);
+  phase, the consistency guard's exchange, guard.py); at the asynchronous outer
+  level's push (OUTER_REDUCE, no link) the push is not sent and counts as
+  unanswered (sync/async_outer.py);
 * ``raise``: the process raises an exception at that step, in the training loop (while
   another non-daemon thread of the process is still blocked: seed 004's failed process
   that kept heartbeating, since a normal interpreter exit would wait for that thread) or
