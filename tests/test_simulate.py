@@ -437,14 +437,15 @@ def test_a_half_speed_cluster_holds_the_fast_one_at_the_outer_barrier_as_compute
     # Matched paces (sync.async_outer.match_pace), over 180 s: the server learns the paces
     # from the pushes (1 and 2 s per step; no transit on a free network). Cluster 0, the
     # fastest, pushes every 30 steps (30, 60, ..., 180 s). Cluster 1's first push (60 s,
-    # handled before cluster 0's push at the same second) finds no gap of cluster 0's yet:
-    # the full 30 steps again (120 s). There the fastest's next arrival is 90 + 30 = 120 s,
-    # now: under the 5-step floor, so it aims at the one after, 30 s = 15 of its steps
-    # (step 75, 150 s), then again 15 (step 90, 180 s): from 120 s on both push together.
+    # handled before cluster 0's push at the same second): cluster 0, answered at 30 s,
+    # is due at 30 + 30 steps x 1 s = 60 s, now: under the 5-step floor, so it aims at the
+    # one after, 30 s = 15 of its steps (step 45, 90 s), then 15 again: from 90 s on both
+    # push together. (With the fastest's time between arrivals, unknown until its second
+    # push, cluster 1's first answer was the full 30 steps and they met from 120 s.)
     cfg.sync.async_outer.match_pace, cfg.simulate.duration_s = True, 180.0
     sim = engine.Simulation(params.resolve(cfg), 0)
     m = sim.run()
-    assert sim.pushes_at == {0: [30.0, 60.0, 90.0, 120.0, 150.0, 180.0], 1: [60.0, 120.0, 150.0, 180.0]}, dict(sim.pushes_at)
+    assert sim.pushes_at == {0: [30.0, 60.0, 90.0, 120.0, 150.0, 180.0], 1: [60.0, 90.0, 120.0, 150.0, 180.0]}, dict(sim.pushes_at)
     assert (m.final_step, m.wait, m.goodput, m.lost) == (180, 0.0, 1.0, {})
     # Without it, cluster 1 pushes every 30 of its steps: every 60 s.
     cfg.sync.async_outer.match_pace = False

@@ -5,7 +5,7 @@ clock."""
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Dict, Iterable, Optional
+from typing import Callable, Collection, Dict, Iterable, Optional, Tuple
 
 # A batch waits at most this share of its contributors' own push period: a fast cluster
 # gives up at most a tenth of its time to merging with others (global_server.py).
@@ -56,6 +56,23 @@ def expected_push(ref: float, transit: float, push_in: int, pace: float) -> floa
     """When match_pace expects a cluster's next push: ``push_in`` steps at its ``pace``
     (seconds per step) after ``ref``, plus its ``transit`` (global_server.py ``_answer_push``)."""
     return ref + transit + push_in * pace
+
+
+def fastest_next(now: float, pushed: float, answered: Optional[float], overlapped: bool, transit: float, pace: float,
+                 full: int) -> Tuple[float, float]:
+    """match_pace's aim: when the fastest cluster's next push arrives, and its time between
+    pushes. It trains ``full`` steps at its ``pace`` between pushes. A blocking one starts
+    them at its answer (``answered``; ``now`` if its last push, which arrived at ``pushed``,
+    is not answered yet: it is in the batch closing now) and adds its ``transit``
+    (:func:`expected_push`); an overlapped one's count from its last push's arrival (its
+    training waits for no answer). Counted from the answer, the aim leaves out what the
+    fastest waited in its last batch (up to the grace window: before, its mean time between
+    arrivals carried that wait into every aim, and a slower cluster's push missed it by
+    up to 2 s: docs/benchmarks.md)."""
+    if overlapped:
+        return expected_push(pushed, 0.0, full, pace), full * pace
+    ref = answered if answered is not None and answered >= pushed else now
+    return expected_push(ref, transit, full, pace), transit + full * pace
 
 
 def average(d: Dict[int, float], k: int, x: float) -> None:

@@ -100,7 +100,7 @@ from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.sync.compression import decode_push, encode_update
 from hier_localsgd.sync.global_model import GlobalModel
 from hier_localsgd.sync.global_schedule import (MAX_AGE_S, SILENT_PERIODS, average, batch_closes, batch_end, expected_push,
-                                                fastest, free_until, meet_in)
+                                                fastest, fastest_next, free_until, meet_in)
 from hier_localsgd.sync.global_wire import AUTH, MAC_BYTES, PUBLIC_KEY, body_limit, request_mac, response_mac
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,6 @@ class GlobalModelServer:
         self._period: Dict[int, float] = {}  # cluster -> its push period (moving average)
         self._pace: Dict[int, float] = {}  # cluster -> seconds per step over its periods (moving average)
         self._expect: Dict[int, float] = {}  # match_pace cluster -> when its next push is due (the fastest's next)
-        self._gap: Dict[int, float] = {}  # cluster -> time between its pushes of work, on this server's clock (moving average)
         self._pushed: Dict[int, float] = {}  # cluster -> when it last pushed work (a delta; not a registration or pull)
         self._answered: Dict[int, float] = {}  # cluster -> when its last push was answered
         self._transit: Dict[int, float] = {}  # cluster -> answer to next arrival less its training (moving average)
@@ -416,8 +415,9 @@ class GlobalModelServer:
         cluster (least seconds per step; it stays the fastest until another is 5 % faster,
         so near-equal clusters do not trade the role at every push) trains ``full`` steps
         between pushes; any other cluster ``round((t_f - transit) / pace)`` steps, ``t_f``
-        the time to the fastest's next push's arrival (its last arrival plus its time between
-        arrivals), ``transit`` the cluster's own time from an answer to its next arrival
+        the time to the fastest's next push's arrival (its answer, its transit and its
+        full period at its pace: global_schedule.py ``fastest_next``; known from its first
+        push on), ``transit`` the cluster's own time from an answer to its next arrival
         that is not training (the model down the WAN and to its groups, its push up: seconds
         on a slow link); the push after that if under ``lo`` steps are left; clamped to
         ``[lo, full]``."""
@@ -426,10 +426,11 @@ class GlobalModelServer:
         if cluster not in live:
             return full
         f = self._fastest = fastest(live, self._fastest)
-        gap = self._gap.get(f)
-        if f == cluster or not gap or f not in self._pushed:
+        if f == cluster or f not in self._pushed:
             return full
-        return meet_in(self._pushed[f] + gap - now - transit, live[cluster], gap, lo, full)
+        t_f, gap = fastest_next(time.time(), self._pushed[f], self._answered.get(f), self._overlapped.get(f, False),
+                                self._transit.get(f, 0.0), live[f], full)
+        return meet_in(t_f - now - transit, live[cluster], gap, lo, full)
 
     def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
@@ -449,16 +450,13 @@ class GlobalModelServer:
         self._last[cluster] = now
 
     def _pushed_work(self, cluster: int, now: float, period_s: Any) -> None:
-        """A push that carries work: the time between such pushes (a registration or a
-        pull a moment before would read as a gap of milliseconds), and the part of the time
-        since the last answer that was not its training (``period_s``): the transit."""
+        """A push that carries work (not a registration or a pull): when it arrived, and
+        the part of the time since the last answer that was not its training
+        (``period_s``): the transit."""
         answered = self._answered.get(cluster)
         if answered is not None and _positive(period_s) and now - answered - float(period_s) >= 0:
             t = now - answered - float(period_s)
             average(self._transit, cluster, t)
-        prev = self._pushed.get(cluster)
-        if prev is not None:
-            average(self._gap, cluster, now - prev)
         self._pushed[cluster] = now
 
     def _free_until(self, cluster: int, now: float, at: float, free_s: object) -> None:

@@ -56,7 +56,7 @@ at once. A merged push waits in the server's open batch until the grace window c
 contributor's period, the clusters expected inside the window, ``min_clusters``); a batch
 is one version, and its pushes are answered then (pushes.py). With
 ``sync.async_outer.match_pace`` the server sets each cluster's push schedule as the real one
-does (paces.py: the paces, transits and the fastest cluster's gap learnt from the pushes,
+does (paces.py: the paces and transits learnt from the pushes, and each cluster's last push and answer,
 with global_server.py's rules; the ``push_in`` of the answer, given when the server answers), and a
 cluster's rounds end on the H_inner grid and at its push steps (async_outer.py
 ``next_round_step``). With ``sync.outer.delay`` > 0 the pushes are overlapped (pushes.py):

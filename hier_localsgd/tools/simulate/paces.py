@@ -1,7 +1,7 @@
 """The global model server's push schedule under ``sync.async_outer.match_pace``, simulated.
 
 What sync/global_server.py learns from each push (``_arrived``, ``_pushed_work``) and the
-``push_in`` it answers (``_push_in``), with its rules (:func:`fastest`, :func:`meet_in`,
+``push_in`` it answers (``_push_in``), with its rules (:func:`fastest`, :func:`fastest_next`, :func:`meet_in`,
 :func:`average`), on the simulator's clock. pushes.py calls :meth:`PaceServer.arrive` as a push arrives and
 :meth:`PaceServer.answer` when its batch closes (batches.py) or it is refused, and sets the
 cluster's schedule from the answer (an overlapped push's counted from its arrival).
@@ -12,20 +12,21 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from hier_localsgd.sync.async_outer import min_push_steps
-from hier_localsgd.sync.global_schedule import SILENT_PERIODS, average, expected_push, fastest, meet_in
+from hier_localsgd.sync.global_schedule import SILENT_PERIODS, average, expected_push, fastest, fastest_next, meet_in
 
 
 class PaceServer:
     """Per cluster: its period between pushes and pace (seconds per step, as its leader
     reports them), its transit (from an answer to its next arrival, less its training), the
-    time of its last push, and the gap between its pushes; the fastest cluster."""
+    time of its last push and of its last answer, and whether that push was overlapped; the
+    fastest cluster."""
 
     def __init__(self, full: int, h_inner: int) -> None:
         self.full, self.lo = full, min_push_steps(h_inner)  # the request's full_steps and min_steps (async_outer.py)
         self.period: Dict[int, float] = {}
         self.pace: Dict[int, float] = {}
         self.transit: Dict[int, float] = {}
-        self.gap: Dict[int, float] = {}
+        self.overlapped: Dict[int, bool] = {}
         self.pushed: Dict[int, float] = {}
         self.answered: Dict[int, float] = {}
         self.fastest: Optional[int] = None
@@ -39,8 +40,6 @@ class PaceServer:
                 average(self.pace, k, period_s / steps)
             if k in self.answered and now - self.answered[k] - period_s >= 0:
                 average(self.transit, k, now - self.answered[k] - period_s)
-        if k in self.pushed:
-            average(self.gap, k, now - self.pushed[k])
         self.pushed[k] = now
 
     def answer(self, k: int, now: float, running: Callable[[int], bool], lo: Optional[int] = None,
@@ -53,6 +52,7 @@ class PaceServer:
         push's counts from its apply round: async_outer.py ``overlap_floor``); by default
         half of H_inner."""
         self.answered[k] = now
+        self.overlapped[k] = ref is not None
         ref = now if ref is None else ref
         transit = self.transit.get(k, 0.0) if transit is None else transit
         live = {j: x for j, x in self.pace.items() if running(j)
@@ -60,10 +60,11 @@ class PaceServer:
         if k not in live:
             return self.full
         f = self.fastest = fastest(live, self.fastest)
-        gap = self.gap.get(f)
-        if f == k or not gap:
+        if f == k or f not in self.pushed:
             return self.full
-        return meet_in(self.pushed[f] + gap - ref - transit, live[k], gap, self.lo if lo is None else lo, self.full)
+        t_f, gap = fastest_next(now, self.pushed[f], self.answered.get(f), self.overlapped.get(f, False),
+                                self.transit.get(f, 0.0), live[f], self.full)
+        return meet_in(t_f - ref - transit, live[k], gap, self.lo if lo is None else lo, self.full)
 
     def expected_at(self, k: int, ref: float, push_in: int, transit: Optional[float] = None) -> Optional[float]:
         """When the server expects cluster ``k``'s next push after answering it with
