@@ -125,7 +125,7 @@ class ChaosMonkey:
         phase kill never share a target: a phase stop cannot fire in a stopped process, a
         kill would cut the hang short, and a SIGCONT would free a process that stopped itself."""
         pids = {arg for _, action, arg in self.pending.items if action == "cont"}
-        return {k for k, r in self.job.replicas.items() if r is not None and getattr(r.popen, "pid", None) in pids}
+        return {k for k, r in self.job.replicas.items() if r.popen.pid in pids}
 
     def _disarm_stop(self, key: Key) -> None:
         """Takes back a phase stop ``key`` has not taken yet: a restart must never take it."""
@@ -317,14 +317,15 @@ class ChaosMonkey:
             drawable = sorted(k for k in running if k != armed)  # never the armed phase kill's target (:meth:`_hung`)
             if not drawable:
                 return False
+            target = self.rng.choice(drawable)
         if kind == "hang":
-            key = self.rng.choice(drawable) if target is None else target
+            key = target
             st = running[key]
             rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=ch.hang_s)
             signal_group(self.job.replicas[key].popen.pid, signal.SIGSTOP)
             self.pending.add(now + ch.hang_s, "cont", self.job.replicas[key].popen.pid)
         elif kind == "poison":
-            key = self.rng.choice(drawable) if target is None else target
+            key = target
             st = running[key]
             rec.update(target=name(key), phase=st.get("phase"), step=st.get("step"), leader=st.get("leader"), duration_s=0.0)
             deliver(inbox_path(self.job.run_dir, *key), POISON)  # fires at the group's next step
