@@ -430,7 +430,12 @@ class GlobalModelServer:
             return full
         t_f, gap = fastest_next(time.time(), self._pushed[f], self._answered.get(f), self._overlapped.get(f, False),
                                 self._transit.get(f, 0.0), live[f], full)
-        return meet_in(t_f - now - transit, live[cluster], gap, lo, full)
+        n = meet_in(t_f - now - transit, live[cluster], gap, lo, full)
+        # What each aim rests on, to read a missed meeting from the log (docs/benchmarks.md).
+        logger.info("global model server: cluster %d pushes in %d steps (%.3f s a step, transit %.2f s): cluster %d "
+                    "(%.3f s a step, transit %.2f s) due in %.2f s", cluster, n, live[cluster], transit, f, live[f],
+                    self._transit.get(f, 0.0), t_f - now)
+        return n
 
     def _arrived(self, cluster: int, now: float, period_s: Any = None, period_steps: Any = None) -> None:
         """Records a push: its time, and the cluster's period between pushes, as the
