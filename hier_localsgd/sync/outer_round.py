@@ -27,11 +27,12 @@ from hier_localsgd.core.runtime.device import host_copy
 from hier_localsgd.core.tensors.flat_params import checksum
 from hier_localsgd.core.tensors.fragments import FragmentSchedule, Ranges, gather, localize, scatter_
 from hier_localsgd.core.tensors.level import Level
-from hier_localsgd.core.links.link import CONTROL, PAYLOAD, LinkProcessGroup, LinkStats
+from hier_localsgd.core.links.link import CONTROL, LinkProcessGroup, LinkStats
 from hier_localsgd.core.ft.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.ft.outage import LighthouseOutage
 from hier_localsgd.core.ft.peers import QuorumWatch, fetch_status, parse_status
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
+from hier_localsgd.sync import outer_broadcast
 from hier_localsgd.sync.async_outer import AsyncOuter, AsyncOuterSettings
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status, outer_progress
@@ -436,90 +437,12 @@ class OuterLevel:
 
     # ------------------------------------------------------------------ BROADCAST
     def broadcast(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
-        """BROADCAST: the leader (inner rank 0) sends status + model to its cluster.
-
-        Both broadcasts run on every member unless the header *says* ABORT: a
-        receiver that lost the header still joins the model broadcast (its result
-        is discarded), so the leader never waits for a peer that bailed out.
-        """
-        st = self.st
-        header = OuterResult.empty_header()
-        if st.leader:
-            assert result is not None
-            header[:] = result.header()
-        header_ok = st.inner_comm.broadcast(header, 0, CONTROL)
-        if st.leader:
-            assert result is not None
-            status: Optional[Status] = result.status
-        else:
-            status = Status(int(header[0])) if header_ok else None  # None: unknown
-        if status == Status.ABORT:
-            st.inner_mgr.report_error(RuntimeError("the leader aborted this round"))
-            return OuterResult(Status.ABORT, None, st.counters.outer_round, st.counters.step)
-        # A receiver starts from its own cluster model: what a lossy link's stale fill keeps.
-        params = result.params if st.leader and result is not None else prior.clone()
-        assert params is not None
-        params_ok = st.inner_comm.broadcast(params, 0, PAYLOAD)
-        residual = self._broadcast_residual()  # issued whenever the model broadcast is
-        momentum, momentum_ok = self._broadcast_momentum(st.outer)
-        if not (header_ok and params_ok and momentum_ok) or status is None or (st.comp is not None and residual is None):
-            return OuterResult(Status.ABORT, None, st.counters.outer_round, st.counters.step)
-        crc = result.checksum if st.leader and result is not None else None  # not in the header: the leader's own
-        return OuterResult.from_header(header, params, residual=residual, momentum=momentum, checksum=crc)
+        """BROADCAST of a blocking round's result to the cluster (outer_broadcast.py)."""
+        return outer_broadcast.broadcast(self.st, result, prior)
 
     def broadcast_global(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
-        """BROADCAST at an apply round: a header, then the global model only if the
-        header says the outer round committed (every member reads the header first)."""
-        st = self.st
-        c = st.counters
-        header = OuterResult.empty_header()
-        if st.leader:
-            assert result is not None
-            header[:] = result.header()
-        header_ok = st.inner_comm.broadcast(header, 0, CONTROL)
-        if not header_ok:  # the group is broken: the commit vote fails
-            return OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        status = Status(int(header[0]))
-        if status != Status.OUTER_COMMITTED:
-            return OuterResult(status, None, c.outer_round, c.step)
-        params = result.params if st.leader and result is not None else prior.clone()
-        assert params is not None
-        params_ok = st.inner_comm.broadcast(params, 0, PAYLOAD)
-        residual = self._broadcast_residual(self._stage_comp)  # issued even if the model's failed (matched collectives)
-        momentum, momentum_ok = self._broadcast_momentum(self._stage_outer)
-        if not (params_ok and momentum_ok) or (st.comp is not None and residual is None):
-            return OuterResult(Status.ABORT, None, c.outer_round, c.step)
-        crc = result.checksum if st.leader and result is not None else None  # not in the header: the leader's own
-        return OuterResult.from_header(header, params, merge=True, residual=residual, momentum=momentum, checksum=crc)
-
-    def _broadcast_residual(self, stage: Optional[OuterCompression] = None) -> Optional[torch.Tensor]:
-        """Compressed outer reduce: the leader sends the cluster's committed residual
-        (``stage``'s at an overlapped apply round) after the model, as reliable control
-        traffic, so every member holds it (compression.py). Returns what this member
-        received (the leader: its own), or None if there is none or the broadcast failed."""
-        st = self.st
-        if st.comp is None:
-            return None
-        if st.leader:
-            buf = (stage or st.comp).residual.clone()
-        else:
-            buf = torch.empty_like(st.comp.residual)
-        return buf if st.inner_comm.broadcast(buf, 0, CONTROL) else None
-
-    def _broadcast_momentum(self, source: Optional[Level]) -> tuple[Optional[torch.Tensor], bool]:
-        """Eager updates: the leader sends ``source``'s committed outer momentum after the
-        model (every member computes its stand-in with it, overlap.py). Returns (what this
-        member received, whether the broadcast succeeded); (None, True) when there is none."""
-        st = self.st
-        if st.stand_in is None or st.outer.momentum is None:
-            return None, True
-        if st.leader:
-            mom = (source.momentum if source is not None and source.momentum is not None else st.outer.momentum)
-            buf = mom.clone()
-        else:
-            buf = torch.empty_like(st.outer.momentum)
-        ok = st.inner_comm.broadcast(buf, 0, CONTROL)
-        return (buf if ok else None), ok
+        """BROADCAST at an apply round, with the stage's residual and momentum (outer_broadcast.py)."""
+        return outer_broadcast.broadcast_global(self.st, result, prior, self._stage_comp, self._stage_outer)
 
     def join_wanted(self, join: bool, q: QuorumView, plan: guard.GuardPlan) -> bool:
         """Whether this join round also takes the global model: a cluster restarted whole.
