@@ -663,16 +663,19 @@ def test_the_server_schedules_a_slower_cluster_to_meet_the_fastests_next_push_an
         assert a["version"] == 1 and a["push_in"] == 30  # the only pace known: the fastest, its full period
         b = push(1, 1, 6.0, 30, 1.0)  # 0.2 s a step: the slower one
         # Cluster 0, answered a moment ago, pushes 30 steps at 0.1 s later (its transit is
-        # not known yet: 0): 3 s, 15 steps at 0.2 s, less what passed between the answers.
-        assert b["version"] == 2 and 13 <= b["push_in"] <= 15, b["push_in"]
+        # not known yet: 0): 3 s, 15 steps at 0.2 s, less what passed between the answers
+        # (the push after, up to 20 steps, if under min_steps 5 were left): whatever the
+        # machine's load, not the full 30 that waited for cluster 0's second push before.
+        assert b["version"] == 2 and 5 <= b["push_in"] <= 20, b["push_in"]
         time.sleep(2.0)
         c = push(0, 2, 3.0, 30, 1.0)  # 2 s after its first push (on the server's clock)
         assert c["push_in"] == 30  # the fastest keeps its period
         d = push(1, 3, 6.0, 30, 1.0)
         # Cluster 0 was answered a moment ago and pushes again 30 steps at 0.1 s later (its
         # transit: c came 2 s after a's answer, inside its 3 s period: none measured): 15
-        # steps at 0.2 s, fewer as time passes between the two answers: not the full 30.
-        assert d["version"] == 4 and 13 <= d["push_in"] <= 15, d["push_in"]
+        # steps at 0.2 s, fewer as time passes between the two answers (the push after, up
+        # to 20, past the floor): not the full 30.
+        assert d["version"] == 4 and 5 <= d["push_in"] <= 20, d["push_in"]
         push(1, 4, 1.0, 5, 1 / 6)  # cluster 1 pushing on 5 of 30 steps: a sixth of a period's tokens
         assert srv.status()["history"][-1]["weights"] == [round(1 / 6, 6)]
         # A push without match_pace gets no schedule.
