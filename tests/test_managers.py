@@ -336,3 +336,61 @@ def test_a_collective_abandoned_in_one_round_that_fails_later_does_not_fail_the_
         for m in (a, b):
             m.shutdown()
         lh.shutdown()
+
+
+def test_the_ranks_of_a_group_ask_again_together_or_all_stop():
+    """A replica group of several ranks votes after every slice of its quorum request
+    (LevelManager.start_quorum's ``agree``): torchft's ManagerServer hands a formed quorum
+    only to the requests waiting at that instant, so a rank asking again alone could miss
+    the quorum its sibling got (a CI run: the group restarted). Real lighthouse, Manager
+    and slices; the sibling's votes are scripted. No quorum can form: another replica
+    heartbeats but never asks (torchft's split-brain rule)."""
+    port = free_port()
+    lh = lighthouse(port)  # heartbeat timeout 1 s: the slices
+    addr = f"http://127.0.0.1:{port}"
+    hb = timedelta(seconds=1)
+    b = level_manager(addr, "b_r0001")
+    stop = threading.Event()
+    beater = threading.Thread(target=_beat_until, args=(addr, "a_r0000:silent", stop), daemon=True)
+    beater.start()
+    health = LighthouseHealth("inner", "lighthouse.cluster_addrs[0]", addr, timedelta(seconds=2), hb, timedelta(seconds=600))
+    try:
+        assert await_heartbeats(addr, ["a_r0000:silent", b.full_replica_id], hb, timedelta(seconds=30)) == []
+
+        def ask(sibling, budget_s=30.0):
+            """b asks; the sibling's flags per slice vote come from ``sibling`` (missing: true)."""
+            votes = []
+
+            def agree(**flags):
+                votes.append(flags)
+                theirs = sibling[len(votes) - 1] if len(votes) <= len(sibling) else {}
+                return {k: v and theirs.get(k, True) for k, v in flags.items()}
+
+            t0 = time.monotonic()
+            try:
+                b.start_quorum(timedelta(seconds=budget_s), health, hb, agree=agree)
+                raise AssertionError("b formed a quorum alone")
+            except (QuorumFailed, LighthouseOutage) as e:
+                return e, votes, time.monotonic() - t0
+
+        asking = {"none_joined": True, "again": True, "no_outage": True}
+        # the sibling joined at the second slice: b stops at once, not after its budget
+        e, votes, took = ask([{}, {"none_joined": False}])
+        assert isinstance(e, QuorumFailed) and "joined a quorum this rank missed" in str(e), e
+        assert votes == [asking, asking] and took < 10, (votes, took)
+        # the sibling found the lighthouse down: an outage on b too (its local progress is kept)
+        e, votes, _ = ask([{"again": False, "no_outage": False}])
+        assert isinstance(e, LighthouseOutage) and "another rank of this replica group" in str(e), e
+        assert votes == [asking]
+        # the sibling's budget ended first: b stops with it
+        e, votes, _ = ask([{"again": False}])
+        assert isinstance(e, QuorumFailed) and "stopped asking" in str(e) and votes == [asking], (e, votes)
+        # nobody objects: b asks slice after slice until its own budget ends, and says so in its last vote
+        e, votes, took = ask([], budget_s=2.5)
+        assert isinstance(e, QuorumFailed) and not isinstance(e, LighthouseOutage), e
+        assert len(votes) >= 2 and all(v == asking for v in votes[:-1]) and votes[-1]["again"] is False, votes
+        assert took >= 2.4, took
+    finally:
+        stop.set()
+        b.shutdown()
+        lh.shutdown()

@@ -148,7 +148,9 @@ def hier_settings(cfg: Config, identity: Identity, flat: FlatParams, model: torc
         outer_compression_block=s.outer.compression_block,
         outer_topk=s.outer.topk,
         outer_fragments=outer_fragment_ranges(model, flat, s.outer.fragments),
-        early_quorum=s.inner.early_quorum,
+        # a group of several ranks votes on its quorum's slices on the training thread
+        # (LevelManager.start_quorum): an early quorum runs on a thread of its own
+        early_quorum=s.inner.early_quorum and grp.size == 1,
         outer_max_staleness=s.outer.max_staleness,
         heal_key=job_heal_key(cfg),
         bind=cfg.run.bind,

@@ -30,6 +30,10 @@ own INNER_QUORUM budget, which ends later; a call still running then ends the pr
 (``FatalSyncError``), since a second request on the same Manager is never made.
 ``close()`` shuts the Manager down, which ends a call in flight.
 
+Replica groups of one rank only (build.py turns it off for more): the ranks of a larger
+group vote after each slice of their quorum request, on the training thread where the
+group's other collectives run (core/ft/managers.py ``LevelManager.start_quorum`` says why).
+
 What changes for planned faults: a fault at INNER_QUORUM (``faults``, the chaos
 command's phase kills) fires at the sync point, after this member's early request has
 already joined the quorum, so its peers meet the fault in the round's reduce rather than

@@ -30,7 +30,7 @@ to agree on and no collective is issued.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -96,3 +96,14 @@ class GroupVote:
             if self._events is not None:
                 self._events("group_vote", what=what, overruled=overruled)
         return agreed
+
+    def slices(self, what: str, ready: bool = True) -> Tuple[bool, Optional[Callable[..., Dict[str, bool]]]]:
+        """Before a quorum request of a group of several ranks (core/ft/managers.py
+        ``LevelManager.start_quorum``, ``agree``: why): whether every rank is ``ready`` to
+        ask, and the vote its slices take. This vote also starts every rank's first slice
+        at the same instant. With one rank: (``ready``, None), and no collective."""
+        if self.group is None:
+            return ready, None
+        ok = self.agree(f"{what} start", ready=ready)["ready"]
+        return ok, lambda **flags: self.agree(f"{what} slice", **flags)
+

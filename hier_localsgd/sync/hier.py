@@ -599,7 +599,9 @@ class HierarchicalSync:
             if not early.done():
                 raise FatalSyncError(f"an unused early inner quorum for step {early.step} did not end within its phase")
             cs.pending_heal, cs.defer_heal = None, False
-        return st.inner_mgr.start_quorum(tr.remaining(), st.health["inner"], st.settings.quorum_slice, progress=training_progress(c.outer_round, c.step, c.inner_round))
+        _, agree = st.vote.slices("inner quorum")  # a group of several ranks: no early quorum (build.py)
+        return st.inner_mgr.start_quorum(tr.remaining(), st.health["inner"], st.settings.quorum_slice,
+                                         progress=training_progress(c.outer_round, c.step, c.inner_round), agree=agree)
 
     def _final_join_round(self) -> Tuple[bool, int]:
         """One join round for finish() (final.py): (committed, the size of its quorum)."""

@@ -224,13 +224,25 @@ class OuterLevel:
         self._healed, self._base = None, None
         health = st.health["outer"]
         try:
-            if self.mgr is None:
-                health.before_quorum()
-                if not health.probe():  # a new Manager would wait timeouts.connect for it
-                    raise LighthouseOutage(health.message("no cluster Manager yet"))
-            mgr, comm = self.ensure(tr)
+            not_ready: Optional[Exception] = None
+            try:
+                if self.mgr is None:
+                    health.before_quorum()
+                    if not health.probe():  # a new Manager would wait timeouts.connect for it
+                        raise LighthouseOutage(health.message("no cluster Manager yet"))
+                mgr, comm = self.ensure(tr)
+            except (LighthouseOutage, LighthouseUnreachable) as e:
+                not_ready = e
+            agree = None
+            if tr is st.tracker:  # blocking, on the training thread: a group's ranks vote (LevelManager.start_quorum)
+                ready, agree = st.vote.slices("outer quorum", ready=not_ready is None)
+                if not ready and not_ready is None:
+                    not_ready = LighthouseOutage(health.message("another rank of this replica group cannot ask the global lighthouse"))
+            if not_ready is not None:
+                raise not_ready
             comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
-            q = mgr.start_quorum(tr.remaining(), health, st.settings.quorum_slice, progress=outer_progress(cur_round, cur_step, self._fresh))
+            q = mgr.start_quorum(tr.remaining(), health, st.settings.quorum_slice,
+                                 progress=outer_progress(cur_round, cur_step, self._fresh), agree=agree)
         except LighthouseOutage as e:
             # The clusters train and sync inside themselves until the global lighthouse returns.
             outage(st, "outer", e)

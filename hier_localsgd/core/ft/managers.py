@@ -38,7 +38,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import socket
 import threading
@@ -353,7 +353,7 @@ class LevelManager:
 
     def start_quorum(
         self, timeout: timedelta, health: Optional[LighthouseHealth] = None, slice_: Optional[timedelta] = None,
-        progress: Optional[int] = None,
+        progress: Optional[int] = None, agree: Optional[Callable[..., Dict[str, bool]]] = None,
     ) -> QuorumView:
         """Forms a quorum (and heals from a peer if behind) within ``timeout``.
 
@@ -373,6 +373,21 @@ class LevelManager:
         slices (outage.py says why): an answering lighthouse is asked again until
         ``timeout`` is spent; one that does not answer ends the call at once.
 
+        ``agree`` (a replica group of several ranks; sync/group_vote.py ``GroupVote.agree``
+        bound to a name): every rank of the group asks torchft's ManagerServer on group
+        rank 0, which asks the lighthouse once every rank has asked and hands the quorum to
+        the requests waiting at that instant. Slices that each rank times alone end at
+        different instants, and a quorum that forms between two of those ends reaches only
+        some ranks (seen: rank 0 joined while rank 1, asking again alone, waited out the
+        group's vote; the group restarted). So the caller starts the ranks' first slices
+        together (a vote of its own), and after every slice the ranks agree with
+        ``agree(none_joined=, again=, no_outage=)`` (each true only if true on every rank):
+        they ask again together, or all stop. A rank that would have asked again, but whose
+        sibling joined or stopped, raises QuorumFailed (LighthouseOutage when a sibling
+        found the lighthouse down); the caller's own vote then reconciles the group
+        (hier.py ``_group_quorum``). What is left: a quorum that forms within the few
+        milliseconds between two ranks' slice ends, which the votes then handle.
+
         Raises:
             LighthouseOutage: the lighthouse does not answer (before or during the call).
             QuorumFailed: no quorum formed within ``timeout`` although the lighthouse answered.
@@ -389,21 +404,53 @@ class LevelManager:
             this = min(left, slice_) if slice_ is not None and health is not None else left
             if progress is not None:
                 self.manager._step = progress  # sent with the quorum request (torchft 0.2.0 reads it there)
+            q: Optional[QuorumView] = None
+            err: Optional[Exception] = None
+            again = outage = False
             try:
-                return self._quorum_once(this, heal_budget=timedelta(seconds=max(0.1, deadline - time.monotonic())))
-            except GroupRefused:
-                raise  # asking again in this round would form the same group
+                q = self._quorum_once(this, heal_budget=timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            except GroupRefused as e:
+                err = e  # asking again in this round would form the same group
             except QuorumFailed as e:
-                if e.dropped and time.monotonic() < deadline - 0.05:
-                    continue  # the members that are there ask again at once, sliced or not
-                if health is not None and not health.probe():
-                    raise LighthouseOutage(health.message(f"quorum request failed: {e}")) from e
-                if this >= left or time.monotonic() >= deadline - 0.05:
-                    # the last slice: a timeout only if the whole budget ran out
-                    e.timed_out = e.timed_out and time.monotonic() >= deadline - 0.05
-                    raise
-                if not e.timed_out:
-                    time.sleep(0.1)  # failed early with the lighthouse answering: don't spin
+                err, again, outage = self._after_slice(e, health, this >= left, deadline)
+            if agree is None:
+                if q is not None:
+                    return q
+                if again:
+                    continue
+                assert err is not None
+                raise err
+            v = agree(none_joined=q is None, again=again, no_outage=not outage)
+            if q is not None:
+                return q
+            if v["none_joined"] and v["again"]:
+                continue
+            if again:  # this rank would have asked again: a sibling joined, or stopped
+                why = f"{self.level} quorum: another rank of this replica group"
+                if not v["no_outage"]:
+                    raise LighthouseOutage(health.message(f"{why} found the lighthouse not answering") if health else why)
+                raise QuorumFailed(f"{why} {'stopped asking' if v['none_joined'] else 'joined a quorum this rank missed'}")
+            assert err is not None
+            raise err
+
+    @staticmethod
+    def _after_slice(e: QuorumFailed, health: Optional[LighthouseHealth], last: bool,
+                     deadline: float) -> tuple[Exception, bool, bool]:
+        """After a slice that formed no quorum for this rank: (what to raise if it stops,
+        whether to ask again, whether the lighthouse was found down)."""
+        if e.dropped and time.monotonic() < deadline - 0.05:
+            return e, True, False  # the members that are there ask again at once, sliced or not
+        if health is not None and not health.probe():
+            down = LighthouseOutage(health.message(f"quorum request failed: {e}"))
+            down.__cause__ = e
+            return down, False, True
+        if last or time.monotonic() >= deadline - 0.05:
+            # the last slice: a timeout only if the whole budget ran out
+            e.timed_out = e.timed_out and time.monotonic() >= deadline - 0.05
+            return e, False, False
+        if not e.timed_out:
+            time.sleep(0.1)  # failed early with the lighthouse answering: don't spin
+        return e, True, False
 
     def _rejoin(self, heartbeat_timeout: timedelta, bound: timedelta) -> None:
         """Before the first quorum request after an outage of this level's lighthouse.
