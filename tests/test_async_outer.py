@@ -139,11 +139,12 @@ def test_the_server_merges_equal_pushes_into_one_version_and_restarts_from_a_lea
         held = out[0]["model"].clone()
         assert _push(srv, 1, 1, torch.zeros(3))["need_model"] is True
         ans = _push(srv, 1, 1, None, model=held)
-        assert ans["version"] == 1 and torch.equal(ans["model"], held)
+        # a registration's answer carries no model back (its leader holds the one it sent)
+        assert ans["version"] == 1 and ans["model"] is None and torch.equal(srv.model.params, held)
         # A leader holding a higher version (the server restarted before it heard of it): adopted.
         assert _push(srv, 0, 4, None)["need_model"] is True
         ans = _push(srv, 0, 4, None, model=held + 1)
-        assert ans["version"] == 4 and torch.equal(ans["model"], held + 1)
+        assert ans["version"] == 4 and ans["model"] is None and torch.equal(srv.model.params, held + 1)
     finally:
         srv.shutdown()
 
@@ -311,6 +312,12 @@ def test_a_half_speed_cluster_does_not_hold_the_other_back_and_the_job_ends_on_o
     pushes1 = [e for e in run.kinds((1, 0), "commit", level="outer") if "base" in e]
     stale = [e for e in pushes1 if e["staleness"] > 0]
     assert stale and all(e["weight"] == round(1 / (1 + e["staleness"]), 6) for e in stale), pushes1
+    # Each leader sent the model while its cluster trained its first period (register_early):
+    # no push was answered need_model, so none registered inside its round.
+    for c in (0, 1):
+        logs = "".join((run.job.run_dir / "logs" / f"c{c}r{r}.log").read_text() for r in (0, 1))
+        assert "registered the global model (version 0) with the server while training" in logs, logs[-3000:]
+        assert "this push registers it" not in logs
 
 
 ASYNC = ["sync.async_outer.enabled=true", "sync.inner.every=5", "sync.outer.every=2", "train.min_step_time_s=0.05"]
@@ -362,6 +369,8 @@ def test_the_global_model_server_restarted_empty_continues_from_the_leaders_vers
     assert len(held) == 2 and held[0] == 0 and held[1] > 0, held  # the restarted server took a leader's version
     after = [e for k in ((0, 0), (1, 0)) for e in _pushes(run, k) if e["outer_round"] > held[1]]
     assert after, "versions advanced after the restart"
+    leaders = "".join((run.job.run_dir / "logs" / f"c{c}r0.log").read_text() for c in (0, 1))
+    assert "this push registers it, then pushes again" in leaders  # the empty server's need_model, answered in the round
     _ends_on_one_version(run)
 
 

@@ -49,10 +49,11 @@ consistency check reports it).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -63,6 +64,8 @@ from hier_localsgd.core.tensors.flat_params import checksum as model_checksum
 from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.compression import OuterCompression, decode_push
 from hier_localsgd.sync.global_model import apply_update, checksum
+from hier_localsgd.sync.global_schedule import (is_push_step, min_push_steps, overlap_floor, overlap_free_s, skips_round,
+                                                  steps_to_apply)
 from hier_localsgd.sync.global_wire import GlobalModelUnavailable, body_limit, call, tensor_or_none
 from hier_localsgd.sync.state import SyncState, fault_point
 
@@ -85,65 +88,6 @@ class AsyncOuterSettings:
     def __repr__(self) -> str:  # settings get logged: never the key
         return (f"AsyncOuterSettings(url={self.url!r}, grace={self.grace}, match_pace={self.match_pace}, "
                 f"compress_down={self.compress_down})")
-
-
-def is_push_step(step: int, due: int, period: int) -> bool:
-    """Whether a round at ``step`` carries a push on the schedule (``due``, ``period``): from
-    ``due`` on, every ``period`` steps (a push the server did not answer is tried again one
-    period later, never at every round). With match_pace ``due`` need not be on the inner
-    rounds' grid: the cluster runs an inner round there (hier.py ``is_sync_step``)."""
-    return step > 0 and step >= due and (step - due) % period == 0
-
-
-def skips_round(step: int, due: int, period: int, h_inner: int) -> bool:
-    """Whether the inner round due at ``step`` on the H_inner grid is left out: it falls
-    within half a round of a push step off the grid (match_pace), so no round is shorter
-    than half of H_inner steps (a few-step round's norm would skew the poison screen's
-    reference, guard.py). Never on the default schedule, whose pushes are on the grid."""
-    if step >= due:
-        prev = due + (step - due) // period * period
-        nxt = prev + period
-    else:
-        prev, nxt = due - period, due
-    return 0 < step - prev < h_inner / 2 or 0 < nxt - step < h_inner / 2
-
-
-def next_round_step(step: int, due: int, period: int, h_inner: int) -> int:
-    """The step at which the next inner round after ``step`` ends on the schedule: a grid
-    step not left out, or a push step (hier.py ``is_sync_step``; the simulator's rounds)."""
-    s = step + 1
-    while not ((s % h_inner == 0 and not skips_round(s, due, period, h_inner)) or is_push_step(s, due, period)):
-        s += 1
-    return s
-
-
-def steps_to_apply(step: int, due: int, period: int, h_inner: int) -> int:
-    """Steps from an overlapped push at ``step`` to its apply round: the next round on the
-    schedule (``due``, ``period``; :func:`next_round_step`), which holds until then."""
-    return next_round_step(step, due, period, h_inner) - step
-
-
-def min_push_steps(h_inner: int) -> int:
-    """The fewest steps between two pushes (a push's ``min_steps``): half an inner round,
-    the shortest round the schedule allows (:func:`skips_round`)."""
-    return max(1, h_inner // 2)
-
-
-def overlap_floor(step: int, due: int, period: int, h_inner: int, full: int) -> int:
-    """An overlapped push's ``min_steps`` at ``step`` on the schedule (``due``, ``period``):
-    counted from its apply round (:func:`steps_to_apply`), clamped to the full period
-    (:meth:`AsyncOuter.floor_for`)."""
-    return min(full, steps_to_apply(step, due, period, h_inner) + min_push_steps(h_inner))
-
-
-def overlap_free_s(step: int, due: int, period: int, h_inner: int, period_s: float, period_steps: int) -> Optional[float]:
-    """An overlapped push's ``free_s`` at ``step``: the seconds of training to its apply round
-    (:func:`steps_to_apply`) at the pace of its period (``period_s`` over ``period_steps``);
-    None without a step in the period. The server answers it by then (global_server.py
-    ``free_until``)."""
-    if period_steps <= 0:
-        return None
-    return steps_to_apply(step, due, period, h_inner) * period_s / period_steps
 
 
 class AsyncOuter:
@@ -185,6 +129,7 @@ class AsyncOuter:
         self._end_base: Optional[int] = None
         self._end_weight, self._end_held = 0.0, -1
         self._failing: Optional[Exception] = None  # a planned 'fail' at the push (:meth:`_arm_failure`)
+        self._early: Optional[Tuple[threading.Thread, dict]] = None  # :meth:`register_early`'s call and its outcome
         st.tracker.set_extra(asynchronous=True)  # the dashboard shows versions and their lag
 
     def started(self, step: int) -> None:
@@ -312,6 +257,60 @@ class AsyncOuter:
             raise GlobalModelUnavailable(f"{self.url}/push: the server did not take this cluster's model")
         self.epoch = str(ans.get("epoch") or "")
 
+    def register_early(self) -> None:
+        """The leader of a cluster that has heard no server life yet (``epoch`` ""): sends
+        its copy of the global model (the outer backup, version ``outer_round``) on a thread
+        while the cluster trains its first period. Without it the first push is answered
+        ``need_model`` and registers the model inside the round, then pushes again (the first
+        push cost 5.4-5.8 s more than the later ones at 100 Mbit/s, docs/benchmarks.md).
+        Every exchange waits for it first, within its own deadline (:meth:`_call`); one that
+        failed or is still out changes nothing (the push registers as before). Called at each
+        round the group leads (outer_round.py ``promote``): sent once."""
+        if self.epoch or self._early is not None:
+            return
+        st = self.st
+        c = st.counters
+        model = st.outer.backup.detach().to("cpu", torch.float32, copy=True)  # training moves on meanwhile
+        req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": "", "step": c.step, "tokens": 0.0,
+               "period_steps": 0, "final": False, "delta": None, "model": model}
+        wait = st.timeouts.phase(Phase.OUTER_REDUCE).total_seconds()
+        out: dict = {}
+
+        def run() -> None:
+            sizes: dict = {}
+            t0 = time.time()
+            try:
+                out["answer"] = call(self.url, "/push", req, self._key, wait, sizes, limit=body_limit(model.numel()))
+            except GlobalModelUnavailable as e:
+                out["error"] = e
+            finally:
+                out["seconds"] = time.time() - t0
+                if sizes:  # WAN bytes all the same (not timed: nothing waited for it)
+                    self.stats.record("push", PAYLOAD, 0, float(sizes["sent"] + sizes["received"]))
+
+        th = threading.Thread(target=run, name=f"{st.id} register", daemon=True)
+        self._early = (th, out)
+        th.start()
+
+    def _await_early(self, left: float) -> None:
+        """Waits at most ``left`` seconds for :meth:`register_early`'s call; takes its server
+        life (``epoch``) once it has answered."""
+        early = self._early
+        if early is None or early[1].get("taken"):
+            return
+        th, out = early
+        th.join(timeout=max(0.0, left))
+        if th.is_alive():
+            return  # still out: this exchange goes on without it
+        ans = out.get("answer")
+        if isinstance(ans, dict) and not ans.get("need_model") and isinstance(ans.get("version"), int) and not self.epoch:
+            self.epoch = str(ans.get("epoch") or "")
+            logger.info("%s registered the global model (version %s) with the server while training (%.1f s)",
+                        self.st.id, ans["version"], out.get("seconds", 0.0))
+        elif "error" in out:
+            logger.warning("%s early registration with the global model server: %s (the first push registers)", self.st.id, out["error"])
+        out["taken"] = True  # later exchanges do not wait
+
     def _takes_updates(self, base: torch.Tensor) -> bool:
         """Whether this push asks for the steps since its base instead of the model: only
         with an fp32 copy of the base (the server's bits), and not right after a mismatch."""
@@ -393,6 +392,9 @@ class AsyncOuter:
 
     def _call(self, path: str, req: dict, tr: PhaseTracker) -> dict:
         """One exchange within the phase's deadline (``timeouts.outer_reduce`` for a push)."""
+        self._await_early(tr.remaining().total_seconds())
+        if req.get("epoch") == "" and self.epoch:  # built before the early registration's answer came
+            req = {**req, "epoch": self.epoch}
         left = tr.remaining().total_seconds()
         if left <= 0:
             raise GlobalModelUnavailable(f"{self.url}{path}: no time left in {tr.phase.value}")
@@ -467,6 +469,8 @@ class AsyncOuter:
                 raise GlobalModelUnavailable(f"{self.url}/push: {failing}")
             ans = self._call("/push", aged(req), tr)
             if ans.get("need_model"):
+                logger.info("%s the global model server does not hold version %d: this push registers it, then pushes again",
+                            st.id, req["base"])
                 self._register(final=False, tr=tr, base=base, version=req["base"], step=req["step"])  # the model alone, then the push again
                 req = {**req, "epoch": self.epoch}
                 ans = self._call("/push", aged(req), tr)

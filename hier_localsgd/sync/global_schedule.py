@@ -1,7 +1,9 @@
 """The global model server's schedule rules (global_server.py module doc: the grace window
 and match_pace), as pure functions of its clock and what it learned from each push, so
 the simulator (tools/simulate/batches.py, paces.py) runs the very same rules on its own
-clock."""
+clock; and each cluster's push schedule (async_outer.py: which steps push, which inner
+rounds are left out, an overlapped push's floor and free time), which the simulator's
+rounds follow too."""
 
 from __future__ import annotations
 
@@ -97,3 +99,63 @@ def meet_in(avail_s: float, pace: float, gap: float, lo: int, full: int) -> int:
         avail_s += gap
     return max(lo, min(full, int(round(avail_s / pace))))
 
+
+# ---- a cluster's push schedule (async_outer.py AsyncOuter)
+
+def is_push_step(step: int, due: int, period: int) -> bool:
+    """Whether a round at ``step`` carries a push on the schedule (``due``, ``period``): from
+    ``due`` on, every ``period`` steps (a push the server did not answer is tried again one
+    period later, never at every round). With match_pace ``due`` need not be on the inner
+    rounds' grid: the cluster runs an inner round there (hier.py ``is_sync_step``)."""
+    return step > 0 and step >= due and (step - due) % period == 0
+
+
+def skips_round(step: int, due: int, period: int, h_inner: int) -> bool:
+    """Whether the inner round due at ``step`` on the H_inner grid is left out: it falls
+    within half a round of a push step off the grid (match_pace), so no round is shorter
+    than half of H_inner steps (a few-step round's norm would skew the poison screen's
+    reference, guard.py). Never on the default schedule, whose pushes are on the grid."""
+    if step >= due:
+        prev = due + (step - due) // period * period
+        nxt = prev + period
+    else:
+        prev, nxt = due - period, due
+    return 0 < step - prev < h_inner / 2 or 0 < nxt - step < h_inner / 2
+
+
+def next_round_step(step: int, due: int, period: int, h_inner: int) -> int:
+    """The step at which the next inner round after ``step`` ends on the schedule: a grid
+    step not left out, or a push step (hier.py ``is_sync_step``; the simulator's rounds)."""
+    s = step + 1
+    while not ((s % h_inner == 0 and not skips_round(s, due, period, h_inner)) or is_push_step(s, due, period)):
+        s += 1
+    return s
+
+
+def steps_to_apply(step: int, due: int, period: int, h_inner: int) -> int:
+    """Steps from an overlapped push at ``step`` to its apply round: the next round on the
+    schedule (``due``, ``period``; :func:`next_round_step`), which holds until then."""
+    return next_round_step(step, due, period, h_inner) - step
+
+
+def min_push_steps(h_inner: int) -> int:
+    """The fewest steps between two pushes (a push's ``min_steps``): half an inner round,
+    the shortest round the schedule allows (:func:`skips_round`)."""
+    return max(1, h_inner // 2)
+
+
+def overlap_floor(step: int, due: int, period: int, h_inner: int, full: int) -> int:
+    """An overlapped push's ``min_steps`` at ``step`` on the schedule (``due``, ``period``):
+    counted from its apply round (:func:`steps_to_apply`), clamped to the full period
+    (:meth:`AsyncOuter.floor_for`)."""
+    return min(full, steps_to_apply(step, due, period, h_inner) + min_push_steps(h_inner))
+
+
+def overlap_free_s(step: int, due: int, period: int, h_inner: int, period_s: float, period_steps: int) -> Optional[float]:
+    """An overlapped push's ``free_s`` at ``step``: the seconds of training to its apply round
+    (:func:`steps_to_apply`) at the pace of its period (``period_s`` over ``period_steps``);
+    None without a step in the period. The server answers it by then (global_server.py
+    ``free_until``)."""
+    if period_steps <= 0:
+        return None
+    return steps_to_apply(step, due, period, h_inner) * period_s / period_steps

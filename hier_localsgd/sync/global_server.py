@@ -18,7 +18,10 @@ and every request of that batch gets the new model. A server without a model (fr
 restarted), or one whose version is below ``base``, answers ``need_model``: the leader
 sends the same request again with ``model`` (its copy of the global model of version
 ``base``), which the server adopts (:meth:`GlobalModel.adopt`: the open batch stays, weighed
-against the adopted version). ``final``: the cluster has
+against the adopted version). A leader new to the server sends that registration on its own
+while its cluster trains its first period (async_outer.py ``register_early``), so its first
+push is not answered ``need_model``. A registration's answer carries no model (its leader
+takes none from it). ``final``: the cluster has
 trained its last step; once every cluster is final, or the ones that are not have been
 silent for ``sync.final_wait_s`` and three of their own periods, the job's final version is fixed: every later request
 gets it and merges nothing, so every cluster ends on one model.
@@ -395,7 +398,10 @@ class GlobalModelServer:
         the push's arrival (``arrived``), and nothing stands between an answer and its next
         push but training (no transit)."""
         chain = gm.chain(int(req["base"])) if req.get("down") is True and req.get("epoch") == self.epoch else None
-        ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused, model=chain is None)
+        # A registration (a model, no work) gets no model back: its leader takes none from
+        # the answer (it pushes again, or asks /final), and a whole model is a WAN transfer.
+        registration = req.get("model") is not None and req.get("delta") is None
+        ans = self._answer(gm, cluster, weight=weight, staleness=staleness, refused=refused, model=chain is None and not registration)
         if chain is not None:  # the steps since its base instead of the model (module doc)
             ans["updates"], ans["checksum"] = [encode_update(q) for q in chain], gm.checksum
         now = time.time()

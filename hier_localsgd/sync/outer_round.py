@@ -607,7 +607,10 @@ class OuterLevel:
         """This group leads: join the global lighthouse early so the first outer quorum waits for us."""
         st = self.st
         if self.asynchronous is not None:
-            return  # no cluster Manager: the global model server is asked at each outer round
+            # no cluster Manager: the global model server is asked at each outer round; a
+            # cluster new to it sends the model meanwhile (async_outer.py register_early)
+            self.asynchronous.register_early()
+            return
         if self.mgr is None and not st.health["outer"].down and st.health["outer"].probe():
             try:
                 self.ensure()

@@ -142,7 +142,7 @@ from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from hier_localsgd import costs
-from hier_localsgd.sync.async_outer import is_push_step, next_round_step
+from hier_localsgd.sync.global_schedule import is_push_step, next_round_step
 from hier_localsgd.tools.plan.network import comm_fraction
 from hier_localsgd.tools.simulate.barrier import OuterBarrier
 from hier_localsgd.tools.simulate.batches import Batches

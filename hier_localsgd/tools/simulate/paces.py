@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-from hier_localsgd.sync.async_outer import min_push_steps
+from hier_localsgd.sync.global_schedule import min_push_steps
 from hier_localsgd.sync.global_schedule import SILENT_PERIODS, average, expected_push, fastest, fastest_next, meet_in
 
 

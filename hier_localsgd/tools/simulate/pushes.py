@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from hier_localsgd.sync.async_outer import min_push_steps, overlap_floor, overlap_free_s
+from hier_localsgd.sync.global_schedule import min_push_steps, overlap_floor, overlap_free_s
 from hier_localsgd.sync.global_model import staleness_factor
 from hier_localsgd.tools.simulate.state import APPLY, BATCH_END, COMMIT, PUSH_ARRIVE, PUSH_DONE, S_COMMIT, S_OUTER, Cluster
 
