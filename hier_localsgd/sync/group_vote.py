@@ -106,4 +106,3 @@ class GroupVote:
             return ready, None
         ok = self.agree(f"{what} start", ready=ready)["ready"]
         return ok, lambda **flags: self.agree(f"{what} slice", **flags)
-
