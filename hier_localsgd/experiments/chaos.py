@@ -137,6 +137,12 @@ class ChaosMonkey:
             e.get("kind") == "fault" and e.get("action") == "stop" and e.get("phase") == arm["phase"] and e["t"] >= arm["since"]
             for e in self._events.get(key, []))
 
+    def _armed_target(self) -> Optional[Key]:
+        """The armed phase kill's target, which no other fault takes meanwhile: a kill would
+        take its phase stop with it (the stop is for that pid), and the arm would end in a
+        plain kill in whatever phase (a CI run: a multi_kill took it 4.5 s before)."""
+        return None if self.armed is None else self.armed.get("target")
+
     def _pick(self, role: str, running: Dict[Key, dict], continuous: Sequence["Incarnation"]) -> Optional[List[Key]]:
         t = self.cfg.topology
         if role == "leader":
@@ -154,7 +160,7 @@ class ChaosMonkey:
         # Never kill the last processes whose model continues from the job's start (a cluster
         # restarted whole is not standing until it healed): that would end the job's state,
         # and nothing could recover from it.
-        cands = [ts for ts in cands if keeps_continuous(ts, continuous)]
+        cands = [ts for ts in cands if keeps_continuous(ts, continuous) and self._armed_target() not in ts]
         return self.rng.choice(cands) if cands else None
 
     def __call__(self) -> None:
@@ -296,7 +302,8 @@ class ChaosMonkey:
         """Two replica groups of different clusters at once (a leader and a non-leader where there are)."""
         by_cluster: Dict[int, List[Key]] = {}
         for k in running:
-            by_cluster.setdefault(k[0], []).append(k)
+            if k != self._armed_target():
+                by_cluster.setdefault(k[0], []).append(k)
         if len(by_cluster) < 2:
             return False
         c1, c2 = self.rng.sample(sorted(by_cluster), 2)
@@ -312,9 +319,8 @@ class ChaosMonkey:
         """A non-kill fault; ``target`` (a planned fault's group, lighthouse or cluster), else drawn."""
         ch = self.cfg.chaos
         rec: Dict[str, Any] = {"t": now - self.t0, "t_abs": now, "kind": kind, **extra}
-        armed = None if self.armed is None else self.armed.get("target")
         if kind in ("hang", "poison") and target is None:
-            drawable = sorted(k for k in running if k != armed)  # never the armed phase kill's target (:meth:`_hung`)
+            drawable = sorted(k for k in running if k != self._armed_target())  # (and :meth:`_hung`)
             if not drawable:
                 return False
             target = self.rng.choice(drawable)
