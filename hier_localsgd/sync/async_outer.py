@@ -247,15 +247,22 @@ class AsyncOuter:
         """A server without this cluster's version (restarted empty): send it the cluster's
         copy of the global model (``base``, version ``version``; by default the outer
         backup, version ``outer_round``) alone."""
-        st = self.st
-        c = st.counters
-        base = st.outer.backup if base is None else base
-        ans = self._call("/push", {"cluster": st.id.cluster, "base": c.outer_round if version is None else version, "epoch": self.epoch,
-                                   "step": c.step if step is None else step, "tokens": 0.0,
-                                   "final": final, "delta": None, "model": base.to("cpu", torch.float32)}, tr)
+        ans = self._call("/push", self._registration(final, base, version, step), tr)
         if ans.get("need_model") or not isinstance(ans.get("version"), int):
             raise GlobalModelUnavailable(f"{self.url}/push: the server did not take this cluster's model")
         self.epoch = str(ans.get("epoch") or "")
+
+    def _registration(self, final: bool, base: Optional[torch.Tensor] = None, version: Optional[int] = None,
+                      step: Optional[int] = None, copy: bool = False) -> dict:
+        """A registration request: the cluster's copy of the global model alone (``base``,
+        version ``version``; by default the outer backup, version ``outer_round``);
+        ``copy``: a copy of it (sent on a thread while training moves on)."""
+        st = self.st
+        c = st.counters
+        base = st.outer.backup if base is None else base
+        return {"cluster": st.id.cluster, "base": c.outer_round if version is None else version, "epoch": self.epoch,
+                "step": c.step if step is None else step, "tokens": 0.0, "final": final, "delta": None,
+                "model": base.detach().to("cpu", torch.float32, copy=copy)}
 
     def register_early(self) -> None:
         """The leader of a cluster that has heard no server life yet (``epoch`` ""): sends
@@ -269,10 +276,8 @@ class AsyncOuter:
         if self.epoch or self._early is not None:
             return
         st = self.st
-        c = st.counters
-        model = st.outer.backup.detach().to("cpu", torch.float32, copy=True)  # training moves on meanwhile
-        req = {"cluster": st.id.cluster, "base": c.outer_round, "epoch": "", "step": c.step, "tokens": 0.0,
-               "period_steps": 0, "final": False, "delta": None, "model": model}
+        req = {**self._registration(final=False, copy=True), "period_steps": 0}  # no steps: it only marks the cluster alive
+        model = req["model"]
         wait = st.timeouts.phase(Phase.OUTER_REDUCE).total_seconds()
         out: dict = {}
 
