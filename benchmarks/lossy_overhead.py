@@ -31,7 +31,8 @@ import torch  # noqa: E402
 from torch.distributed import ReduceOp, TCPStore  # noqa: E402
 from torch.distributed.distributed_c10d import AllreduceOptions  # noqa: E402
 
-from hier_localsgd.core.links.link import PAYLOAD, LinkProcessGroup  # noqa: E402
+from hier_localsgd.core.links.stats import PAYLOAD  # noqa: E402
+from hier_localsgd.core.links.link import LinkProcessGroup  # noqa: E402
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec, LossModel  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from hier_localsgd.config import load_config
-from hier_localsgd.core.links.link import sent_per_rank
+from hier_localsgd.core.links.stats import sent_per_rank
 from hier_localsgd.experiments.auto import AutoInputs, choose, replay
 from hier_localsgd.experiments.auto_watch import WINDOWS, LinkWatch, outer_counters, wait_rechoosing, watch_for, window_rate
 from hier_localsgd.experiments.summary import summarize

@@ -86,9 +86,9 @@ def test_quick_bench_runs_every_arm_and_writes_table_json_and_plots(tmp_path):
 def test_sync_ratio_counts_a_compressed_round_and_bounds_each_collective_through_tbf():
     """bench.sync_ratio on link stats written by hand: an all-reduce round and a compressed
     round (all-to-all + all-gather), per collective the larger of its sent bytes through tbf
-    (link.sent_per_rank) and the latency floor the emulation slept; without tbf the
+    (stats.sent_per_rank) and the latency floor the emulation slept; without tbf the
     emulation's own bound."""
-    from hier_localsgd.core.links.link import sent_per_rank
+    from hier_localsgd.core.links.stats import sent_per_rank
     from hier_localsgd.experiments.bench import sync_ratio
     from hier_localsgd.launch.netns import tbf_transfer_s
 

@@ -402,7 +402,7 @@ def test_a_stall_is_recorded_when_no_group_steps_for_longer_than_the_limit():
         def status(self, key):
             return {"pid": 1, "state": "running", "step": self.steps[key]}
 
-    from hier_localsgd.experiments.chaos import StallWatch
+    from hier_localsgd.experiments.chaos_stall import StallWatch
 
     job = Job()
     w = StallWatch(job, limit_s=0.3, steps_total=100)
@@ -598,7 +598,7 @@ def test_a_schedule_on_training_progress_fires_at_steps_not_seconds(tmp_path):
     """chaos.kill_every_steps: the monkey waits for the furthest group's step, however long
     that takes, so a slower run (flat vs hier) meets its faults at the same steps."""
     from hier_localsgd.config import load_config
-    from hier_localsgd.experiments.chaos import ChaosMonkey
+    from hier_localsgd.experiments.chaos_monkey import ChaosMonkey
 
     cfg = load_config([f"run.dir={tmp_path}", "chaos.kinds=[kill]", "chaos.draw=cycle", "chaos.kill_every_steps=40",
                        "train.steps=300"], validate_for="chaos")
@@ -632,7 +632,7 @@ def test_wall_clock_faults_start_one_interval_apart_but_not_right_after_one_ende
     is due does not push it back; one that ends later holds the next for one heartbeat
     timeout after its end (time for the cut or stopped group to rejoin)."""
     from hier_localsgd.config import load_config
-    from hier_localsgd.experiments.chaos import ChaosMonkey
+    from hier_localsgd.experiments.chaos_monkey import ChaosMonkey
 
     cfg = load_config([f"run.dir={tmp_path}", "chaos.kinds=[hang]", "lighthouse.heartbeat_timeout_ms=5000"], validate_for="chaos")
 
@@ -661,7 +661,7 @@ def test_a_hang_and_a_phase_kill_never_share_a_target(tmp_path):
     from types import SimpleNamespace
 
     from hier_localsgd.config import load_config
-    from hier_localsgd.experiments.chaos import ChaosMonkey
+    from hier_localsgd.experiments.chaos_monkey import ChaosMonkey
     from hier_localsgd.experiments.chaos_plan import PlannedFault
 
     cfg = load_config([f"run.dir={tmp_path}", "chaos.kinds=[hang,phase_kill]", "chaos.phase_arm_s=1"], validate_for="chaos")
@@ -737,7 +737,7 @@ def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in
     alike, fire the same faults in the same order; one whose target is down when due waits
     (and the later ones behind it) until the target runs again, then fires at a later step."""
     from hier_localsgd.config import load_config
-    from hier_localsgd.experiments.chaos import ChaosMonkey
+    from hier_localsgd.experiments.chaos_monkey import ChaosMonkey
     from hier_localsgd.experiments.chaos_plan import draw_plan, schedule_match
 
     over = [f"run.dir={tmp_path}", "chaos.kinds=[kill,multi_kill,hang,lighthouse,phase_kill]", "chaos.draw=plan", "chaos.kill_every_steps=15",

@@ -12,7 +12,8 @@ from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions
 
 from harness import ThreadedHier, local_steps, logs_tail, run_job
-from hier_localsgd.core.links.link import CONTROL, PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.links.stats import CONTROL, PAYLOAD
+from hier_localsgd.core.links.link import LinkProcessGroup
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec, LossModel, LossStream, parse_netem
 
 
@@ -238,7 +239,7 @@ def test_training_with_5_percent_outer_loss_still_converges(tmp_path):
 
 
 def test_payload_spans_line_up_across_members_and_a_late_arrival_is_skew_not_link_time():
-    """Each payload collective's [start, end] is kept in call order (link.LinkStats.spans)
+    """Each payload collective's [start, end] is kept in call order (stats.LinkStats.spans)
     on a real Gloo group with a 20 ms emulated latency; rank 1 enters the second all-reduce
     at least 0.5 s after rank 0 did (it sleeps 0.6 s after rank 0 is about to enter: the
     0.1 s spare covers rank 0 being slow to take its start time). Rank 0's own clock holds

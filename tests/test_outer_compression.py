@@ -254,7 +254,8 @@ from torch.distributed import TCPStore  # noqa: E402
 
 from hier_localsgd.core.tensors.compress import quantized_nbytes  # noqa: E402
 from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce, shard_layout  # noqa: E402
-from hier_localsgd.core.links.link import PAYLOAD, LinkProcessGroup  # noqa: E402
+from hier_localsgd.core.links.stats import PAYLOAD  # noqa: E402
+from hier_localsgd.core.links.link import LinkProcessGroup  # noqa: E402
 from hier_localsgd.core.links.lossy import LinkSpec, LossModel  # noqa: E402
 
 LN, LBLOCK = 4096, 64

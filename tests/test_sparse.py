@@ -12,7 +12,8 @@ import torch
 from torch.distributed import TCPStore
 
 from hier_localsgd.config import ConfigError, load_config
-from hier_localsgd.core.links.link import PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.links.stats import PAYLOAD
+from hier_localsgd.core.links.link import LinkProcessGroup
 from hier_localsgd.core.tensors import sparse
 from hier_localsgd.core.tensors.compress import ErrorFeedback
 from hier_localsgd.costs import ring_allreduce_bytes

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hier_localsgd import costs
-from hier_localsgd.core.links.link import PAYLOAD, sent_per_rank
+from hier_localsgd.core.links.stats import PAYLOAD, sent_per_rank
 from hier_localsgd.core.runtime.status import AUTO_FILE, write_json_atomic
 from hier_localsgd.experiments.auto import AutoInputs, choose, probe_wan
 

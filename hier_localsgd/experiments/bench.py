@@ -66,7 +66,7 @@ from hier_localsgd.errors import fail
 from hier_localsgd.launch.local import LocalJob
 from hier_localsgd.experiments.bare_loops import run_bare
 from hier_localsgd.launch.netns import tbf_transfer_s
-from hier_localsgd.core.links.link import sent_per_rank
+from hier_localsgd.core.links.stats import sent_per_rank
 from hier_localsgd.core.runtime.status import read_events, replica_dir
 
 
@@ -235,7 +235,7 @@ def sync_ratio(results: List[dict], level: str, world: int,
     all-reduce's all-to-all and all-gather) and its bound. Without ``through_tbf`` the bound
     is the emulation's (link.py's analytic bound). With it (bytes one rank sends -> seconds
     through tbf: ``bench.links=kernel``, where the emulation holds only the latency), each
-    collective's bound is the larger of its sent bytes through tbf (link.sent_per_rank of
+    collective's bound is the larger of its sent bytes through tbf (stats.sent_per_rank of
     its mean input, ``world`` ranks) and the latency floor the emulation slept."""
     secs = bound = 0.0
     rounds = 0

@@ -2,7 +2,7 @@
 
 Kinds (``chaos.kinds``; the schedule draws one per fault, seeded by ``chaos.seed``):
 
-* ``kill`` — SIGKILL a ``non_leader``, a ``leader`` or a whole ``cluster`` (chaos.py);
+* ``kill`` — SIGKILL a ``non_leader``, a ``leader`` or a whole ``cluster`` (chaos_monkey.py);
 * ``phase_kill`` — SIGKILL a role as it enters a phase (``chaos.phase_targets``, e.g. a
   leader in OUTER_REDUCE): armed at the scheduled time for one target (a planned fault's
   own, else the role's first process); in a hierarchical job the target is handed a

@@ -57,7 +57,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from hier_localsgd.core.links.link import PAYLOAD, LinkStats
+from hier_localsgd.core.links.stats import PAYLOAD, LinkStats
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.core.security.wire import tensor_bytes
 from hier_localsgd.core.tensors.flat_params import checksum as model_checksum

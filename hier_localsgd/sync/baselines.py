@@ -43,7 +43,8 @@ from hier_localsgd.core.tensors.flat_params import FlatParams, checksum
 from hier_localsgd.core.tensors.fragments import Fragment, fragment_parameters, split_fragments
 from hier_localsgd.core.runtime.invariants import CollectiveGate
 from hier_localsgd.core.runtime.device import host_copy, host_state
-from hier_localsgd.core.links.link import PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.links.stats import PAYLOAD
+from hier_localsgd.core.links.link import LinkProcessGroup
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.core.ft.managers import LevelManager, QuorumFailed
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker

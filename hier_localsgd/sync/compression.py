@@ -62,7 +62,7 @@ from hier_localsgd.core.tensors.compress import ErrorFeedback, Quantized, check_
 from hier_localsgd.core.tensors.compressed_allreduce import compressed_allreduce_bytes
 from hier_localsgd.core.tensors.sparse import check_sparse, sparse_allreduce_bytes, sparse_nbytes
 from hier_localsgd.core.tensors.sparse import decode as sparse_decode, encode as sparse_encode
-from hier_localsgd.core.links.link import PAYLOAD
+from hier_localsgd.core.links.stats import PAYLOAD
 from hier_localsgd.sync.sections import COMPRESSIONS, NONE
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from hier_localsgd.core.links.link import CONTROL, PAYLOAD
+from hier_localsgd.core.links.stats import CONTROL, PAYLOAD
 from hier_localsgd.core.tensors.level import Level
 from hier_localsgd.sync.common import OuterResult, Status
 from hier_localsgd.sync.compression import OuterCompression

@@ -27,7 +27,8 @@ from hier_localsgd.core.runtime.device import host_copy
 from hier_localsgd.core.tensors.flat_params import checksum
 from hier_localsgd.core.tensors.fragments import FragmentSchedule, Ranges, gather, localize, scatter_
 from hier_localsgd.core.tensors.level import Level
-from hier_localsgd.core.links.link import CONTROL, LinkProcessGroup, LinkStats
+from hier_localsgd.core.links.stats import CONTROL, LinkStats
+from hier_localsgd.core.links.link import LinkProcessGroup
 from hier_localsgd.core.ft.managers import LevelManager, QuorumFailed, QuorumView
 from hier_localsgd.core.ft.outage import LighthouseOutage
 from hier_localsgd.core.ft.peers import QuorumWatch, fetch_status, parse_status

@@ -26,7 +26,8 @@ from hier_localsgd.core.tensors.flat_params import FlatParams
 from hier_localsgd.core.tensors.fragments import Ranges
 from hier_localsgd.core.runtime.invariants import CollectiveGate
 from hier_localsgd.core.tensors.level import Level, LevelAlgorithm, Staged
-from hier_localsgd.core.links.link import CONTROL, PAYLOAD, LinkProcessGroup
+from hier_localsgd.core.links.stats import CONTROL, PAYLOAD
+from hier_localsgd.core.links.link import LinkProcessGroup
 from hier_localsgd.core.ft.managers import LevelManager, QuorumView
 from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage, OutageLimitExceeded
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker

@@ -5,7 +5,7 @@ its own :class:`LinkProcessGroup` around a reconfigurable torchft
 ``ProcessGroupGloo``. The torchft Manager of that level reconfigures it on every
 quorum change. The wrapper:
 
-* counts the bytes every collective puts on the wire, per level and per kind
+* counts the bytes every collective puts on the wire, per level and per kind (stats.py)
   (``payload``: model-sized reductions and broadcasts; ``control``: consistency
   checks, headers, resyncs), using the standard algorithm models: ring
   all-reduce sends 2(n-1)/n·S per rank, a broadcast root sends (n-1)·S;
@@ -45,9 +45,7 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -57,19 +55,15 @@ from torch.distributed import PrefixStore, ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions, Work
 from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupWrapper
 
-from hier_localsgd.costs import ring_allreduce_bytes
 from hier_localsgd.core.runtime.addresses import STORE_ATTEMPT_S, connect_store, quorum_tag
 from hier_localsgd.core.runtime.choices import NCCL_BACKENDS
 from hier_localsgd.core.runtime.device import comm_device, settle
 from hier_localsgd.core.runtime.invariants import InvariantViolation, check_distinct_clusters
 from hier_localsgd.core.links.works import ChainedWork, DoneWork, FailedWork, PeerWork, TimedWork
 from hier_localsgd.core.links.lossy import LinkEmulation, LinkSpec
+from hier_localsgd.core.links.stats import PAYLOAD, LinkStats, sent_per_rank
 
 logger = logging.getLogger(__name__)
-
-PAYLOAD = "payload"
-MAX_SPANS = 4096  # payload spans kept per collective kind (a long run's result.json stays small)
-CONTROL = "control"
 
 # The connect bound of the configure running in this thread (LinkProcessGroup.configure).
 _connect = threading.local()
@@ -89,68 +83,6 @@ def _create_store_client(store_addr: str, timeout: timedelta) -> PrefixStore:
 # (pinned torchft 0.2.0); fail at import, not mid-run, if that ever changes.
 assert callable(getattr(_torchft_pg, "create_store_client", None)), "torchft.process_group.create_store_client is gone"
 _torchft_pg.create_store_client = _create_store_client
-
-
-def sent_per_rank(op: str, tensor_bytes: float, world: int) -> float:
-    """Bytes one rank sends over its links for one ``op`` collective whose input is
-    ``tensor_bytes``, as :class:`LinkStats` counts them: the ring's 2(W−1)/W of it for an
-    all-reduce, its W−1 other rows for an all-to-all, W−1 copies for an all-gather."""
-    if op == "allreduce":
-        return ring_allreduce_bytes(tensor_bytes, world)
-    if op == "alltoall":
-        return float((world - 1) * (tensor_bytes // max(1, world)))
-    if op == "allgather":
-        return float((world - 1) * tensor_bytes)
-    raise ValueError(f"sent_per_rank: op {op!r} — expected allreduce, alltoall or allgather")
-
-
-@dataclass
-class LinkStats:
-    """What one level's links carried in this process."""
-
-    sent_bytes: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    tensor_bytes: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    calls: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    injected_failures: int = 0
-    # emulated links run collectives synchronously: measured time and analytical bound
-    seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    bound_seconds: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    # each payload collective's [start, end] wall-clock seconds, in call order: the bench
-    # lines up the members' k-th calls and measures from the last member's arrival
-    spans: Dict[str, List[List[float]]] = field(default_factory=lambda: defaultdict(list))
-
-    def record(self, op: str, kind: str, tensor_bytes: int, sent: float) -> None:
-        key = f"{op}/{kind}"
-        self.calls[key] += 1
-        self.tensor_bytes[key] += tensor_bytes
-        self.sent_bytes[kind] += sent
-
-    def timed(self, op: str, kind: str, started: float, bound: float, span: bool = True) -> None:
-        """A collective that began at ``started`` (``time.time()``) ended now; ``span``: keep
-        its [start, end] (the emulated links' payload collectives, which the bench lines up)."""
-        key, ended = f"{op}/{kind}", time.time()
-        self.seconds[key] += ended - started
-        self.bound_seconds[key] += bound
-        if span and kind == PAYLOAD and len(self.spans[key]) < MAX_SPANS:
-            self.spans[key].append([started, ended])
-
-    emulation: Optional[LinkEmulation] = None
-
-    def as_dict(self) -> Dict[str, object]:
-        out: Dict[str, object] = {
-            "sent_bytes": dict(self.sent_bytes),
-            "sent_bytes_total": sum(self.sent_bytes.values()),
-            "tensor_bytes": dict(self.tensor_bytes),
-            "calls": dict(self.calls),
-            "injected_failures": self.injected_failures,
-        }
-        if self.seconds:
-            out["seconds"] = dict(self.seconds)
-            out["bound_seconds"] = dict(self.bound_seconds)
-            out["spans"] = dict(self.spans)
-        if self.emulation is not None:
-            out["loss"] = self.emulation.stats()
-        return out
 
 
 _gloo_host: Optional[str] = None
