@@ -13,7 +13,7 @@ on the global model's (the asynchronous arm's ``curve_global``: the version each
 adopted; the synchronous arm's live model at its outer rounds is the global model).
 
     python benchmarks/async_outer.py [--speeds "[1.0,0.5]|[]"] [--seeds 0,1,2] [--wan-gbps 0.1] [--target 0.9375] \
-        [--arm hier_async|hier_async_overlap] [--extra sync.async_outer.match_pace=true ...]
+        [--arm hier_async|hier_async_overlap] [--no-sync] [--extra sync.async_outer.match_pace=true ...]
 
 ``--extra``: more overrides for every arm of the bench (the synchronous arm ignores
 ``sync.async_outer.*``).
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, speeds: str, seed: int, out: Path) -> Dict[str
     tag = speeds.strip("[]").replace(",", "_") or "even"
     d = out / f"{tag}_s{seed}"
     argv = [sys.executable, "-m", "hier_localsgd", "bench", "bench.mode=full", f"bench.links={'emulated' if args.emulated else 'kernel'}",
-            f"bench.wan_gbps={args.wan_gbps}", f"bench.arms=[hier,{args.arm}]", f"bench.target_loss={args.target}",
+            f"bench.wan_gbps={args.wan_gbps}", f"bench.arms=[{args.arm}]" if args.no_sync else f"bench.arms=[hier,{args.arm}]", f"bench.target_loss={args.target}",
             # a seed sets the init and the sample order, as bench_sweep.py does
             f"train.seed={seed}", f"data.stream={seed}", f"run.dir={d}", *([f"topology.cluster_speed={speeds}"] if speeds != "[]" else []), *args.extra]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--arm", default="hier_async", choices=["hier_async", "hier_async_overlap"],
                     help="the asynchronous arm (hier_async_overlap: each push behind training)")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every arm (key=value)")
+    ap.add_argument("--no-sync", action="store_true",
+                    help="run the asynchronous arm alone (compare with a synchronous arm run before: say so where you report it)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="async_outer_"))
     print(f"debugmodel 2 x 2, WAN {args.wan_gbps} Gbit/s ({'emulated' if args.emulated else 'kernel tbf'}), target {args.target}, "
@@ -113,14 +115,14 @@ def main() -> None:
                 print(f"| {speeds} | {seed} | {name} | {tt} | {gt} | {rate} | {a['final']:.4f} | {eq} | {geq} | {a['wall_s']:.1f} | {a['slow_mb']:.1f} "
                       f"| {a['consistent']} |", flush=True)
     print()
-    for speeds in args.speeds.split("|"):
+    for speeds in ([] if args.no_sync else args.speeds.split("|")):
         rs = [r for r in rows if r["speeds"] == speeds]
         sooner, gsooner = (ratios(rs, key, "hier", args.arm) for key in ("to_target_s", "global_to_target_s"))
         rate = ratios(rs, "rate0", args.arm, "hier")
         print(f"{speeds}: time to target, hier / {args.arm} per seed {sooner} (the global model's: {gsooner}); "
               f"cluster 0's rate, {args.arm} / hier per seed {rate}")
     even = {r["seed"]: r for r in rows if r["speeds"] == "[]"}
-    for speeds in [x for x in args.speeds.split("|") if x != "[]"]:
+    for speeds in [x for x in args.speeds.split("|") if x != "[]" and not args.no_sync]:
         for r in rows:
             e = even.get(r["seed"])
             if r["speeds"] == speeds and e is not None:
