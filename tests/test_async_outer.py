@@ -85,8 +85,8 @@ def test_the_grace_window_rule_against_a_hand_computation():
     assert free_until(now=10.0, at=9.0, free_s=3.0) == 11.0  # out at 9, applied 3 s later, less the 1 s way back
     assert free_until(now=10.0, at=10.0, free_s=1e9) == 10.0 + MAX_AGE_S
 
-    def closes(now, inside, min_clusters=1, period=None, last=None, expect=None, final=(), meeting=()):
-        return batch_closes(now, 102.0, inside, 3, final.__contains__, min_clusters, period or {}, last or {}, expect or {}, meeting)
+    def closes(now, inside, min_clusters=1, period=None, last=None, expect=None, final=()):
+        return batch_closes(now, 102.0, inside, 3, final.__contains__, min_clusters, period or {}, last or {}, expect or {})
 
     assert closes(102.0, {0})  # the end closes it, whoever may still come
     assert not closes(101.0, {0})  # clusters 1 and 2 not heard yet may come
@@ -96,22 +96,6 @@ def test_the_grace_window_rule_against_a_hand_computation():
     assert not closes(101.0, {0}, period={1: 30.0, 2: 30.0}, last={1: 75.0, 2: 80.0}, expect={2: 101.5})  # match_pace's expectation
     assert not closes(101.0, {0}, min_clusters=2, final=(1, 2))  # min_clusters not reached: the window runs out
     assert closes(101.0, {0, 1}, min_clusters=2, final=(2,))
-
-    # match_pace's meeting: cluster 1 was aimed at cluster 0's (the fastest's) push but is
-    # expected past the end (an aim errs by seconds): a batch holding a meeting member waits
-    # for the others until its end; one holding none of them does not.
-    from hier_localsgd.sync.global_schedule import meeting
-
-    assert meeting(None, {1: 105.0}) == set() and meeting(0, {}) == set()
-    m = meeting(0, {1: 105.0})
-    assert m == {0, 1}
-    known = dict(period={1: 30.0, 2: 30.0}, last={1: 75.0, 2: 80.0}, expect={1: 105.0})
-    assert closes(101.0, {0}, **known)  # without the meeting: 1 due at 105, 2 at 110, past the end
-    assert not closes(101.0, {0}, **known, meeting=m)  # the fastest is in: its aimed cluster 1 is waited for
-    assert not closes(101.0, {1}, **known, meeting=m, final=(2,))  # an aimed cluster is in: the fastest is waited for
-    assert closes(102.0, {0}, **known, meeting=m)  # until the end, no longer
-    assert closes(101.0, {2}, **known, meeting=m, final=(0,))  # a batch of no member: 1 is not waited for
-    assert closes(101.0, {0, 1}, **known, meeting=m)  # every member in, 2 due past the end
 
 
 def test_the_server_merges_equal_pushes_into_one_version_and_restarts_from_a_leaders_copy():

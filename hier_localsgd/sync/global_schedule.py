@@ -7,7 +7,7 @@ rounds follow too."""
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Dict, Iterable, Optional, Set, Tuple
+from typing import Callable, Collection, Dict, Iterable, Optional, Tuple
 
 # A batch waits at most this share of its contributors' own push period: a fast cluster
 # gives up at most a tenth of its time to merging with others (global_server.py).
@@ -29,39 +29,22 @@ def batch_end(opened: float, grace_s: float, inside: Iterable[int], period: Dict
 
 
 def batch_closes(now: float, end: float, inside: Collection[int], clusters: int, final: Callable[[int], bool], min_clusters: int,
-                 period: Dict[int, float], last: Dict[int, float], expect: Dict[int, float],
-                 meeting: Collection[int] = ()) -> bool:
+                 period: Dict[int, float], last: Dict[int, float], expect: Dict[int, float]) -> bool:
     """Whether an open batch of the clusters ``inside`` closes at ``now``: at its ``end``;
     before that once it has ``min_clusters`` and no other cluster that is not ``final`` may
     come by the end: one not heard yet (no ``period``: its pace is unknown) may, and one
     expected by then (at ``expect``, match_pace's, else its ``last`` push plus its period).
-    A batch that holds a push of match_pace's ``meeting`` (:func:`meeting`) waits for the
-    meeting's other clusters until its end, whenever they are expected: their pushes are
-    aimed at this batch, and an aim errs by seconds, while the end is at most a tenth of a
-    period away (:func:`batch_end`).
     tools/simulate/batches.py runs the same rule on the simulator's clock."""
     if now >= end:
         return True
     if len(inside) < min_clusters:
         return False
-    aimed = set(meeting) if any(k in inside for k in meeting) else set()
     for k in range(clusters):
         if k in inside or final(k):
             continue
-        if k in aimed or k not in period or expect.get(k, last[k] + period[k]) <= end:
+        if k not in period or expect.get(k, last[k] + period[k]) <= end:
             return False
     return True
-
-
-def meeting(fastest_cluster: Optional[int], expect: Dict[int, float]) -> Set[int]:
-    """match_pace's meeting: the fastest cluster and every cluster whose answer aimed its
-    next push at the fastest's (``expect``'s keys); empty before the first aim. Before
-    this rule a batch waited for an aimed cluster only if its expected time was inside
-    the window: on the demo workload beside a half-speed cluster, pushes of the two
-    clusters that reached the server 0.3-1.4 s apart became versions of one cluster each,
-    the later one stale (weight halved), for the first 70-90 s of every run
-    (docs/benchmarks.md)."""
-    return set() if fastest_cluster is None or not expect else {fastest_cluster, *expect}
 
 
 def free_until(now: float, at: float, free_s: float) -> float:

@@ -103,7 +103,7 @@ from hier_localsgd.core.tensors.level import LevelAlgorithm
 from hier_localsgd.sync.compression import decode_push, encode_update
 from hier_localsgd.sync.global_model import GlobalModel
 from hier_localsgd.sync.global_schedule import (MAX_AGE_S, SILENT_PERIODS, average, batch_closes, batch_end, expected_push,
-                                                fastest, fastest_next, free_until, meet_in, meeting)
+                                                fastest, fastest_next, free_until, meet_in)
 from hier_localsgd.sync.global_wire import AUTH, MAC_BYTES, PUBLIC_KEY, body_limit, request_mac, response_mac
 
 logger = logging.getLogger(__name__)
@@ -486,14 +486,7 @@ class GlobalModelServer:
         assert self.model is not None and self._batch_opened is not None
         inside = {c.cluster for c in self.model.pending}
         end = batch_end(self._batch_opened, self.grace_s, inside, self._period, self._overlapped, self._free)
-        return batch_closes(now, end, inside, self.clusters, self._finals.__contains__, self.min_clusters, self._period, self._last,
-                            self._expect, self._meeting(now))
-
-    def _meeting(self, now: float) -> set:
-        """match_pace's meeting (global_schedule.py ``meeting``) less the clusters silent for
-        :data:`SILENT_PERIODS` of their periods (a dead cluster is not waited for)."""
-        return {k for k in meeting(self._fastest, self._expect)
-                if now - self._last.get(k, 0.0) < SILENT_PERIODS * self._period.get(k, 0.0)}
+        return batch_closes(now, end, inside, self.clusters, self._finals.__contains__, self.min_clusters, self._period, self._last, self._expect)
 
     def _close(self) -> None:
         assert self.model is not None

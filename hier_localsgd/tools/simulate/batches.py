@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from hier_localsgd.sync.global_schedule import average, batch_closes, batch_end, free_until, meeting
+from hier_localsgd.sync.global_schedule import average, batch_closes, batch_end, free_until
 
 Token = Tuple[str, Any]  # the engine's: ("blocking", epoch) or ("overlapped", flight id)
 
@@ -36,7 +36,6 @@ class Batches:
         self.period: Dict[int, float] = {}  # seconds from an adoption to the next push (moving average)
         self.last: Dict[int, float] = {}  # its last push's arrival
         self.expected: Dict[int, float] = {}  # match_pace: when the answer told it to push next
-        self.fastest: Optional[int] = None  # match_pace: the cluster the others' pushes meet (paces.py)
         self.free: Dict[int, float] = {}  # an overlapped push's answer must leave by then
         self.overlapped: Dict[int, bool] = {}
         self.inside: Dict[int, Token] = {}
@@ -77,7 +76,7 @@ class Batches:
         one that finished is final to the server here, a little later than for the real
         one, which knows it from the final push's arrival)."""
         return batch_closes(now, self.end(), self.inside, self.clusters, lambda k: not running(k), self.min_clusters,
-                            self.period, self.last, self.expected, meeting(self.fastest, self.expected))
+                            self.period, self.last, self.expected)
 
     def close(self) -> List[Tuple[int, Token]]:
         """Closes the open batch: its ``(cluster, token)`` pairs."""

@@ -131,7 +131,6 @@ class Pushes:
         if p.match_pace:
             c.answer_push_in = self.paces.answer(c.idx, t, self.running)
             self.batches.expect(c.idx, self.paces.expected_at(c.idx, t, c.answer_push_in))
-            self.batches.fastest = self.paces.fastest
         self.push(t + p.push_time() / 2, PUSH_DONE, c.idx, 0, c.epoch)
 
     def on_push_done(self, t: float, ci: int, _b: int, epoch: int) -> None:
@@ -219,7 +218,6 @@ class Pushes:
             lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
             fl["push_in"] = self.paces.answer(c.idx, t, self.running, lo=lo, ref=fl["arrived_t"], transit=0.0)
             self.batches.expect(c.idx, self.paces.expected_at(c.idx, fl["arrived_t"], fl["push_in"], transit=0.0))
-            self.batches.fastest = self.paces.fastest
         if fl["apply_epoch"] is not None:
             self.push(max(fl["apply_t"], fl["answer"]) + self.p.broadcast_time(len(c.active)), APPLY, c.idx, 0, fl["apply_epoch"])
 
