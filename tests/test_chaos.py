@@ -687,7 +687,7 @@ def test_a_hang_and_a_phase_kill_never_share_a_target(tmp_path):
     monkey = ChaosMonkey(job, cfg)  # type: ignore[arg-type]
     monkey._continuous_now = lambda: [SimpleNamespace(key=k) for k in keys]  # type: ignore[method-assign]
     running = {k: job.status(k) for k in keys}
-    import hier_localsgd.experiments.chaos as chaos_mod
+    import hier_localsgd.experiments.chaos_monkey as chaos_mod
     chaos_mod.signal_group, saved = (lambda pid, sig: None), chaos_mod.signal_group
     try:
         monkey._arm("leader", "BROADCAST", 0.0, (0, 0))
@@ -785,7 +785,7 @@ def test_a_planned_schedule_is_fixed_before_the_run_and_fires_the_same_faults_in
         monkey._continuous_now = lambda: [SimpleNamespace(key=k) for k in job.keys() if job.status(k)]  # type: ignore[method-assign]
         monkey._running = lambda continuous: {k: job.status(k) for k in job.keys() if job.status(k)}  # type: ignore[method-assign]
         monkey.pending.add = lambda *a: None  # type: ignore[method-assign]  # a hang ends at once here
-        import hier_localsgd.experiments.chaos as chaos_mod
+        import hier_localsgd.experiments.chaos_monkey as chaos_mod
         chaos_mod.signal_group, saved = (lambda pid, sig: None), chaos_mod.signal_group
         try:
             for step in range(0, 210):
