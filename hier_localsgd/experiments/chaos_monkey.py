@@ -58,6 +58,7 @@ class ChaosMonkey:
         draw_kinds = self.kinds if self.poisonable else [k for k in self.kinds if k != "poison"]
         self.faults: List[Dict[str, Any]] = []
         self.pending = PendingFaults()
+        self._freed: Dict[int, float] = {}  # a hung process's pid -> when its SIGCONT went (:meth:`_hung`)
         self.armed: Optional[Dict[str, Any]] = None  # a phase_kill waiting for its phase
         self._events: Dict[Key, List[Dict[str, Any]]] = {}  # the processes' events at the last read
         self.kinds_done: List[str] = []
@@ -102,11 +103,19 @@ class ChaosMonkey:
             self.armed["stop_sent"] = True
 
     def _hung(self) -> Set[Key]:
-        """Replica groups a hang holds stopped now (their SIGCONT still pending). A hang and a
-        phase kill never share a target: a phase stop cannot fire in a stopped process, a
-        kill would cut the hang short, and a SIGCONT would free a process that stopped itself."""
+        """Replica groups a hang holds stopped now (their SIGCONT still pending), or held until
+        lately and not back in the rounds yet (no commit since their SIGCONT: a leader freed
+        after 5 s was seen rejoining for 18 s, longer than ``chaos.phase_arm_s``, so a phase
+        kill armed on it fell back to a plain kill in a CI run). A hang and a phase kill never
+        share a target: a phase stop cannot fire in a stopped process, a kill would cut the
+        hang short, and a SIGCONT would free a process that stopped itself."""
         pids = {arg for _, action, arg in self.pending.items if action == "cont"}
-        return {k for k, r in self.job.replicas.items() if r.popen.pid in pids}
+        out = set()
+        for k, r in self.job.replicas.items():
+            freed = self._freed.get(r.popen.pid)
+            if r.popen.pid in pids or (freed is not None and float((self.job.status(k) or {}).get("last_commit_at") or 0.0) < freed):
+                out.add(k)
+        return out
 
     def _disarm_stop(self, key: Key) -> None:
         """Takes back a phase stop ``key`` has not taken yet: a restart must never take it."""
@@ -331,6 +340,7 @@ class ChaosMonkey:
     def _end(self, action: str, arg: Any, now: float) -> None:
         if action == "cont":
             signal_group(arg, signal.SIGCONT)
+            self._freed[arg] = now  # recovering until its next commit (:meth:`_hung`)
         elif action == "heal":
             self.job.heal(arg)  # type: ignore[attr-defined]
         self.after_end(now)
