@@ -137,6 +137,22 @@ def test_each_cluster_shows_its_step_rate_and_its_share_of_time_in_sync(tmp_path
     assert c1["step_rate"] == 5.0 and c1["sync_share"] == 0.05
 
 
+def test_each_cluster_shows_its_leaders_share_of_time_waiting_for_other_clusters(tmp_path):
+    """sync/state.py's outer_wait_s (a leader's global quorums, or its asynchronous pushes'
+    batches at the server) over the loop's seconds: the cluster shows its leader's share, a
+    member's missing count is no zero, and a cluster whose leader has not waited yet shows none."""
+    sts = {(0, 0): status(0, 0, loop_s=10.0, loop_steps=100, sync_s=5.0, outer_wait_s=4.5),
+           (0, 1): status(0, 1, loop_s=10.0, loop_steps=100, sync_s=4.8),
+           (1, 0): status(1, 0, loop_s=20.0, loop_steps=100, sync_s=1.0, outer_wait_s=0.4), (1, 1): status(1, 1, loop_s=20.0, loop_steps=100)}
+    s = read_state(write_run(tmp_path, sts), now=NOW)
+    assert row(s, "c0r0")["outer_wait_s"] == 4.5 and row(s, "c0r0")["wait_share"] == 0.45
+    assert row(s, "c0r1")["wait_share"] is None
+    c0, c1 = s["clusters"]
+    assert (c0["wait_share"], c1["wait_share"]) == (0.45, 0.02)
+    none_yet = read_state(write_run(tmp_path / "b", {k: status(*k, loop_s=5.0, loop_steps=10) for k in sts}), now=NOW)
+    assert [c["wait_share"] for c in none_yet["clusters"]] == [None, None]
+
+
 def test_with_the_asynchronous_outer_level_each_cluster_shows_its_version_and_lag(tmp_path):
     """sync.async_outer: outer_round counts global versions; a cluster's lag is the newest
     version any cluster holds minus its own. Synchronous runs show no version or lag."""
@@ -608,15 +624,15 @@ def test_the_page_shows_what_outer_auto_measured_and_picked(tmp_path, browser):
         stop()
 
 
-def test_the_page_shows_each_clusters_steps_per_second_and_share_in_sync(tmp_path, browser):
+def test_the_page_shows_each_clusters_steps_per_second_and_shares_in_sync_and_waiting(tmp_path, browser):
     from playwright.sync_api import expect
 
-    sts = {(0, 0): status(0, 0, loop_s=10.0, loop_steps=100, sync_s=5.0), (0, 1): status(0, 1, loop_s=10.0, loop_steps=100, sync_s=4.0),
+    sts = {(0, 0): status(0, 0, loop_s=10.0, loop_steps=100, sync_s=5.0, outer_wait_s=3.0), (0, 1): status(0, 1, loop_s=10.0, loop_steps=100, sync_s=4.0),
            (1, 0): status(1, 0, loop_s=10.0, loop_steps=50, sync_s=0.5), (1, 1): status(1, 1, loop_s=10.0, loop_steps=50, sync_s=0.5)}
     url, stop = start_in_thread(DashboardConfig(run_dir=str(write_run(tmp_path, sts)), port=0, refresh_ms=500))
     page, errors = open_page(browser, url)
     try:
-        expect(page.locator('.cluster[data-cluster="0"] .cluster-head .pace')).to_have_text("steps/s 10.00 in sync 45%", timeout=10_000)
+        expect(page.locator('.cluster[data-cluster="0"] .cluster-head .pace')).to_have_text("steps/s 10.00 in sync 45% waiting 30%", timeout=10_000)
         expect(page.locator('.cluster[data-cluster="1"] .cluster-head .pace')).to_have_text("steps/s 5.00 in sync 5%")
         assert errors == []
     finally:

@@ -37,3 +37,10 @@ def test_a_half_speed_clusters_steps_last_twice_the_minimum_and_every_group_repo
     state = read_state(tmp_path)
     for cluster in state["clusters"]:
         assert cluster["step_rate"] is not None and 0 < cluster["step_rate"] and 0 <= cluster["sync_share"] <= 1, cluster
+    # The fast cluster's leader waits in each of the 3 global quorums for the slow one's 10
+    # steps, at least 0.05 s longer each (padding is a sleep): >= 1.5 s in all; the slow
+    # leader, last to ask, waits only for the quorum to form. The dashboard shows the shares.
+    waited = {c: max((run.job.last_status((c, r)) or {}).get("outer_wait_s") or 0.0 for r in (0, 1)) for c in (0, 1)}
+    assert waited[0] >= 1.0 and waited[0] > waited[1] + 0.5, waited
+    c0, c1 = state["clusters"]
+    assert c0["wait_share"] > c1["wait_share"], (c0["wait_share"], c1["wait_share"])

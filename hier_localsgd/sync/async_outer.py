@@ -49,6 +49,7 @@ consistency check reports it).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -503,11 +504,14 @@ class AsyncOuter:
         version, weight, staleness = int(ans["version"]), float(ans.get("weight", 0.0)), int(ans.get("staleness", 0))
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
+        waited = ans.get("waited_s")
+        waited = float(waited) if type(waited) in (int, float) and math.isfinite(waited) else 0.0
+        st.waited_for_clusters(waited)
         push_in = self.next_push(ans.get("push_in"))
         held = ans.get("held_to")
         held_to = held if weight == 0 and type(held) is int and 0 <= held <= req["step"] else -1  # a repeat (global_server.py)
         st.events("commit", level="outer", outer_round=version, step=req["step"], base=req["base"], staleness=staleness,
-                  weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4),
+                  weight=round(weight, 6), tokens=req["tokens"], final=bool(ans.get("final")), wait_s=round(time.time() - t0, 4), server_wait_s=waited,
                   asynchronous=True, refused=str(ans.get("refused") or "")[:100], push_in=push_in or self.period,
                   down_steps=len(ans["updates"]) if isinstance(ans.get("updates"), list) else None,  # None: the model came whole
                   # the version's model: the evidence another cluster's commit of it matches

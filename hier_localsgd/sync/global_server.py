@@ -8,7 +8,7 @@ Requests (``POST``, body and answer in the no-code wire format, core/security/wi
     /push   {cluster, base, step, tokens, period_s, period_steps, match_pace, min_steps, full_steps,
              final, delta|None, model|None, down}      (delta: fp32, or compressed: compression.py encode_push)
             -> {version, model|None, updates, checksum, weight, staleness, final, need_model, refused, epoch,
-                cluster_step, push_in, merged (no delta)}
+                cluster_step, push_in, waited_s, merged (no delta)}
     /final  {cluster, wait_s}  -> {final, version, model|None, need_model}
     /version {cluster}         -> {version (-1: no model), final, cluster_step}
 
@@ -338,15 +338,17 @@ class GlobalModelServer:
                 delta = None
                 held_to = self._merged_step.get(cluster, step)
             c = gm.add(cluster, base, tokens, delta)
+            waited = 0.0
             if c.weight > 0:
                 self._merged[cluster], self._merged_step[cluster] = base, step
                 if self._batch_opened is None:
                     self._batch_opened = now
-                mine = self._batch
+                mine, waiting = self._batch, time.time()
                 while self._batch == mine and not self._should_close(time.time()):
                     self._cond.wait(timeout=0.05)
                 if self._batch == mine:
                     self._close()
+                waited = time.time() - waiting
                 if not c.applied:  # refused when the server adopted a leader's newer version meanwhile (too stale then)
                     c.weight, c.refused = 0.0, c.refused or "dropped: the server took a newer version from another leader"
                     self._merged.pop(cluster, None)
@@ -355,6 +357,7 @@ class GlobalModelServer:
                                cluster, base, c.refused, gm.version)
             self._maybe_final(time.time())
             ans = self._answer_push(gm, cluster, req, weight=c.weight, staleness=c.staleness, refused=c.refused, arrived=at)
+            ans["waited_s"] = round(waited, 4)  # in the open batch, for other clusters (the dashboard's waiting time)
             if held_to is not None:
                 ans["held_to"] = held_to
             return ans

@@ -242,8 +242,12 @@ class OuterLevel:
             if not_ready is not None:
                 raise not_ready
             comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
-            q = mgr.start_quorum(tr.remaining(), health, st.settings.quorum_slice,
-                                 progress=outer_progress(cur_round, cur_step, self._fresh), agree=agree)
+            asked = time.monotonic()
+            try:  # forms once every live leader has asked: the wait for the slowest cluster
+                q = mgr.start_quorum(tr.remaining(), health, st.settings.quorum_slice,
+                                     progress=outer_progress(cur_round, cur_step, self._fresh), agree=agree)
+            finally:
+                st.waited_for_clusters(time.monotonic() - asked)
         except LighthouseOutage as e:
             # The clusters train and sync inside themselves until the global lighthouse returns.
             outage(st, "outer", e)

@@ -171,6 +171,10 @@ class SyncState:
     # contributed with weight 0) — what chaos.py's goodput starts from.
     work: Dict[str, int] = field(default_factory=lambda: {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0})
     since_outer: int = 0  # steps committed at the inner level since the last outer commit
+    # A leader's seconds waiting for other clusters at the outer level (the dashboard's
+    # waiting time): the global quorum's forming, or an asynchronous push's batch at the
+    # server. Off the training thread for an overlapped round (hidden unless it outlasts it).
+    outer_wait_s: float = 0.0
     leader: bool = False  # rank 0 of the last inner quorum
     quorum_failures: Dict[str, int] = field(default_factory=lambda: {"inner": 0, "outer": 0})
     published_outage: Dict[str, bool] = field(default_factory=lambda: {"inner": False, "outer": False})
@@ -184,6 +188,11 @@ class SyncState:
     def work_counters(self) -> Dict[str, int]:
         """``work`` plus ``steps_since_outer``: steps committed at the inner level since the last outer commit."""
         return {**self.work, "steps_since_outer": self.since_outer}
+
+    def waited_for_clusters(self, seconds: float) -> None:
+        """Adds to :attr:`outer_wait_s` and publishes it (any thread: the overlapped stage's too)."""
+        self.outer_wait_s += max(0.0, seconds)
+        self.tracker.set_extra(outer_wait_s=round(self.outer_wait_s, 3))
 
 
 # ------------------------------------------------------------------ pieces every level runs

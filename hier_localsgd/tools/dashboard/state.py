@@ -258,18 +258,26 @@ def _by_replica(events: List[Dict[str, Any]]) -> Dict[Key, List[Dict[str, Any]]]
 
 
 def _pace_view(st: Dict[str, Any]) -> Dict[str, Optional[float]]:
-    """Since its loop began (api.py _pace): steps per second, and the share of the time spent
-    in sync rounds (waiting for peers, communicating): a cluster held back by a slower one
-    shows a low rate and a high share."""
+    """Since its loop began (api.py _pace): steps per second, the share of the time spent
+    in sync rounds (waiting for peers, communicating), and a leader's share spent waiting
+    for other clusters (``outer_wait_s``, sync/state.py): a cluster held back by a slower
+    one shows a low rate and high shares."""
     loop_s, steps, sync_s = number(st.get("loop_s")), number(st.get("loop_steps")), number(st.get("sync_s"))
+    wait_s = number(st.get("outer_wait_s"))
     if not loop_s or loop_s <= 0 or steps is None:
-        return {"step_rate": None, "sync_share": None}
-    return {"step_rate": steps / loop_s, "sync_share": None if sync_s is None else min(1.0, sync_s / loop_s)}
+        return {"step_rate": None, "sync_share": None, "outer_wait_s": wait_s, "wait_share": None}
+    return {"step_rate": steps / loop_s, "sync_share": None if sync_s is None else min(1.0, sync_s / loop_s),
+            "outer_wait_s": wait_s, "wait_share": None if wait_s is None else min(1.0, wait_s / loop_s)}
 
 
 def _mean(xs: List[Optional[float]]) -> Optional[float]:
     v = [x for x in xs if x is not None]
     return sum(v) / len(v) if v else None
+
+
+def _leaders_share(members: List[Dict[str, Any]]) -> Optional[float]:
+    shares = [m["wait_share"] for m in members if m.get("wait_share") is not None]
+    return max(shares) if shares else None
 
 
 def _cluster_view(c: int, files: RunFiles, keys: Set[Key], replicas: Dict[Key, Dict[str, Any]], alive: Dict[Key, bool]) -> Dict[str, Any]:
@@ -291,6 +299,8 @@ def _cluster_view(c: int, files: RunFiles, keys: Set[Key], replicas: Dict[Key, D
         # its groups' mean pace, the live ones' while any is (a heterogeneous deployment: topology.cluster_speed)
         "step_rate": _mean([m.get("step_rate") for m in paced]),
         "sync_share": _mean([m.get("sync_share") for m in paced]),
+        # its leader's (members never wait for other clusters): the live leader's, else any's
+        "wait_share": _leaders_share([m for m in paced if m.get("leader")] or paced),
         # sync.async_outer: the global version the cluster holds (lag: set by _version_lags)
         "version": max((m["outer_round"] for m in paced if isinstance(m.get("outer_round"), int)), default=None),
         "asynchronous": any(m.get("asynchronous") for m in members),

@@ -182,7 +182,8 @@ function renderTree(s) {
       '<span><span class="k">live</span> ' + c.live + " / " + c.replicas.length + "</span>" +
       (isNum(c.loss) ? '<span><span class="k">loss</span> ' + fmtLoss(c.loss) + "</span>" : "") +
       (isNum(c.step_rate) ? '<span class="pace"><span class="k">steps/s</span> ' + c.step_rate.toFixed(2) +
-        (isNum(c.sync_share) ? ' <span class="k">in sync</span> ' + Math.round(100 * c.sync_share) + "%" : "") + "</span>" : "") +
+        (isNum(c.sync_share) ? ' <span class="k">in sync</span> ' + Math.round(100 * c.sync_share) + "%" : "") +
+        (isNum(c.wait_share) ? ' <span class="k">waiting</span> ' + Math.round(100 * c.wait_share) + "%" : "") + "</span>" : "") +
       (c.asynchronous && isNum(c.version) ? '<span class="version"><span class="k">version</span> ' + c.version +
         (isNum(c.version_lag) ? ' <span class="k">lag</span> ' + c.version_lag : "") + "</span>" : "") + "</div>";
     html += '<div class="table-wrap"><table class="rg"><thead><tr><th>Replica group</th><th>Role</th><th>Process</th><th>Phase</th><th>Step</th><th>Inner</th><th>Outer</th>' +
