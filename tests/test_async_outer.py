@@ -73,6 +73,39 @@ def _push(srv, cluster, base, delta, final=False, model=None, key=b"k" * 32, tok
                                                            "delta": delta, "model": model}, key, 30.0)
 
 
+def test_a_leader_gone_while_its_push_waits_in_the_batch_is_merged_once_and_the_server_serves_on():
+    """A leader's push sits in the open batch (min_clusters 2: the batch waits for cluster 1)
+    when its leader goes: its connection closes (here the client gives up after 0.5 s, as a
+    killed process's socket does). The server keeps the contribution, closes the batch when
+    cluster 1 pushes (one version of both), fails only the write of the gone leader's answer,
+    and serves on: the cluster's next leader, pushing from the same base, gets the version
+    that holds the first push, at weight 0 (at most once), with the first push's step."""
+
+    srv = _server(min_clusters=2, grace_s=60.0)
+    url = f"http://127.0.0.1:{srv.port}"
+    try:
+        init = torch.tensor([1.0, 2.0, 3.0])
+        assert _push(srv, 0, 0, None, model=init)["version"] == 0  # the registration
+
+        def push(cluster, step, delta, timeout_s):
+            return call(url, "/push", {"cluster": cluster, "base": 0, "step": step, "tokens": 10.0, "final": False, "period_s": 600.0,
+                                       "delta": delta, "model": None}, b"k" * 32, timeout_s)  # the window: up to a tenth of 600 s
+
+        with pytest.raises(GlobalModelUnavailable):
+            push(0, 20, torch.full((3,), 1.0), 0.5)  # waits for cluster 1 beyond the leader's life
+        assert srv.model.version == 0 and [c.cluster for c in srv.model.pending] == [0]
+        ans1 = push(1, 20, torch.full((3,), 2.0), 30.0)
+        assert (ans1["version"], ans1["weight"]) == (1, 1.0)
+        assert srv.status()["history"][0]["clusters"] == [0, 1]
+        g = torch.full((3,), 1.5)
+        assert torch.allclose(ans1["model"], init - 0.7 * (g + 0.9 * g))  # both pushes, each once
+        redo = push(0, 30, torch.full((3,), 1.0), 30.0)  # the new leader, from the same base
+        assert (redo["version"], redo["weight"], redo["held_to"]) == (1, 0.0, 20)
+        assert torch.equal(redo["model"], ans1["model"]) and srv.model.version == 1
+    finally:
+        srv.shutdown()
+
+
 def test_the_grace_window_rule_against_a_hand_computation():
     """global_schedule.py batch_end / batch_closes / free_until (the simulator runs the same)."""
     from hier_localsgd.sync.global_schedule import GRACE_SHARE, MAX_AGE_S, batch_closes, batch_end, free_until
@@ -318,6 +351,28 @@ def test_a_half_speed_cluster_does_not_hold_the_other_back_and_the_job_ends_on_o
         logs = "".join((run.job.run_dir / "logs" / f"c{c}r{r}.log").read_text() for r in (0, 1))
         assert "registered the global model (version 0) with the server while training" in logs, logs[-3000:]
         assert "this push registers it" not in logs
+
+
+@pytest.mark.slow
+def test_the_fast_cluster_never_waits_for_a_slower_one_beyond_the_grace_window(tmp_path):
+    """2 x 1, cluster 1 at a quarter speed: its pushes come every ~4 s, cluster 0's every
+    ~1 s (4 of them). Each push's answer says how long it sat in its batch (``waited_s``): cluster 0's
+    never more than the window (grace_s 0.3 s; a tenth of its period, 0.1 s) plus the
+    server's 0.05 s polls and a loaded machine's slack. A server that waited for cluster 1
+    would hold cluster 0's pushes up to ~3 s. Each leader publishes its pushes' sum
+    (``outer_wait_s``, the dashboard's waiting time)."""
+    from harness import logs_tail, run_job
+
+    run = run_job(tmp_path, ["sync.async_outer.enabled=true", "sync.async_outer.grace_s=0.3", "topology.replicas_per_cluster=1",
+                             "train.steps=80", "sync.inner.every=5", "sync.outer.every=4", "train.min_step_time_s=0.05",
+                             "topology.cluster_speed=[1.0,0.25]"], timeout_s=300)
+    assert all(code == 0 for code in run.codes.values()), logs_tail(run)
+    pushes0 = [e for e in run.kinds((0, 0), "commit", level="outer") if "base" in e and e["weight"] > 0]
+    assert len(pushes0) >= 3 and max(e["server_wait_s"] for e in pushes0) <= 1.0, [(e["step"], e["server_wait_s"]) for e in pushes0]
+    for key in ((0, 0), (1, 0)):
+        waits = [e["server_wait_s"] for e in run.kinds(key, "commit", level="outer") if "base" in e]
+        assert (run.job.last_status(key) or {}).get("outer_wait_s") == pytest.approx(sum(waits), abs=0.01), (key, waits)
+    _ends_on_one_version(run, keys=[(0, 0), (1, 0)])
 
 
 ASYNC = ["sync.async_outer.enabled=true", "sync.inner.every=5", "sync.outer.every=2", "train.min_step_time_s=0.05"]
