@@ -400,6 +400,49 @@ def test_simulator_predicts_steps_discarded_out_of_sample_within_15_percent():
     assert worst["steps_discarded"] is not None and worst["steps_discarded"] <= 0.15
 
 
+def test_simulator_predicts_the_asynchronous_levels_steps_run_under_kills_within_15_percent():
+    """benchmarks/measured/simulate_validation_async.json (``validate_simulate.py --set
+    async``, issue #33 §4): chaos runs with kills under the asynchronous outer level (equal
+    speeds; cluster 1 at half speed) and the synchronous level at half speed, replayed with
+    the restart time fitted on the synchronous 2 x 2 run: none of them was seen by the fit.
+    Measured 2026-12-01: steps run +1.6 %, -0.8 %, +9.8 %; steps discarded -31.2 %, +34.5 %,
+    +11.6 % (docs/planner.md: not asserted, the asynchronous runs miss 15 %)."""
+    from pathlib import Path
+
+    from hier_localsgd.experiments.simulate_validation import validate, worst_out_of_sample
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "measured"
+    cal = [r for r in json.loads((root / "simulate_validation.json").read_text())["records"] if r["label"] == "2x2"]
+    records = json.loads((root / "simulate_validation_async.json").read_text())["records"]
+    assert {r["label"] for r in records} == {"2x2_async", "2x2_async_half", "2x2_half"}
+    v = validate([*cal, *records], "2x2")
+    rows = {r["label"]: r for r in v["rows"]}
+    assert v["restart_s"] == 4.0 and not any(rows[k]["calibration"] for k in ("2x2_async", "2x2_async_half", "2x2_half"))
+    assert all(rows[k]["kills"] >= 5 for k in rows)  # kills of every role, or the check would be vacuous
+    assert worst_out_of_sample(v)["steps_run"] <= 0.15
+
+
+def test_a_failure_free_runs_step_is_its_groups_commits_over_steps_and_the_slowest_clusters_at_speed_1(tmp_path):
+    """simulate_validation.baseline_step_s: seconds per step from each group's first to last
+    commit, averaged; with topology.cluster_speed only the slowest cluster's groups, scaled
+    to a speed-1 step (a faster cluster may wait for it, under the synchronous level)."""
+    from hier_localsgd.experiments.simulate_validation import baseline_step_s
+
+    def events(name, t_per_step):
+        d = tmp_path / "replicas" / name
+        d.mkdir(parents=True)
+        lines = [{"kind": "commit", "t": 100.0 + t_per_step * st, "step": st} for st in (0, 10, 20)]
+        (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+
+    events("c0r0", 0.1)
+    events("c0r1", 0.3)  # waits for cluster 1 (a synchronous level)
+    events("c1r0", 0.2)
+    assert baseline_step_s(tmp_path) == pytest.approx(0.2)  # the mean of the three
+    assert baseline_step_s(tmp_path, [1.0, 0.5]) == pytest.approx(0.1)  # cluster 1's 0.2 s at half speed
+    with pytest.raises(ValueError, match="no replica group with two commits"):
+        baseline_step_s(tmp_path / "nothing")
+
+
 def test_kills_of_a_chaos_report_name_the_sync_phase_they_hit():
     from hier_localsgd.experiments.simulate_validation import kills_of
 

@@ -69,16 +69,24 @@ def kills_of(report: Dict[str, Any], replicas: int) -> List[str]:
     return out
 
 
-def baseline_step_s(run_dir: Path) -> float:
+def baseline_step_s(run_dir: Path, speeds: Sequence[float] = ()) -> float:
     """Wall seconds per local step of a failure-free run, syncs included: per replica group,
     from its first commit (the join round, step 0) to its last, then the mean over groups.
     (The simulator's syncs cost nothing on links that are not emulated, so this is its
-    compute per step.) ValueError naming the directory when it holds no commits."""
+    compute per step.) With clusters of different speeds (``speeds``:
+    ``topology.cluster_speed``) only the slowest cluster's groups, their seconds times its
+    speed: the simulator's ``step_s`` is a speed-1 step, and the slowest cluster is the one
+    that never waits for another (a faster one does under the synchronous outer level).
+    ValueError naming the directory when it holds no commits."""
+    slowest = min(speeds, default=1.0)
     rates = []
     for ev in sorted((run_dir / "replicas").glob("*/events.jsonl")):
+        cluster = int(ev.parent.name[1:].split("r")[0])  # "c<C>r<R>"
+        if speeds and speeds[cluster] != slowest:
+            continue
         commits = [e for e in read_events(ev) if e.get("kind") == "commit"]
         if len(commits) >= 2 and commits[-1]["step"] > commits[0]["step"]:
-            rates.append((commits[-1]["t"] - commits[0]["t"]) / (commits[-1]["step"] - commits[0]["step"]))
+            rates.append(slowest * (commits[-1]["t"] - commits[0]["t"]) / (commits[-1]["step"] - commits[0]["step"]))
     if not rates:
         raise ValueError(f"{run_dir}: no replica group with two commits at different steps (a failure-free run's directory?)")
     return sum(rates) / len(rates)
