@@ -98,7 +98,12 @@ def main() -> int:
             return 2
         records = json.loads(a.file.read_text())["records"]
     # The async set is calibrated on the synchronous run (its record from the saved sync set).
-    calibration = [] if a.set == "sync" else [r for r in json.loads(SAVED.read_text())["records"] if r["label"] == CALIBRATE]
+    calibration = []
+    if not any(r["label"] == CALIBRATE for r in records):
+        if not SAVED.is_file():
+            print(f"validate_simulate: {SAVED}: no such file (the calibration run's record)", file=sys.stderr)
+            return 2
+        calibration = [r for r in json.loads(SAVED.read_text())["records"] if r["label"] == CALIBRATE]
     try:
         v = validate([*calibration, *records], CALIBRATE)
     except KeyError as e:

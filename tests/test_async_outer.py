@@ -93,6 +93,9 @@ def test_a_leader_gone_while_its_push_waits_in_the_batch_is_merged_once_and_the_
 
         with pytest.raises(GlobalModelUnavailable):
             push(0, 20, torch.full((3,), 1.0), 0.5)  # waits for cluster 1 beyond the leader's life
+        deadline = time.time() + 10  # (a loaded machine: the server's thread may not have added it yet)
+        while not srv.model.pending and time.time() < deadline:
+            time.sleep(0.05)
         assert srv.model.version == 0 and [c.cluster for c in srv.model.pending] == [0]
         ans1 = push(1, 20, torch.full((3,), 2.0), 30.0)
         assert (ans1["version"], ans1["weight"]) == (1, 1.0)

@@ -719,10 +719,10 @@ def test_a_hang_and_a_phase_kill_never_share_a_target(tmp_path):
         # rejoining, it may not reach a phase within chaos.phase_arm_s (a CI run: 18 s).
         monkey.armed = None
         monkey._end("cont", 102, 20.0)
-        assert monkey._hung() == {(1, 0)}
+        assert monkey._hung(21.0) == {(1, 0)} and monkey._hung(20.0 + 121) == set()  # (held at most FREED_HELD_MAX_S)
         assert monkey._fire_planned(pf, running, monkey._continuous_now(), 21.0, 50) is False and monkey.armed is None
         job.commits[(1, 0)] = 22.5
-        assert monkey._hung() == set()
+        assert monkey._hung(23.0) == set()
         assert monkey._fire_planned(pf, running, monkey._continuous_now(), 23.0, 50) is True and monkey.armed["target"] == (1, 0)
     finally:
         chaos_mod.signal_group = saved

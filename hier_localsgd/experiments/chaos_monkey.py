@@ -24,6 +24,11 @@ from hier_localsgd.launch.local import Key, LocalJob
 from hier_localsgd.core.runtime.faults import SYNC_FAULT_PHASES, deliver, phase_inbox
 from hier_localsgd.core.runtime.status import inbox_path, read_events, replica_dir
 
+# A group freed from a hang is held out of phase kills until it commits again, but not
+# longer than this: one that never does would hold a planned fault back for good.
+FREED_HELD_MAX_S = 120.0
+
+
 def keeps_continuous(targets: Sequence[Key], continuous: Sequence["Incarnation"]) -> bool:
     """Whether killing ``targets`` leaves a process whose model continues from the job's
     start (module doc): never kill the last ones, nothing could recover the job's state."""
@@ -102,7 +107,7 @@ class ChaosMonkey:
             deliver(phase_inbox(inbox_path(self.job.run_dir, *target)), {"action": "stop", "phase": phase, "pid": pid})  # type: ignore[misc]
             self.armed["stop_sent"] = True
 
-    def _hung(self) -> Set[Key]:
+    def _hung(self, now: float) -> Set[Key]:
         """Replica groups a hang holds stopped now (their SIGCONT still pending), or held until
         lately and not back in the rounds yet (no commit since their SIGCONT: a leader freed
         after 5 s was seen rejoining for 18 s, longer than ``chaos.phase_arm_s``, so a phase
@@ -113,6 +118,8 @@ class ChaosMonkey:
         out = set()
         for k, r in self.job.replicas.items():
             freed = self._freed.get(r.popen.pid)
+            if freed is not None and now - freed > FREED_HELD_MAX_S:
+                freed = None  # never back in the rounds: no longer held out (a planned fault would wait forever)
             if r.popen.pid in pids or (freed is not None and float((self.job.status(k) or {}).get("last_commit_at") or 0.0) < freed):
                 out.add(k)
         return out
@@ -185,7 +192,7 @@ class ChaosMonkey:
             done = self._kill_role(running, continuous, now)
         elif kind == "phase_kill":
             role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
-            hung = self._hung()
+            hung = self._hung(now)
             of_role = sorted(k for k, st in running.items() if bool(st.get("leader")) == (role == "leader") and keeps_continuous([k], continuous)
                              and k not in hung)
             self._arm(role, phase, now, of_role[0] if of_role else None)
@@ -267,7 +274,7 @@ class ChaosMonkey:
                 self._disarm_stop(tgt)
             del arm["target"]
             tgt = None
-        hung = self._hung()
+        hung = self._hung(now)
         cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
                        and keeps_continuous([k], continuous) and k not in hung)
         phase = arm.get("phase_as", arm["phase"])  # a planned one in a mode with other phase names
@@ -413,7 +420,7 @@ class ChaosMonkey:
             if not others:  # never the last cluster standing
                 return False
         if f.kind == "phase_kill":
-            if f.targets[0] in self._hung():
+            if f.targets[0] in self._hung(now):
                 return False  # a hang holds it stopped: armed once it runs again (:meth:`_hung`)
             self._arm(f.role, f.phase, now, f.targets[0], **extra)
             if self.cfg.sync.mode != "hier" and f.phase in BASELINE_PHASE:

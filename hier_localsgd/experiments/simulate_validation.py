@@ -21,6 +21,7 @@ into one line and exit 2).
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -81,8 +82,8 @@ def baseline_step_s(run_dir: Path, speeds: Sequence[float] = ()) -> float:
     slowest = min(speeds, default=1.0)
     rates = []
     for ev in sorted((run_dir / "replicas").glob("*/events.jsonl")):
-        cluster = int(ev.parent.name[1:].split("r")[0])  # "c<C>r<R>"
-        if speeds and speeds[cluster] != slowest:
+        named = re.fullmatch(r"c(\d+)r(\d+)", ev.parent.name)
+        if speeds and (named is None or speeds[int(named.group(1))] != slowest):
             continue
         commits = [e for e in read_events(ev) if e.get("kind") == "commit"]
         if len(commits) >= 2 and commits[-1]["step"] > commits[0]["step"]:

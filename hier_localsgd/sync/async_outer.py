@@ -505,7 +505,8 @@ class AsyncOuter:
         st.tracker.mark_commit("outer", version)
         st.tracker.set_extra(version_lag=staleness)
         waited = ans.get("waited_s")
-        waited = float(waited) if type(waited) in (int, float) and math.isfinite(waited) else 0.0
+        # the server's say, but never more than the exchange took here
+        waited = min(float(waited), time.time() - t0) if type(waited) in (int, float) and math.isfinite(waited) and waited > 0 else 0.0
         st.waited_for_clusters(waited)
         push_in = self.next_push(ans.get("push_in"))
         held = ans.get("held_to")

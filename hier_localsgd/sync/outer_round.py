@@ -243,10 +243,9 @@ class OuterLevel:
                 raise not_ready
             comm.use_tracker(tr)  # overlapped: the stage's phases; blocking: the round's
             asked = time.monotonic()
-            try:  # forms once every live leader has asked: the wait for the slowest cluster
-                q = mgr.start_quorum(tr.remaining(), health, st.settings.quorum_slice,
-                                     progress=outer_progress(cur_round, cur_step, self._fresh), agree=agree)
-            finally:
+            q = mgr.start_quorum(tr.remaining(), health, st.settings.quorum_slice,
+                                 progress=outer_progress(cur_round, cur_step, self._fresh), agree=agree)
+            if not q.healed:  # formed once every live leader asked: the wait for the slowest (a heal is a transfer)
                 st.waited_for_clusters(time.monotonic() - asked)
         except LighthouseOutage as e:
             # The clusters train and sync inside themselves until the global lighthouse returns.

@@ -172,8 +172,9 @@ class SyncState:
     work: Dict[str, int] = field(default_factory=lambda: {"steps_run": 0, "steps_discarded": 0, "steps_since_commit": 0})
     since_outer: int = 0  # steps committed at the inner level since the last outer commit
     # A leader's seconds waiting for other clusters at the outer level (the dashboard's
-    # waiting time): the global quorum's forming, or an asynchronous push's batch at the
-    # server. Off the training thread for an overlapped round (hidden unless it outlasts it).
+    # waiting time): the global quorum's forming (quorums that healed and quorums that
+    # failed are left out; a new quorum's process group setup is in), or an asynchronous
+    # push's batch at the server. Off the training thread for an overlapped round.
     outer_wait_s: float = 0.0
     leader: bool = False  # rank 0 of the last inner quorum
     quorum_failures: Dict[str, int] = field(default_factory=lambda: {"inner": 0, "outer": 0})
