@@ -21,13 +21,13 @@ into one line and exit 2).
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hier_localsgd.config import load_config
 from hier_localsgd.core.runtime.status import read_events
+from hier_localsgd.experiments.chaos_evidence import parse_name
 from hier_localsgd.tools.simulate import engine, params
 from hier_localsgd.tools.simulate.params import KILL_PHASES
 
@@ -56,7 +56,7 @@ def kills_of(report: Dict[str, Any], replicas: int) -> List[str]:
     for k in report["kills"]:
         by_cluster: Dict[int, List[int]] = {}
         for t in k["targets"]:  # "c<C>r<R>"
-            c, r = (int(x) for x in t[1:].split("r"))
+            c, r = parse_name(t)
             by_cluster.setdefault(c, []).append(r)
         phases = k.get("phase") or {}
         for c, rs in sorted(by_cluster.items()):
@@ -82,8 +82,7 @@ def baseline_step_s(run_dir: Path, speeds: Sequence[float] = ()) -> float:
     slowest = min(speeds, default=1.0)
     rates = []
     for ev in sorted((run_dir / "replicas").glob("*/events.jsonl")):
-        named = re.fullmatch(r"c(\d+)r(\d+)", ev.parent.name)
-        if speeds and (named is None or speeds[int(named.group(1))] != slowest):
+        if speeds and speeds[parse_name(ev.parent.name)[0]] != slowest:
             continue
         commits = [e for e in read_events(ev) if e.get("kind") == "commit"]
         if len(commits) >= 2 and commits[-1]["step"] > commits[0]["step"]:
