@@ -63,7 +63,7 @@ def test_sigkill_non_leader_is_restarted_in_a_warm_spare_and_heals_from_a_peer(t
     kill_at_12 = when_step((0, 1), 12, lambda job: job.kill((0, 1), signal.SIGKILL))
 
     def killer(job):  # the kill waits for the spare's imports (on a busy machine they take a while)
-        if job.spare_ready():
+        if job.spares.ready():
             kill_at_12(job)
 
     killer.fired = kill_at_12.fired  # type: ignore[attr-defined]

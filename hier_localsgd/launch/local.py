@@ -37,6 +37,7 @@ from hier_localsgd.core.runtime.runtime import OVERRIDES_ENV
 from hier_localsgd.core.runtime.status import AUTO_FILE, JOB_EVENTS_FILE, read_json, replica_dir, stop_path
 from hier_localsgd.launch.lighthouse import port_in_use
 from hier_localsgd.launch.rendezvous import ENV as RENDEZVOUS_ENV, one_host_args
+from hier_localsgd.launch.spares import WarmSpares
 from hier_localsgd.errors import fail
 
 if TYPE_CHECKING:
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
 Key = Tuple[int, int]
 
 logger = logging.getLogger(__name__)
-
-SPARE_RESPAWN_S = 10.0  # after a restart took the spare, the next one starts this much later
 
 
 def free_port() -> int:
@@ -148,9 +147,7 @@ class LocalJob:
     # Restarts run in a warm spare (hier_localsgd/spare.py: a process with the training
     # stack imported) where one can: single-rank groups outside network namespaces.
     warm_spares: bool = False
-    _spare: Optional[subprocess.Popen] = None
-    _spare_due: float = 0.0  # when the next spare may start
-    _spare_ready_pid: Optional[int] = None  # the spare whose log said it finished its imports
+    spares: WarmSpares = field(init=False)  # made in __post_init__ (spares.py)
 
     def __post_init__(self) -> None:
         self._check_gpus()
@@ -172,6 +169,8 @@ class LocalJob:
                 self.addr_overrides.append(f"sync.async_outer.addr='http://127.0.0.1:{free_port()}'")
         else:
             self.global_addr, self.cluster_addrs = self.cfg.lighthouse.global_addr, list(self.cfg.lighthouse.cluster_addrs)
+        spare_ok = self.warm_spares and self.netns is None and self.cfg.topology.ranks_per_replica == 1 and not self.cfg.run.program
+        self.spares = WarmSpares(self.python, self.run_dir / "logs", enabled=spare_ok)
 
     def _make_network(self) -> None:
         """run.netns: one namespace per cluster and a hub; lighthouses at their addresses."""
@@ -365,8 +364,11 @@ class LocalJob:
         name = f"c{cluster}r{replica}"
         if prev is None:
             stop_path(self.run_dir, cluster, replica).unlink(missing_ok=True)  # one left by an earlier launch
-        proc = self._from_spare(name, train[2:]) if prev is not None and self._spares_apply() else None
-        if proc is None:
+        log = self.run_dir / "logs" / f"{name}.log"
+        taken = self.spares.take(train[2:], log) if prev is not None and self.spares.enabled else None
+        if taken is not None:
+            proc = Proc(name=name, popen=taken[0], started=time.time(), log=log, spare=taken[1])
+        else:
             proc = self._spawn(name, [self.python, *train], cluster, env)
         proc.extra = tuple(extra)
         if prev is not None:
@@ -376,59 +378,8 @@ class LocalJob:
         if prev is not None:
             # warm: the spare had finished its imports when it got the restart
             how = {"spare": bool(proc.spare), "warm": proc.spare == "ready"}
-            if proc.spare:
-                # The next spare starts a little later: importing beside a restart that is
-                # starting up would slow both on a small machine.
-                self._spare_due = time.time() + SPARE_RESPAWN_S
         self._record({"t": proc.started, "event": "restart" if prev else "start", "key": (cluster, replica), "pid": proc.popen.pid, **how})
         return proc
-
-    # -- warm spares ------------------------------------------------------------------
-    def _spares_apply(self) -> bool:
-        return self.warm_spares and self.netns is None and self.cfg.topology.ranks_per_replica == 1 and not self.cfg.run.program
-
-    def ensure_spare(self) -> None:
-        """Starts a spare unless one is waiting or it is too early (it imports while the job trains)."""
-        if not self._spares_apply() or (self._spare is not None and self._spare.poll() is None) or time.time() < self._spare_due:
-            return
-        f = open(self.run_dir / "logs" / "spare.log", "ab")
-        self._spare = subprocess.Popen([self.python, "-m", "hier_localsgd.spare"], stdin=subprocess.PIPE, stdout=f,
-                                       stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
-        f.close()
-
-    def spare_ready(self) -> bool:
-        """Whether a spare is waiting with its imports done (its log says so)."""
-        spare = self._spare
-        if spare is None or spare.poll() is not None:
-            return False
-        if self._spare_ready_pid != spare.pid:  # the log is read until it says so, not after
-            log = self.run_dir / "logs" / "spare.log"
-            if log.exists() and f"spare: ready (pid {spare.pid})" in log.read_text(errors="replace"):
-                self._spare_ready_pid = spare.pid
-        return self._spare_ready_pid == spare.pid
-
-    def _from_spare(self, name: str, argv: List[str]) -> Optional[Proc]:
-        """Hands ``argv`` (``hier_localsgd`` arguments) to the waiting spare; None if there is none."""
-        ready = self.spare_ready()
-        spare, self._spare = self._spare, None
-        if spare is None or spare.poll() is not None or spare.stdin is None:
-            return None
-        log = self.run_dir / "logs" / f"{name}.log"
-        try:
-            spare.stdin.write((json.dumps({"argv": argv, "log": str(log)}) + "\n").encode())
-            spare.stdin.close()
-        except OSError:
-            return None  # it died just now: start cold
-        return Proc(name=name, popen=spare, started=time.time(), log=log, spare="ready" if ready else "started")
-
-    def _drop_spare(self) -> None:
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.poll() is None:
-            try:
-                os.killpg(spare.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            spare.wait(timeout=10)
 
     def _record(self, entry: dict) -> None:
         """Keeps the entry and appends it to ``<run_dir>/job_events.jsonl`` (the dashboard reads it).
@@ -538,7 +489,7 @@ class LocalJob:
         """
         deadline = time.time() + timeout_s
         if restart:
-            self.ensure_spare()
+            self.spares.ensure(child_env())
         seen_exit: Dict[Key, int] = {}
         due: Dict[Key, float] = {}
         lh = self.cfg.lighthouse
@@ -571,7 +522,7 @@ class LocalJob:
                 del due[key]
                 self.start_replica(*key)
             if restart and not due:
-                self.ensure_spare()
+                self.spares.ensure(child_env())
             # Every exit recorded first: one that lands between the poll above and this check
             # would otherwise end the wait without its "exit" event.
             if not due and all(seen_exit.get(k) == p.popen.pid for k, p in self.replicas.items()):
@@ -607,7 +558,7 @@ class LocalJob:
             os.killpg(p.pid, sig) if sig == signal.SIGKILL else p.send_signal(sig)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        self._drop_spare()
+        self.spares.drop()
         self._terminate([p for p in self.replicas.values()] + list(self.lighthouses.values()), grace_s)
         if self.netns is not None:
             self.netns.close()  # never raises; kills whatever is still inside first
@@ -615,7 +566,7 @@ class LocalJob:
     def stop_replicas(self, reason: str, grace_s: float = 10.0) -> None:
         """Stops every replica group (SIGTERM, SIGKILL after ``grace_s``) and records it with
         ``reason``; the lighthouses and the network stay up (the whole job's groups restart)."""
-        self._drop_spare()
+        self.spares.drop()
         for key, p in self.replicas.items():
             if p.popen.poll() is None:
                 self._record({"t": time.time(), "event": "stop", "key": key, "reason": reason, "pid": p.popen.pid})
