@@ -157,14 +157,14 @@ def cluster_lighthouse_out_at(rep, step: int) -> None:
     quorum call raises LighthouseOutage there, as outage.py's would."""
     from hier_localsgd.core.ft.outage import LighthouseOutage
 
-    orig = rep.sync._inner_quorum
+    orig = rep.sync.inner_quorum.for_rank
 
     def quorum(join):
         if not join and rep.sync.counters.step == step:
             raise LighthouseOutage(f"test: cluster lighthouse out at step {step}")
         return orig(join)
 
-    rep.sync._inner_quorum = quorum
+    rep.sync.inner_quorum.for_rank = quorum
 
 
 def run_steps(h: ThreadedHier, steps: int):

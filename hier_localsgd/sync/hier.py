@@ -67,8 +67,9 @@ the process only if it persists.
 
 (The round's phases stay in this file, in order; each part owns its state: the
 committed state, heals, rollback and the inner stale update are committed.py's
-CommittedState, the leader's outer level (blocking and overlapped, fragments, compression,
-outer heals) and the broadcast outer_round.py's OuterLevel, the end of a run after an
+CommittedState, INNER_QUORUM (the early request, the group's vote on it)
+inner_quorum.py's InnerQuorum, the leader's outer level (blocking and overlapped, fragments,
+compression, outer heals) and the broadcast outer_round.py's OuterLevel, the end of a run after an
 outage final.py's FinalWait; what they all read is state.py's SyncState, with the settings
 and the pieces every level runs: the guard, the reduce, faults, outages.)
 """
@@ -92,18 +93,18 @@ from hier_localsgd.core.tensors.fragments import Ranges
 from hier_localsgd.core.runtime.invariants import CollectiveGate, check_disjoint_tensors
 from hier_localsgd.core.tensors.level import Level
 from hier_localsgd.core.links.link import LinkProcessGroup
-from hier_localsgd.core.ft.managers import QuorumFailed, QuorumView
+from hier_localsgd.core.ft.managers import QuorumFailed
 from hier_localsgd.core.ft.outage import LighthouseHealth, LighthouseOutage
 from hier_localsgd.core.ft.peers import QuorumWatch
 from hier_localsgd.core.runtime.phases import Phase, PhaseTracker
 from hier_localsgd.core.runtime.timeouts import Timeouts
 from hier_localsgd.sync.async_outer import AsyncOuterSettings
 from hier_localsgd.sync.committed import CommittedState
-from hier_localsgd.sync.common import EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status, training_progress
+from hier_localsgd.sync.common import EventSink, FatalSyncError, Identity, JobFinished, OuterResult, Status
 from hier_localsgd.sync.compression import build as build_compression
-from hier_localsgd.sync.early import EarlyQuorum, EarlyQuorumStuck
 from hier_localsgd.sync.final import FinalWait
 from hier_localsgd.sync.group_vote import GroupVote
+from hier_localsgd.sync.inner_quorum import InnerQuorum
 from hier_localsgd.sync.outer_round import OuterLevel
 from hier_localsgd.sync.overlap import is_apply_round, is_launch_round
 from hier_localsgd.sync.poison import PoisonRecord
@@ -133,8 +134,8 @@ class HierarchicalSync:
     after every local step (having advanced ``counters.step`` itself).
 
     It owns the parts of the round (module doc): ``committed`` (:class:`CommittedState`),
-    ``outer_level`` (:class:`OuterLevel`) and ``final`` (:class:`FinalWait`), built on one
-    shared :class:`SyncState` ``st``.
+    ``outer_level`` (:class:`OuterLevel`), ``inner_quorum`` (:class:`InnerQuorum`) and
+    ``final`` (:class:`FinalWait`), built on one shared :class:`SyncState` ``st``.
     """
 
     settings = _shared("settings")
@@ -214,6 +215,7 @@ class HierarchicalSync:
         self._quorum_failures = st.quorum_failures  # one dict: _quorum_failed counts, the levels reset
         self.committed = CommittedState(st)
         self.outer_level = OuterLevel(st, self.committed, async_outer)
+        self.inner_quorum = InnerQuorum(st, self.committed)  # INNER_QUORUM, the early request too
         self.final = FinalWait(st, self._final_join_round)
         check_disjoint_tensors(
             [
@@ -231,8 +233,6 @@ class HierarchicalSync:
         self._last_rank = 0
         self._last_healed = False
         self._weight0_why = ""
-        # The early inner quorum (early.py); the heal it receives waits in committed.py.
-        self._early: Optional[EarlyQuorum] = None
         tracker.set_extra(**st.work_counters())
 
         st.inner_link = LinkProcessGroup("inner", timeouts.inner_pg, emulation=settings.inner_link, backend=settings.inner_backend)
@@ -288,17 +288,8 @@ class HierarchicalSync:
         quorum meanwhile (early.py). Otherwise nothing: syncs happen at round boundaries."""
         st = self.st
         c = st.counters
-        if st.settings.early_quorum and self._early is None and self.is_sync_step(c.step + 1):
-            progress = training_progress(c.outer_round, c.step + 1, c.inner_round)  # as the sync point would announce
-            # The call may run a little past its budget (a last slice of >= 0.1 s, a lighthouse
-            # probe, the group's configuration): it gets the phase's budget less a heartbeat
-            # timeout, so it has ended by the time the sync point's own budget runs out.
-            full = st.timeouts.phase(Phase.INNER_QUORUM)
-            budget = max(full - st.settings.quorum_slice, full / 2)
-            self.committed.defer_heal = True  # a heal it decides is applied at the sync point (committed.py)
-            self.committed.serve_step = c.step + 1  # set before its thread starts: a donor may serve at once
-            self._early = EarlyQuorum(
-                lambda: st.inner_mgr.start_quorum(budget, st.health["inner"], st.settings.quorum_slice, progress=progress), c.step + 1)
+        if st.settings.early_quorum and self.inner_quorum.early is None and self.is_sync_step(c.step + 1):
+            self.inner_quorum.ask_early()
 
     def before_optimizer_step(self) -> bool:
         """Local steps always apply; a failed round rolls them back later."""
@@ -403,7 +394,7 @@ class HierarchicalSync:
         tr.enter(Phase.INNER_QUORUM, reason="join" if join else "")
         fault_point(st, Phase.INNER_QUORUM)
         try:
-            q = self._group_quorum(join)
+            q = self.inner_quorum.for_group(join)
         except LighthouseOutage as e:
             # Nothing was exchanged: keep the local progress and train on (outage.py).
             outage(st, "inner", e)
@@ -533,75 +524,6 @@ class HierarchicalSync:
         c = self.st.counters
         c.outer_round, c.inner_round = src.outer_round, src.inner_round
         c.step = src.step
-
-    def _group_quorum(self, join: bool) -> QuorumView:
-        """INNER_QUORUM for the whole replica group: every rank joined, or every rank takes
-        the same failure (group_vote.py). A failed quorum on any rank fails the round on all
-        (a rollback); otherwise an outage on any rank is an outage on all (local progress
-        kept). When some ranks joined and some did not, every rank casts the round's commit
-        vote (false) so the group's Manager calls stay matched; the joined ranks run no
-        collective, and their peers' collectives in that quorum fail at their deadline.
-        A heal that reached only some ranks cannot be undone: FatalSyncError on every rank
-        (the launcher restarts the group, which heals as one).
-        One rank per group: :meth:`_inner_quorum`. Raises what that raises."""
-        st = self.st
-        if not st.vote.active:
-            return self._inner_quorum(join)
-        q: Optional[QuorumView] = None
-        err: Optional[Exception] = None
-        try:
-            q = self._inner_quorum(join)
-        except (LighthouseOutage, QuorumFailed) as e:
-            err = e
-        v = st.vote.agree("inner quorum", joined=q is not None, none_joined=q is None,
-                          no_failure=not isinstance(err, QuorumFailed), no_heal=q is None or not q.healed)
-        if v["joined"]:
-            assert q is not None
-            return q
-        if not v["no_heal"]:  # a rank that healed holds the donor's model and counters, its sibling not
-            raise FatalSyncError("a heal reached only some ranks of this replica group: the group restarts to heal whole")
-        if not v["none_joined"]:  # a sibling is in the quorum: its commit vote waits for ours
-            if q is not None:
-                st.inner_mgr.report_error(RuntimeError("another rank of this replica group is not in the quorum"))
-            try:
-                st.inner_mgr.should_commit(st.tracker.remaining())
-            except RuntimeError as e:  # torchft raises after max_retries consecutive failures
-                raise FatalSyncError(f"inner commits keep failing: {e}") from e
-        if not v["no_failure"]:
-            raise err if isinstance(err, QuorumFailed) else QuorumFailed("inner quorum failed on another rank of this replica group")
-        if isinstance(err, LighthouseOutage):
-            raise err
-        raise LighthouseOutage(st.health["inner"].message("another rank of this replica group found the lighthouse not answering"))
-
-    def _inner_quorum(self, join: bool) -> QuorumView:
-        """INNER_QUORUM: the early quorum's result when one was asked for this round
-        (early.py; a heal it received is applied here, on the training thread), else a
-        quorum request now. Raises what the quorum call raises."""
-        st, cs = self.st, self.committed
-        tr, c = st.tracker, st.counters
-        early, self._early = self._early, None
-        cs.serve_step = None  # the sync point's step is c.step now
-        if early is not None and not join and early.step == c.step:
-            try:
-                q = early.result(tr.remaining())
-            except EarlyQuorumStuck as e:
-                raise FatalSyncError(str(e)) from e  # the heal flags stay: a late heal is never applied off-thread
-            finally:
-                heal = None
-                if early.done():  # a quorum call that raised drops its heal; the next round heals again
-                    heal, cs.pending_heal, cs.defer_heal = cs.pending_heal, None, False
-            if heal is not None:
-                cs.load_state_dict(heal)
-            tr.set_extra(early_quorum_s=round(early.seconds or 0.0, 4))
-            return q
-        if early is not None:  # one request at a time per Manager: let the unused one end
-            early.settle(tr.remaining())
-            if not early.done():
-                raise FatalSyncError(f"an unused early inner quorum for step {early.step} did not end within its phase")
-            cs.pending_heal, cs.defer_heal = None, False
-        _, agree = st.vote.slices("inner quorum")  # a group of several ranks: no early quorum (build.py)
-        return st.inner_mgr.start_quorum(tr.remaining(), st.health["inner"], st.settings.quorum_slice,
-                                         progress=training_progress(c.outer_round, c.step, c.inner_round), agree=agree)
 
     def _final_join_round(self) -> Tuple[bool, int]:
         """One join round for finish() (final.py): (committed, the size of its quorum)."""

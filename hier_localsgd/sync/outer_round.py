@@ -142,7 +142,7 @@ class OuterLevel:
         if tr is st.tracker and st.vote.active:  # a blocking round: the group's ranks agree (group_vote.py)
             v = st.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None,
                               no_heal=joined is None or not joined[2].healed)
-            if not v["joined"] and not v["no_heal"]:  # as for the inner quorum (hier.py _group_quorum)
+            if not v["joined"] and not v["no_heal"]:  # as for the inner quorum (inner_quorum.py for_group)
                 raise FatalSyncError("an outer heal reached only some ranks of this replica group: the group restarts to heal whole")
             if not v["joined"]:
                 self._quorum_split(joined, v["none_joined"], tr)
@@ -267,7 +267,7 @@ class OuterLevel:
     def _quorum_split(self, joined: Optional[tuple], none_joined: bool, tr: PhaseTracker) -> None:
         """Not every rank of the leader's group joined the outer quorum: none goes on. If
         some did, every rank casts the outer commit vote (false), so the group's cluster
-        Manager calls stay matched (as for the inner quorum, hier.py ``_group_quorum``).
+        Manager calls stay matched (as for the inner quorum, inner_quorum.py ``InnerQuorum.for_group``).
         A rank whose quorum failed has a cluster Manager all the same: its sibling's quorum
         formed only after every rank of the group had asked."""
         if none_joined or self.mgr is None:

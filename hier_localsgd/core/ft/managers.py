@@ -385,7 +385,7 @@ class LevelManager:
         they ask again together, or all stop. A rank that would have asked again, but whose
         sibling joined or stopped, raises QuorumFailed (LighthouseOutage when a sibling
         found the lighthouse down); the caller's own vote then reconciles the group
-        (hier.py ``_group_quorum``). What is left: a quorum that forms within the few
+        (sync/inner_quorum.py ``InnerQuorum.for_group``). What is left: a quorum that forms within the few
         milliseconds between two ranks' slice ends, which the votes then handle.
 
         Raises:
