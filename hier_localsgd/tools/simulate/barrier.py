@@ -7,7 +7,7 @@ and works on its state (``self.clusters``, ``self.arrived``, the event queue, th
 
 from __future__ import annotations
 
-from hier_localsgd import costs
+from hier_localsgd.tools.plan.network import outer_round_bytes
 from hier_localsgd.tools.simulate.config import INF
 from hier_localsgd.tools.simulate.state import BARRIER, COMMIT, OUTER_DONE, OUTER_TIMEOUT, S_COMMIT, S_OUTER, Cluster, lighthouse_forms_at
 
@@ -113,7 +113,7 @@ class OuterBarrier:
                 self.ledger[fid]["stall"] += (heal + reconf) * members
             else:
                 self.unattributed_stall += (heal + reconf) * members
-        self.slow_bytes += p.ranks * (len(heal_needed) * p.outer_heal_bytes + len(parts) * costs.ring_factor(len(parts)) * p.sync_bytes)
+        self.slow_bytes += p.ranks * (len(heal_needed) * p.outer_heal_bytes + len(parts) * outer_round_bytes(p.sync_bytes, len(parts), p.compression))
         self.prev_quorum = ids
         self.arrived.clear()
         self.first_arrival = INF
@@ -133,6 +133,8 @@ class OuterBarrier:
         self.global_step = max([self.clusters[ci].step for ci in parts if self.clusters[ci].outer_weight > 0] + [self.global_step])
         if weight > 0:
             self.round_no += 1
+            # the round's share: the clusters whose full periods it merged (target.py)
+            self.progress.step(t, sum(1 for ci in parts if self.clusters[ci].outer_weight > 0) / self.p.clusters)
         self.outer_rounds += 1
         horizon = self.p.steps == 0 and t >= self.p.duration_s
         for ci in parts:

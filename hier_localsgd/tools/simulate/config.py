@@ -43,6 +43,9 @@ class SimulateConfig:
     step_jitter: float = 0.0  # relative standard deviation of a round's compute time, per cluster and round
     failures: FailureConfig = field(default_factory=FailureConfig)
     duration_s: float = 0.0  # >0: simulated wall time (the run ends at the first outer commit after it); 0: train.steps steps
+    # >0: the synchronous rounds' worth of merged work at which the global model reaches its
+    # target loss (target.py: a calibration from a synchronous run of the workload); 0: none
+    target_rounds: float = 0.0
     seed: int = 0
     runs: int = 1  # seeds seed .. seed+runs-1; figures are means over runs
     sensitivity: List[float] = field(default_factory=lambda: [0.0, 1.0, 10.0, 100.0, 1000.0])  # failure-rate factors

@@ -17,7 +17,8 @@ heal times and timeouts:
 * the chaos command's own figure, ``efficiency`` = steps kept / steps run, counted as
   sync/hier.py and chaos.py count it, for validation against ``hier-localsgd chaos``;
 * the **sensitivity** of goodput to the failure rate (the rates scaled by each factor of
-  ``sensitivity``).
+  ``sensitivity``);
+* with ``target_rounds``, the **time to the target**, modelled as merged work (target.py).
 
 Model (docs/architecture.md, "Failure semantics" and "Recovery order"). Time advances
 through a heap of timestamped events (``heapq``, ties broken by insertion order); random
@@ -47,8 +48,8 @@ stream), then
 
 With the asynchronous outer level (``sync.async_outer.enabled``) step 3 is instead a push:
 the leader sends its pseudo-gradient to the global model server and gets the newest model
-back (two WAN transfers of the model, ``SimParams.push_time``: the push reaches the server
-half-way), and the cluster keeps its own step count. The push is merged if the cluster's
+back (two WAN transfers, compressed as ``sync.outer.compression`` says, ``SimParams.push_time``:
+the push reaches the server half-way), and the cluster keeps its own step count. The push is merged if the cluster's
 base is at most ``sync.async_outer.max_staleness`` versions behind when it arrives; beyond
 that its work since its last push is discarded (sync/global_model.py) and it is answered
 at once. A merged push waits in the server's open batch until the grace window closes it
@@ -151,6 +152,7 @@ from hier_localsgd.tools.simulate.failures import Failures
 from hier_localsgd.tools.simulate.paces import PaceServer
 from hier_localsgd.tools.simulate.params import SimParams
 from hier_localsgd.tools.simulate.pushes import Pushes
+from hier_localsgd.tools.simulate.target import Progress
 from hier_localsgd.tools.simulate.state import (  # noqa: F401  (lighthouse_forms_at: re-exported)
     ABORT, APPLY, BARRIER, BATCH_END, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_ARRIVE, PUSH_DONE, PUSH_UP, QUORUM, RESTART,
     S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, SYNC_DONE, WATCHDOG, Cluster, RunResult, lighthouse_forms_at,
@@ -204,6 +206,8 @@ class Simulation(OuterBarrier, Failures, Pushes):
         self.paces = PaceServer(p.period, p.h_inner)  # match_pace: the global model server's schedule
         self.batches = Batches(p.clusters, p.grace_s, p.async_min_clusters)  # its grace window
         self.pushes_at: Dict[int, List[float]] = defaultdict(list)  # the asynchronous level: when each cluster pushed
+        self.batch_weights: Dict[int, float] = {}  # the open batch's pushes: a_i (pushes.py weigh)
+        self.progress = Progress(p.target_rounds)  # the global model's merged work: time to the target (target.py)
         for c in self.clusters:
             self.reset_schedule(c, 0.0)
 
@@ -620,7 +624,8 @@ class Simulation(OuterBarrier, Failures, Pushes):
             efficiency=(self.steps_run - self.steps_discarded) / self.steps_run if self.steps_run else None,
             outer_rounds=self.outer_rounds, failed_outer_rounds=self.failed_outer,
             inner_rounds=sum(c.inner_rounds for c in self.clusters), final_step=max(c.step for c in self.clusters),
-            truncated=self.truncated, cluster_end_s=tuple(self.cluster_end),
+            truncated=self.truncated, cluster_end_s=tuple(self.cluster_end), target_rounds=p.target_rounds, target_s=self.progress.reached_at,
+            progress_rounds=self.progress.rounds,
         )
 
 

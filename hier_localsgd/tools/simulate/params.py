@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence, Tuple
 
@@ -10,7 +11,7 @@ from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.runtime.faults import ROLES
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.tools.deployment import check_shared, links
-from hier_localsgd.tools.plan.network import async_push_s, hier_sync_per_step
+from hier_localsgd.tools.plan.network import OuterVariant, async_down_bytes, async_push_bytes, async_push_s, hier_sync_per_step, outer_round_s
 from hier_localsgd.tools.plan.model import dtype_bytes, flops_per_token, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.planner import check_plan_section, step_time, sync_bytes
 from hier_localsgd.tools.simulate.config import FAILURE_MODELS, SimulateConfig
@@ -77,6 +78,14 @@ class SimParams:
     # sync.async_outer.grace_s, .min_clusters: the server's batch window (batches.py)
     grace_s: float = 0.0
     async_min_clusters: int = 1
+    # sync.outer.compression (its format and block; the synchronous level's collective and
+    # the pushes): what crosses the WAN per outer round. Fragments and delay are not
+    # simulated here (the synchronous level's rounds run whole and blocking).
+    compression: OuterVariant = OuterVariant()
+    compress_down: bool = True  # sync.async_outer.compress_down: an answer's steps come down quantized
+    # simulate.target_rounds: the synchronous rounds' worth of merged work at which the
+    # global model reaches the target (target.py; a calibration); 0: not modelled
+    target_rounds: float = 0.0
 
     def speed(self, cluster: int) -> float:
         return self.speeds[cluster] if self.speeds else 1.0
@@ -89,12 +98,26 @@ class SimParams:
         return self.inner_link.allreduce_time(self.sync_bytes, n) + self.round_overhead_s
 
     def outer_time(self, n: int) -> float:
-        return self.outer_link.allreduce_time(self.sync_bytes, n) + self.round_overhead_s
+        """The synchronous outer round's collective among ``n`` leaders, compressed as
+        configured (tools/plan/network.py outer_round_s)."""
+        return outer_round_s(self.sync_bytes, n, self.outer_link, self.compression, self.round_overhead_s)
+
+    @property
+    def push_bytes(self) -> float:
+        """What one asynchronous push sends up (tools/plan/network.py async_push_bytes)."""
+        return async_push_bytes(self.sync_bytes, self.compression)
+
+    @property
+    def answer_bytes(self) -> float:
+        """What its answer brings down: one version's quantized step with compress_down, or
+        the model (tools/plan/network.py async_down_bytes; a cluster on schedule is one
+        version behind)."""
+        return async_down_bytes(self.sync_bytes, self.compression, self.compress_down)
 
     def push_time(self) -> float:
-        """The asynchronous outer level's exchange (tools/plan/network.py async_push_s; an
-        fp32 push: the simulator does not model compression)."""
-        return async_push_s(self.sync_bytes, self.sync_bytes, self.outer_link, self.round_overhead_s)
+        """The asynchronous outer level's exchange, up and down (tools/plan/network.py
+        async_push_s). The simulator splits it in halves (up, down) where it times them."""
+        return async_push_s(self.push_bytes, self.answer_bytes, self.outer_link, self.round_overhead_s)
 
     def broadcast_time(self, n: int) -> float:
         return self.inner_link.broadcast_time(self.sync_bytes, n)
@@ -187,6 +210,8 @@ def check_simulate(cfg: SimulateConfig) -> None:
         err("step_jitter", f"must be in [0, 0.5) (got {cfg.step_jitter})")
     if cfg.params < 0:
         err("params", f"must be positive, or 0 to count the model's (got {cfg.params})")
+    if not (cfg.target_rounds >= 0 and math.isfinite(cfg.target_rounds)):
+        err("target_rounds", f"must be a finite number of rounds, or 0 for no target (got {cfg.target_rounds})")
 
 
 def model_figures(cfg: "Config") -> Tuple[int, float]:
@@ -264,6 +289,9 @@ def resolve(cfg: "Config") -> SimParams:
         match_pace=hier and s.async_outer.enabled and s.async_outer.match_pace,
         overlap=hier and s.async_outer.enabled and s.outer.delay > 0,
         grace_s=s.async_outer.grace_s, async_min_clusters=s.async_outer.min_clusters,
+        compression=OuterVariant(compression=s.outer.compression, block=s.outer.compression_block, topk=s.outer.topk,
+                                 elem_bytes=int(dtype_bytes(pt.sync_dtype, "plan.train.sync_dtype"))) if hier else OuterVariant(),
+        compress_down=s.async_outer.compress_down, target_rounds=sim.target_rounds,
     )
     check_size(p)
     return p

@@ -40,6 +40,7 @@ from typing import Any, Dict
 
 from hier_localsgd.sync.global_schedule import min_push_steps, overlap_floor, overlap_free_s
 from hier_localsgd.sync.global_model import staleness_factor
+from hier_localsgd.tools.simulate.target import contribution_weight
 from hier_localsgd.tools.simulate.state import APPLY, BATCH_END, COMMIT, PUSH_ARRIVE, PUSH_DONE, S_COMMIT, S_OUTER, Cluster
 
 
@@ -70,6 +71,7 @@ class Pushes:
         c.push_merged = self.merges(c, c.base)
         if c.push_merged:
             self.batches.join(ci, t, ("blocking", epoch))
+            self.weigh(ci, len(c.active) * (c.step - c.period_step0), c.base)
         else:
             self.answer_blocking(c, t)
         self.check_batch(t)  # its arrival moved what the server expects of it
@@ -99,6 +101,12 @@ class Pushes:
             c.pending = 0.0
             c.push_arrived, c.push_again = False, True
 
+    def weigh(self, k: int, group_steps: float, base: int) -> None:
+        """A merged push's ``a_i`` as the server weighs it when it arrives (sync/global_model.py
+        ``weigh``), kept until its batch closes (target.py: the version's share)."""
+        p = self.p
+        self.batch_weights[k] = contribution_weight(group_steps, p.replicas * p.period, self.round_no - base, p.max_staleness)
+
     def check_batch(self, t: float) -> None:
         """Closes the open batch if the grace window says so, else looks again at its end."""
         b = self.batches
@@ -116,6 +124,9 @@ class Pushes:
     def close_batch(self, t: float) -> None:
         """The open batch becomes one version; every push in it is answered."""
         self.round_no += 1
+        # its share of a round, held by its clusters once the answers are down (target.py)
+        self.progress.step(t + self.p.push_time() / 2, min(1.0, sum(self.batch_weights.values()) / self.p.clusters))
+        self.batch_weights = {}
         for k, (kind, token) in self.batches.close():
             c = self.clusters[k]
             if kind == "blocking" and token == c.epoch and c.state == S_OUTER:
@@ -141,7 +152,7 @@ class Pushes:
         if epoch != c.epoch or c.state != S_OUTER:
             return
         p = self.p
-        self.slow_bytes += p.ranks * 2 * p.sync_bytes
+        self.slow_bytes += p.ranks * (p.push_bytes + p.answer_bytes)
         if c.outer_join:  # a restarted cluster's join push: no work, nothing merged; it adopts
             c.outer_weight, c.outer_outcome, c.state = 0.0, "committed", S_COMMIT
             self.fire(c, t, ("OUTER_REDUCE", "OUTER_COMMIT", "BROADCAST"))
@@ -178,7 +189,7 @@ class Pushes:
         c.push_start = t
         self.pushes_at[c.idx].append(t)
         c.pushed_step = max(c.pushed_step, c.step)
-        self.slow_bytes += p.ranks * 2 * p.sync_bytes
+        self.slow_bytes += p.ranks * (p.push_bytes + p.answer_bytes)
         self.push(t + p.push_time() / 2, PUSH_ARRIVE, c.idx, 0, c.flight["id"])
 
     def on_push_arrive(self, t: float, ci: int, _b: int, token: int) -> None:
@@ -201,6 +212,7 @@ class Pushes:
         if self.merges(c, fl["base"]):
             self.committed += fl["work"]
             self.batches.join(ci, t, ("overlapped", fl["id"]))
+            self.weigh(ci, fl["steps"], fl["base"])
         else:
             self.lose("discarded", fl["work"], c.stale_cause if c.stale_cause >= 0 else c.delay_cause)
             self.steps_discarded += fl["steps"]

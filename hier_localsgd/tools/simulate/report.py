@@ -49,6 +49,10 @@ def summarize_runs(results: Sequence[RunResult]) -> Dict[str, Any]:
         "truncated": sum(1 for r in results if r.truncated),
         "failed_outer_rounds": statistics.fmean(r.failed_outer_rounds for r in results),
     }
+    if results[0].target_rounds > 0:  # simulate.target_rounds (target.py): runs that did not get there count as None
+        reached = [r.target_s for r in results if r.target_s is not None]
+        out["target"] = {"rounds": results[0].target_rounds, "reached": len(reached),
+                         "s": stats(reached) if reached else None, "progress_rounds": stats([r.progress_rounds for r in results])}
     effs = [r.efficiency for r in results if r.efficiency is not None]
     if effs:
         out["efficiency"] = stats(effs)
@@ -122,6 +126,13 @@ def human(report: Dict[str, Any]) -> str:
         lines.append(
             f"steps kept / steps run (chaos.py's efficiency) {s['efficiency']['mean']:.4f} (min {s['efficiency']['min']:.4f}, max {s['efficiency']['max']:.4f}); "
             f"steps run {s['steps_run']:.0f}, discarded {s['steps_discarded']:.0f}"
+        )
+    tg = s.get("target")
+    if tg:
+        lines.append(
+            f"time to the target (modelled: {tg['rounds']:g} synchronous rounds' worth of merged work, a calibration; target.py): "
+            + (f"{fmt_time(tg['s']['mean'])} (min {fmt_time(tg['s']['min'])}, max {fmt_time(tg['s']['max'])}), reached in {tg['reached']} of {s['runs']} run(s)"
+               if tg["s"] else f"not reached in any run (merged work at the end: {tg['progress_rounds']['mean']:.2f} rounds)")
         )
     if s["truncated"]:
         lines.append(

@@ -163,3 +163,6 @@ class RunResult:
     final_step: int
     truncated: bool = False  # stopped by the safety net (the configuration cannot finish)
     cluster_end_s: Tuple[float, ...] = ()  # when each cluster finished its steps (inf: it did not)
+    target_rounds: float = 0.0  # simulate.target_rounds (0: no target)
+    target_s: Optional[float] = None  # when the global model reached simulate.target_rounds (target.py); None: not reached, or none set
+    progress_rounds: float = 0.0  # the global model's merged work at the end, in synchronous rounds (target.py)

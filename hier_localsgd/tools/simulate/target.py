@@ -1,0 +1,59 @@
+"""Time to a target loss, modelled as merged work (``simulate.target_rounds``; issue #33 §4).
+
+The simulator has no loss model. What it knows is what each step of the global model
+holds, and that is what this rule counts:
+
+* a synchronous outer round merges the full periods of the clusters that contribute to it:
+  a share ``k / C`` of a round for ``k`` of ``C`` clusters (1 without failures);
+* an asynchronous version steps the model by its batch's share of a round,
+  ``w = min(1, Σ a_i / C)`` with ``a_i = min(1, n_i / n_full) · λ(s_i)``, the weights the
+  global model server gives its contributions (sync/global_model.py, whose
+  :func:`~hier_localsgd.sync.global_model.staleness_factor` this imports).
+
+The global model's **progress** is the sum of its steps' shares, and it reaches the target
+when the progress reaches ``target_rounds``, a number of synchronous rounds. That number
+is a **calibration**: the rounds a synchronous run of the same workload took to its target
+(its steps to the target over ``H_inner · H_outer``). Given it, the rule predicts the time
+to the target of other deployments of that workload: clusters of other speeds, the
+asynchronous level, failures (a round that fails adds nothing; a discarded push adds
+nothing). What it assumes, and where it is wrong: a share of a round is worth that share
+of a round's loss whatever its staleness does beyond λ, whatever the outer momentum carries
+between versions, and whether one cluster's data or several made it (k batches of 1/k of a
+round count as one round). benchmarks/validate_simulate.py ``--set target`` checks it
+against recorded runs (docs/planner.md).
+
+The crossing is timed when the clusters hold that model: a synchronous round's end, or an
+asynchronous version's answer back at its clusters (the server's close plus the download,
+half an exchange as pushes.py counts it), where the bench evaluates the global model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from hier_localsgd.sync.global_model import staleness_factor
+
+
+def contribution_weight(group_steps: float, full_group_steps: float, staleness: int, max_staleness: int) -> float:
+    """``a_i`` of sync/global_model.py: the work's share of a full cluster period (at most 1)
+    times λ of its staleness."""
+    if full_group_steps <= 0:
+        return 0.0
+    return min(1.0, max(0.0, group_steps) / full_group_steps) * staleness_factor(staleness, max_staleness)
+
+
+class Progress:
+    """The global model's progress in synchronous rounds' worth, and when it reached
+    ``target_rounds`` (0: no target, nothing recorded)."""
+
+    def __init__(self, target_rounds: float) -> None:
+        self.target_rounds = target_rounds
+        self.rounds = 0.0
+        self.reached_at: Optional[float] = None
+
+    def step(self, t: float, share: float) -> None:
+        """The global model took a step worth ``share`` of a round, held by the clusters at ``t``."""
+        self.rounds += share
+        # a tolerance for shares summed in floating point (three thirds are one round)
+        if self.target_rounds > 0 and self.reached_at is None and self.rounds >= self.target_rounds - 1e-9:
+            self.reached_at = t
