@@ -69,9 +69,10 @@ the process only if it persists.
 committed state, heals, rollback and the inner stale update are committed.py's
 CommittedState, INNER_QUORUM (the early request, the group's vote on it)
 inner_quorum.py's InnerQuorum, the leader's outer level (blocking and overlapped, fragments,
-compression, outer heals) and the broadcast outer_round.py's OuterLevel, the end of a run after an
-outage final.py's FinalWait; what they all read is state.py's SyncState, with the settings
-and the pieces every level runs: the guard, the reduce, faults, outages.)
+compression, outer heals) and the broadcast outer_round.py's OuterLevel (its round in flight
+outer_stage.py's LeaderStage), the end of a run after an outage final.py's FinalWait; what
+they all read is state.py's SyncState, with the settings and the pieces every level runs:
+the guard, the reduce, faults, outages.)
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ from hier_localsgd.sync.final import FinalWait
 from hier_localsgd.sync.group_vote import GroupVote
 from hier_localsgd.sync.inner_quorum import InnerQuorum
 from hier_localsgd.sync.outer_round import OuterLevel
-from hier_localsgd.sync.overlap import is_apply_round, is_launch_round
+from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round
 from hier_localsgd.sync.poison import PoisonRecord
 from hier_localsgd.sync.state import HierSettings, SyncState, consistency, fault_point, lighthouse_ok, manager, outage, reduce, screen_norm
 from hier_localsgd.sync.user_state import UserState
@@ -154,7 +155,6 @@ class HierarchicalSync:
     outer_mgr = _outer("mgr")
     outer_comm = _outer("comm")
     outer_stats = _outer("stats")
-    stage = _outer("stage")
     fragments = _outer("schedule")
 
     def __init__(
@@ -356,6 +356,11 @@ class HierarchicalSync:
         return self.outer_level.fragment_ranges(fragment)
 
     @property
+    def stage(self) -> Optional[OuterStage]:
+        """The leader's overlapped outer stage (outer_stage.py; None without ``sync.outer.delay``)."""
+        return self.outer_level.leader_stage.stage
+
+    @property
     def leader(self) -> bool:
         return self.st.leader
 
@@ -474,7 +479,7 @@ class HierarchicalSync:
                 result = asy.pull_final(cs.without_stand_in(staged.backup))
             elif st.leader:
                 if not after_stage:
-                    ol.drop_stage("a blocking outer round")  # a result never applied (its apply round was skipped)
+                    ol.leader_stage.drop("a blocking outer round")  # a result never applied (its apply round was skipped)
                 # The cluster model carries the whole cluster's work since the last outer
                 # commit, so it contributes whenever its inner round is valid (a join: nothing).
                 result = ol.run(cs.without_stand_in(staged.backup), contribute=inner_ok and not outer_join, inner_ok=inner_ok,
@@ -492,7 +497,7 @@ class HierarchicalSync:
             # model follows (overlap.py).
             tr.enter(Phase.BROADCAST, leader=False)
             fault_point(st, Phase.BROADCAST)
-            result = ol.collect() if st.leader else None
+            result = ol.leader_stage.collect() if st.leader else None
             result = ol.broadcast_global(result, prior=staged.backup)
 
         tr.enter(Phase.INNER_COMMIT)

@@ -4,8 +4,9 @@
 OUTER_QUORUM -> OUTER_REDUCE -> OUTER_COMMIT on the leader's cluster Manager, blocking
 (on the round's tracker) or overlapped (overlap.py: launched at an outer round, collected
 ``sync.outer.delay`` inner rounds later), and the broadcast of its result to the cluster.
-It owns the cluster Manager (which exists only while this group leads), the overlapped
-stage, the fragments, and what an outer heal or resync replaced.
+It owns the cluster Manager (which exists only while this group leads), the fragments,
+what an outer heal or resync replaced, and the leader's outer stage (outer_stage.py's
+LeaderStage: an overlapped round in flight, its launch, collection and drop).
 Failure semantics are the round's (hier.py): a failed outer level rolls back the outer
 stage only; inner work is never discarded for it.
 """
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
-from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
@@ -38,16 +37,11 @@ from hier_localsgd.sync.async_outer import AsyncOuter, AsyncOuterSettings
 from hier_localsgd.sync.committed import CommittedState
 from hier_localsgd.sync.common import FatalSyncError, OuterResult, Status, outer_progress
 from hier_localsgd.sync.compression import OuterCompression
-from hier_localsgd.sync.overlap import OuterStage, eager_stand_in, merge_keep_local
+from hier_localsgd.sync.outer_stage import STAGE_DROP_S, LeaderStage
+from hier_localsgd.sync.overlap import eager_stand_in, merge_keep_local
 from hier_localsgd.sync.state import SyncState, consistency, fault_point, lighthouse_ok, manager, outage, reduce, screen_norm
 
 logger = logging.getLogger("hier_localsgd.sync.hier")  # one logger name for the whole round
-
-# What dropping a stage still in flight may take after its wait ends: collect's last poll
-# (0.5 s), the cluster Manager's shutdown (2.5 s seen) and abandon's join of the stage
-# thread (at most 5 s). The final round's wait for a stage ends this much before its
-# OUTER_QUORUM deadline, so the members' final_broadcast_wait covers the leader's worst case.
-STAGE_DROP_S = 10.0
 
 
 class OuterLevel:
@@ -55,8 +49,9 @@ class OuterLevel:
 
     Public state the round reads: ``mgr``/``comm``/``link`` (the cluster Manager, None
     while this group does not lead), ``stats`` (the outer link's account across leadership
-    changes), ``stage`` (overlapped), ``snap_since_outer`` (inner-committed steps the
-    launched outer round carries), ``schedule`` (streaming fragments)."""
+    changes), ``leader_stage`` (:class:`LeaderStage`: an overlapped round in flight),
+    ``snap_since_outer`` (inner-committed steps the launched outer round carries),
+    ``schedule`` (streaming fragments)."""
 
     def __init__(self, st: SyncState, committed: CommittedState, asynchronous: Optional[AsyncOuterSettings] = None) -> None:
         self.st = st
@@ -76,18 +71,10 @@ class OuterLevel:
         self.mgr: Optional[LevelManager] = None
         self.comm: Optional[LevelComm] = None
         self._epoch = 0
-        # Overlapped outer sync (overlap.py), when sync.outer.delay > 0.
+        # Overlapped outer sync (overlap.py), when sync.outer.delay > 0: its stage (outer_stage.py).
         self.overlap = s.outer_delay > 0
-        self.stage: Optional[OuterStage] = (
-            OuterStage(str(st.id), listener=lambda phase: st.tracker.set_extra(outer_stage=phase)) if self.overlap else None
-        )
-        if self.stage is not None:
-            self.stage.tracker.budgets = st.timeouts
+        self.leader_stage = LeaderStage(st, self.overlap, self.asynchronous, self.shutdown_manager)
         self.snap_since_outer = 0  # inner-committed steps the launched outer round carries
-        self._stage_outer: Optional[Level] = None  # the stage's copy of the outer level
-        self._stage_comp: Optional[OuterCompression] = None  # and of the compression state
-        self._target = st.outer  # where an outer heal loads and what a donor serves
-        self._view: Optional[tuple[int, int]] = None  # the stage's (outer_round, step)
         self._healed: Optional[tuple[int, int]] = None
         # The global model this cluster's work started from, kept when an outer heal or
         # resync replaced it in this round (a stale contribution is measured from it).
@@ -117,11 +104,11 @@ class OuterLevel:
         norm of the contribution (``norm``, taken at the launch: it needs the group's own
         process group, which only the training thread uses); it then touches no state
         the training thread uses. ``after_stage``: the final partial round, which first waits
-        for an overlapped round still in flight (:meth:`await_stage`)."""
+        for an overlapped round still in flight (:meth:`LeaderStage.await_stage`)."""
         st = self.st
-        if self.asynchronous is not None:  # overlapped pushes run on the stage (_launch_stage)
-            if after_stage and self.stage is not None and self.stage.busy:
-                return self._last_push(cluster_model, contribute, inner_ok)
+        if self.asynchronous is not None:  # overlapped pushes run on the stage (LeaderStage.launch)
+            if after_stage and self.leader_stage.busy:
+                return self.leader_stage.last_push(cluster_model, contribute, inner_ok)
             return self.asynchronous.run(cluster_model, contribute, inner_ok, st.tracker)
         c = st.counters
         tr = st.tracker if tr is None else tr
@@ -133,11 +120,11 @@ class OuterLevel:
             return fallback  # a stage whose leader was demoted before it began: no cluster Manager for it
         if after_stage:
             # The final partial round: the Manager is free once an overlapped round still in
-            # flight on it has ended (await_stage); OUTER_QUORUM is then re-armed for the
+            # flight on it has ended (LeaderStage.await_stage); OUTER_QUORUM is then re-armed for the
             # quorum itself.
             tr.enter(Phase.OUTER_QUORUM, st.timeouts.outer_level)
             deadline = tr.deadline() or time.time() + st.timeouts.outer_level.total_seconds()
-            self.await_stage(end=deadline - STAGE_DROP_S)  # a drop, if any, also ends inside the budget
+            self.leader_stage.await_stage(end=deadline - STAGE_DROP_S)  # a drop, if any, also ends inside the budget
         joined = self.quorum(tr, cur_round, cur_step)
         if tr is st.tracker and st.vote.active:  # a blocking round: the group's ranks agree (group_vote.py)
             v = st.vote.agree("outer quorum", joined=joined is not None, none_joined=joined is None,
@@ -300,7 +287,7 @@ class OuterLevel:
         """After the inner commit of an outer round (overlap.py): every member keeps the
         committed model as the snapshot; the leader starts the outer round behind training."""
         st = self.st
-        assert st.snap is not None and self.stage is not None
+        assert st.snap is not None and self.leader_stage.stage is not None
         c = st.counters
         if contribute:  # one never resolved (its apply round's commit failed); this launch's eager step publishes
             self.committed.take_out_stand_in()
@@ -310,7 +297,7 @@ class OuterLevel:
         st.snap_step = c.step
         self.snap_since_outer = st.since_outer
         if st.leader:
-            self._launch_stage(contribute)
+            self.leader_stage.launch(contribute, self.run)
         if self.asynchronous is not None:
             self.asynchronous.launch(c.step)  # every member: the next round applies it
         if st.stand_in is not None and contribute:  # the same condition on every rank of the group (publish)
@@ -322,135 +309,6 @@ class OuterLevel:
             self.committed.publish()
             st.events("eager_step", step=c.step, outer_round=c.outer_round, fragment=fragment)
 
-    def _launch_stage(self, contribute: bool) -> None:
-        """The leader starts the launched outer round (asynchronous: the push) on its stage thread."""
-        st = self.st
-        c = st.counters
-        assert st.snap is not None and self.stage is not None
-        self.drop_stage("a new outer round")  # one never applied (its apply round was skipped)
-        if self.asynchronous is not None:
-            asy, model = self.asynchronous, st.snap.clone()
-            comp = self._stage_comp = None if st.comp is None else st.comp.copy()
-            req = asy.request(model, contribute, comp, overlap=True)  # here: the counters and tokens of the push round
-            base, built = st.outer.backup.clone(), time.time()
-            self.stage.launch(lambda tr: asy.exchange(req, base, model, contribute, comp, tr, built=built, adopts=False))
-            st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=1, asynchronous=True)
-            return
-        lvl = Level("outer", st.settings.outer, st.outer.backup)
-        lvl.load_state_dict(st.outer.state_dict())
-        view = (c.outer_round, c.step)
-        self._stage_outer, self._target, self._view = lvl, lvl, view
-        comp = self._stage_comp = None if st.comp is None else st.comp.copy()
-        model = st.snap.clone()
-        norm = screen_norm(st, lvl, model, None, 1.0 if contribute else 0.0)  # here: the training thread
-        self.stage.launch(lambda tr: self.run(model, contribute, contribute, tr=tr, lvl=lvl, view=view, comp=comp, norm=norm))
-        st.events("outer_launch", step=c.step, outer_round=c.outer_round, delay=st.settings.outer_delay)
-
-    def collect(self, end: Optional[float] = None) -> OuterResult:
-        """The leader, at the apply round: the stage's result, waiting at most while the
-        stage is inside its deadlines and until ``end`` (epoch seconds; by default what
-        the round's BROADCAST budget leaves once the broadcast has its own time). A stage
-        still running then is dropped, its cluster Manager shut down."""
-        assert self.stage is not None
-        st = self.st
-        c, stage = st.counters, self.stage
-        none = OuterResult(Status.INNER_ONLY, None, c.outer_round, c.step)
-        if not stage.busy:
-            asy = self.asynchronous  # a push in flight that another leader sent: the server knows
-            return (asy.recover(st.outer.backup, st.tracker) or none) \
-                if asy is not None and asy.launched >= 0 else none
-        if end is None:
-            end = st.tracker.deadline() or (time.time() + st.timeouts.broadcast_wait.total_seconds())
-            end -= st.timeouts.broadcast.total_seconds()  # leave the broadcast its own time
-        res: Optional[OuterResult] = None
-        while True:
-            finished, res = stage.collect(min(timedelta(seconds=0.5), stage.wait_budget()))
-            if finished:
-                break
-            dl = stage.tracker.deadline()
-            now = time.time()
-            if now >= end or (dl is not None and now > dl + 1.0):
-                st.events("timeout", level="outer", op="stage", phase=stage.tracker.phase.value, deadline=dl, step=c.step)
-                self.drop_stage("the outer stage ran past its deadline", abort=True)
-                return none
-        lvl = self._stage_outer
-        self._target, self._view = st.outer, None
-        if res is None or res.status != Status.OUTER_COMMITTED or res.params is None:
-            self._stage_outer, self._stage_comp = None, None
-            return none
-        # Keep the stage's level until adopt() takes it (its momentum, with the global model).
-        self._stage_outer = lvl
-        step = c.step + (res.step - st.snap_step)  # a healed-to newer view moves the step as well
-        return OuterResult(Status.OUTER_COMMITTED, res.params, res.outer_round, step, res.cluster_weight, merge=True, fragment=res.fragment,
-                           push_in=res.push_in, checksum=res.checksum)
-
-    def _last_push(self, cluster_model: torch.Tensor, contribute: bool, inner_ok: bool) -> OuterResult:
-        """The run's last round with an overlapped push in flight (asynchronous): take its
-        answer ``θ_v`` first (within the round's budget), then push the steps since it
-        (``θ_s − θ_now``) from version ``v``, blocking. The answer in flight unanswered or
-        dropped: the blocking push carries everything since the last applied version (the
-        server merges a base at most once). The last push unanswered: the cluster merges
-        ``θ_v`` as at an apply round (a ``merge`` header)."""
-        st = self.st
-        asy = self.asynchronous
-        assert asy is not None and st.snap is not None
-        tr = st.tracker
-        tr.enter(Phase.OUTER_QUORUM, st.timeouts.outer_level, reason="asynchronous: the push in flight first")
-        deadline = tr.deadline() or time.time() + st.timeouts.outer_level.total_seconds()
-        res = self.collect(end=deadline - STAGE_DROP_S)
-        if res.status != Status.OUTER_COMMITTED or res.params is None:
-            return asy.run(cluster_model, contribute, inner_ok, tr)
-        if self._stage_comp is not None and st.comp is not None:
-            st.comp.load(self._stage_comp.residual)  # what the push in flight left; the last push stages on it
-        self._stage_outer, self._stage_comp = None, None
-        merged = merge_keep_local(res.params, st.snap, cluster_model)
-        req = asy.request(merged, contribute, st.comp, base=res.params, version=res.outer_round)
-        last = asy.exchange(req, res.params, cluster_model, inner_ok, st.comp, tr)
-        if last.status == Status.OUTER_COMMITTED or not inner_ok:
-            return last  # (not inner_ok: ABORT, the cluster rolls back as for any failed round)
-        st.events("outer_unavailable", level="outer", step=st.counters.step, detail="the last push: merging the answer in flight")
-        return replace(res, step=st.counters.step)
-
-    def await_stage(self, end: float) -> None:
-        """The final partial round (a run whose length is off the outer schedule) is
-        blocking while an overlapped round may still be in flight on the same Manager:
-        wait for it (within its deadlines and until ``end``) and forget its result.
-        Nothing is lost: the blocking round measures the cluster's pseudo-gradient from the
-        last applied global model, so it carries that round's work too. Every cluster
-        does the same at the same step, so the stage's collectives stay matched.
-
-        It waits for the stage to end on its own rather than dropping it: a leader that
-        shut its Manager down while another cluster's stage was still in its commit
-        vote left the clusters' outer levels in different states (the final round's
-        quorum then met one old and one new Manager); a CI run under load ended two
-        clusters on different models. Its caller's phase budget covers the wait
-        (``Timeouts.outer_level``, and the members' ``final_broadcast_wait``)."""
-        if self.stage is None or not self.stage.busy:
-            return
-        running, t0 = self.stage.running, time.time()
-        res = self.collect(end)
-        self._stage_outer, self._stage_comp = None, None
-        self._target, self._view = self.st.outer, None
-        # Not a rollback: its work rides the final round (the dashboard shows it neutral).
-        self.st.events("outer_folded", step=self.st.counters.step, committed=res.status == Status.OUTER_COMMITTED,
-                       was_running=running, waited_s=round(time.time() - t0, 3))
-
-    def drop_stage(self, why: str, abort: bool = False) -> None:
-        """Forgets an outer stage in flight or never applied; ``abort``: shut the cluster
-        Manager down first (its process group aborts, so the stage's waits end)."""
-        if self.stage is None or not self.stage.busy:
-            return
-        st = self.st
-        if abort and self.mgr is not None:
-            self.mgr.shutdown()
-            self.mgr, self.comm = None, None
-            st.tracker.set_extra(outer=None)
-        logger.warning("%s dropping the outer stage: %s", st.id, why)
-        self.stage.abandon()
-        self._stage_outer, self._target, self._view = None, st.outer, None
-        self._stage_comp = None
-        st.events("rollback", level="outer", reason=f"outer stage dropped: {why}", step=st.counters.step)
-
     # ------------------------------------------------------------------ BROADCAST
     def broadcast(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
         """BROADCAST of a blocking round's result to the cluster (outer_broadcast.py)."""
@@ -458,7 +316,7 @@ class OuterLevel:
 
     def broadcast_global(self, result: Optional[OuterResult], prior: torch.Tensor) -> OuterResult:
         """BROADCAST at an apply round, with the stage's residual and momentum (outer_broadcast.py)."""
-        return outer_broadcast.broadcast_global(self.st, result, prior, self._stage_comp, self._stage_outer)
+        return outer_broadcast.broadcast_global(self.st, result, prior, self.leader_stage.comp, self.leader_stage.level)
 
     def join_wanted(self, join: bool, q: QuorumView, plan: guard.GuardPlan) -> bool:
         """Whether this join round also takes the global model: a cluster restarted whole.
@@ -513,7 +371,7 @@ class OuterLevel:
         """
         st = self.st
         c = st.counters
-        if self.stage is not None and self.stage.busy:
+        if self.leader_stage.busy:
             return  # the cluster's own outer round is still in flight
         live = self.committed.without_stand_in(host_copy(st.flat.data[st.part]))
         if self.asynchronous is not None:  # its own steps since its last commit are in `live`
@@ -549,11 +407,12 @@ class OuterLevel:
         if result.merge:
             assert st.snap is not None
             self.adopt_into_inner(merge_keep_local(result.params, st.snap, now), result.fragment, base=now)
-            if st.leader and self._stage_outer is not None:
-                st.outer.load_state_dict(self._stage_outer.state_dict())
-            if st.leader and self._stage_comp is not None and st.comp is not None:
-                st.comp.load(self._stage_comp.residual)
-            self._stage_outer, self._stage_comp = None, None
+            ls = self.leader_stage
+            if st.leader and ls.level is not None:
+                st.outer.load_state_dict(ls.level.state_dict())
+            if st.leader and ls.comp is not None and st.comp is not None:
+                st.comp.load(ls.comp.residual)
+            ls.level, ls.comp = None, None
         else:
             self.adopt_into_inner(result.params, result.fragment, base=now)
         if self.asynchronous is not None:  # every member, from the header: one schedule per cluster
@@ -599,13 +458,16 @@ class OuterLevel:
     def demote(self) -> None:
         """This group no longer leads: a member does not keep the outer momentum up to date,
         holds no cluster Manager and no stage."""
-        st = self.st
         self._fresh = True
+        self.shutdown_manager()
+        self.leader_stage.drop("no longer the leader")
+
+    def shutdown_manager(self) -> None:
+        """Shuts the cluster Manager down, if any (it aborts a stage's process group too)."""
         if self.mgr is not None:
-            self.mgr.shutdown()  # aborts a stage's process group too
+            self.mgr.shutdown()
             self.mgr, self.comm = None, None
-            st.tracker.set_extra(outer=None)
-        self.drop_stage("no longer the leader")
+            self.st.tracker.set_extra(outer=None)
 
     def promote(self) -> None:
         """This group leads: join the global lighthouse early so the first outer quorum waits for us."""
@@ -626,21 +488,22 @@ class OuterLevel:
         if self.mgr is not None:
             self.mgr.shutdown()  # aborts a stage's process group: its waits end
             self.mgr = None
-        self.drop_stage("closing")
+        self.leader_stage.drop("closing")
 
     # ------------------------------------------------------------------ outer heals
     def state_dict(self) -> Dict[str, object]:
         """What a leader serves another cluster's healing leader (overlapped: the stage's
         outer level and launch counters, the state its outer round runs on)."""
-        outer_round, step = self._view or (self.st.counters.outer_round, self.st.counters.step)
+        outer_round, step = self.leader_stage.view or (self.st.counters.outer_round, self.st.counters.step)
         return {
-            "outer": self._target.state_dict(),
+            "outer": self.leader_stage.target.state_dict(),
             "counters": {"outer_round": outer_round, "step": step},
         }
 
     def load_state_dict(self, sd: Dict[str, object]) -> None:
-        base = self._target.backup.clone()  # the global model this cluster's work started from
-        self._target.load_state_dict(sd["outer"])  # type: ignore[arg-type]
+        target = self.leader_stage.target
+        base = target.backup.clone()  # the global model this cluster's work started from
+        target.load_state_dict(sd["outer"])  # type: ignore[arg-type]
         counters = sd["counters"]
         assert isinstance(counters, dict)
         self._healed = (int(counters["outer_round"]), int(counters["step"]))

@@ -67,7 +67,7 @@ TRANSITIONS: Dict[Phase, FrozenSet[Phase]] = {
     # A failed outer quorum/reduce still ends in BROADCAST: the leader tells its
     # cluster the outer level failed so nobody waits for the broadcast timeout.
     # -> OUTER_QUORUM: re-armed for the quorum itself after the final partial round waited
-    # in it for an overlapped outer round still in flight (outer_round.py, await_stage).
+    # in it for an overlapped outer round still in flight (sync/outer_stage.py, await_stage).
     Phase.OUTER_QUORUM: frozenset({Phase.OUTER_QUORUM, Phase.OUTER_REDUCE, Phase.BROADCAST, Phase.LOCAL}),
     Phase.OUTER_REDUCE: frozenset({Phase.OUTER_COMMIT, Phase.BROADCAST}),
     Phase.OUTER_COMMIT: frozenset({Phase.BROADCAST, Phase.LOCAL}),
