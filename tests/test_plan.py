@@ -602,3 +602,30 @@ def test_the_asynchronous_outer_level_is_a_push_and_the_model_back_by_hand():
                                                 f"sync.async_outer.compress_down={str(down_on).lower()}"], validate_for="plan"))
         assert q["outer_round"]["bytes"] == up + down
         assert q["outer_round"]["s"] == pytest.approx((up + down) / (0.1e9 / 8) + 2 * 0.020 + 0.01)
+
+
+def test_clusters_of_different_speeds_by_hand():
+    """``topology.cluster_speed`` (planner.py cluster_rates): 0.5 s steps at speeds 1 and 0.5.
+    With syncs that cost nothing the synchronous level runs both clusters at the slow one's
+    1 step/s (the fast one computes half of it: 50 %), the asynchronous one each at its own
+    (2 and 1 steps/s); goodput 0.75 and 1. With a 0.1 s inner all-reduce every 10 steps and a
+    1.2 s outer exchange every 30 (both levels alike here: round_overhead_s only), 0.01 + 0.04
+    = 0.05 s per step more: 1/1.05 for both clusters, 1/0.55 and 1/1.05 asynchronous."""
+    def plan(overhead: float) -> dict:
+        cfg = load_config(["topology.cluster_speed=[1.0,0.5]", "plan.hardware.step_time_s=0.5", "sync.inner.every=10", "sync.outer.every=3",
+                           f"plan.round_overhead_s={overhead}"], validate_for="plan")
+        return plan_planner.make_plan(cfg)["clusters"]
+
+    free = plan(0.0)
+    assert free["compute_s"] == [0.5, 1.0] and free["configured"] == "synchronous"
+    assert free["synchronous"]["steps_per_s"] == [1.0, 1.0] and free["synchronous"]["of_own_rate"] == [0.5, 1.0]
+    assert free["asynchronous"]["steps_per_s"] == [2.0, 1.0] and free["asynchronous"]["of_own_rate"] == [1.0, 1.0]
+    assert (free["synchronous"]["goodput_no_failures"], free["asynchronous"]["goodput_no_failures"]) == (0.75, 1.0)
+    # overhead 0.1 s per collective: inner 0.1/10; outer (all-reduce or push) 0.1 and the broadcast 0 over 30 steps
+    costly = plan(0.1)
+    per = 0.1 / 10 + 0.1 / 30
+    assert costly["synchronous"]["sync_per_step_s"] == pytest.approx(per)
+    assert costly["synchronous"]["steps_per_s"] == pytest.approx([1 / (1.0 + per)] * 2)
+    assert costly["asynchronous"]["steps_per_s"] == pytest.approx([1 / (0.5 + per), 1 / (1.0 + per)])
+    base = load_config(["plan.hardware.step_time_s=0.5"], validate_for="plan")
+    assert plan_planner.make_plan(base)["clusters"] is None  # no speeds: no section

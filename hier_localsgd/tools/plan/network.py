@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, List, Sequence
 
 from hier_localsgd import costs
 from hier_localsgd.core.tensors.fragments import outer_period
@@ -163,6 +163,17 @@ def sync_per_step(st: SyncTimes, mode: str, h_inner: int, h_outer: int, h_flat_:
     if mode == "flat":
         return st.flat_s / h_flat_
     return hier_sync_per_step(st.inner_s, st.outer_allreduce_s, st.broadcast_s, h_inner, h_outer)
+
+
+def cluster_paces(step_s: float, speeds: Sequence[float], sync_per_step: float, asynchronous: bool) -> List[float]:
+    """Each cluster's seconds per step, its syncs included (``topology.cluster_speed``: its
+    compute is ``step_s / speed``). With the asynchronous outer level every cluster keeps its
+    own pace; with the synchronous one each outer round waits for the last cluster, so every
+    cluster runs at the slowest's pace (its steps at its own speed, the rest waiting)."""
+    steps = [step_s / s for s in speeds]
+    if asynchronous:
+        return [s + sync_per_step for s in steps]
+    return [max(steps) + sync_per_step] * len(steps)
 
 
 def comm_fraction(step_s: float, sync_s: float) -> float:

@@ -85,9 +85,10 @@ from hier_localsgd.tools.plan.config import PlanConfig, REPORT_ORDER, SHARDINGS,
 from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.pick import pick_outer
 from hier_localsgd.tools.plan.network import (
-    OuterVariant, async_down_bytes, async_push_bytes, async_push_s, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes, outer_round_s, recommend_h,
-    sync_per_step, sync_times,
+    OuterVariant, SyncTimes, async_down_bytes, async_push_bytes, async_push_s, cluster_paces, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes,
+    outer_round_s, recommend_h, sync_per_step, sync_times,
 )
+from hier_localsgd.core.links.lossy import LinkSpec
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -194,6 +195,34 @@ def deployment_of(cfg: "Config") -> Dict[str, Any]:
     }
 
 
+def cluster_rates(cfg: "Config", st: SyncTimes, step_s: float, wan: LinkSpec, variant: OuterVariant, h: Dict[str, int]) -> Dict[str, Any]:
+    """``topology.cluster_speed`` (hier): each cluster's steps per second with the synchronous
+    outer level (every cluster at the slowest's pace) and the asynchronous one (its own pace,
+    a push per outer period: :func:`~hier_localsgd.tools.plan.network.async_push_s`), as a
+    share of its own rate with an outer level that costs nothing, and the goodput without
+    failures (its compute over its wall time, averaged over clusters). Modelled, steady
+    state: no grace window (the server's wait for a slower cluster's push, at most
+    ``sync.async_outer.grace_s`` a push), no matched paces, no failures; the simulator models
+    them (``hier-localsgd simulate``)."""
+    tp, pc = cfg.topology, cfg.plan
+    speeds = [tp.speed(k) for k in range(tp.clusters)]
+    outer_sync = outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)
+    up, down = async_push_bytes(st.sync_bytes, variant), async_down_bytes(st.sync_bytes, variant, cfg.sync.async_outer.compress_down)
+    outer_async = async_push_s(up, down, wan, pc.round_overhead_s)
+    levels = {}
+    for name, outer_s, asynchronous in (("synchronous", outer_sync, False), ("asynchronous", outer_async, True)):
+        per_step = hier_variant_sync_per_step(st, outer_s, step_s, h["inner"], h["outer"], variant)
+        paces = cluster_paces(step_s, speeds, per_step, asynchronous)
+        levels[name] = {
+            "sync_per_step_s": per_step,
+            "steps_per_s": [1.0 / x for x in paces],
+            "of_own_rate": [(step_s / sp) / x for sp, x in zip(speeds, paces)],  # its compute's share of its wall time
+            "goodput_no_failures": sum(step_s / sp / x for sp, x in zip(speeds, paces)) / len(speeds),
+        }
+    return {"speeds": speeds, "compute_s": [step_s / sp for sp in speeds], "configured": "asynchronous" if cfg.sync.async_outer.enabled else "synchronous",
+            **levels}
+
+
 def make_plan(cfg: "Config") -> Dict[str, Any]:
     """Every figure of the plan, as a JSON-ready dict.
 
@@ -234,6 +263,7 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
             "memory": memory_per_rank(cfg, d, mode),
         }
     c = tp.clusters
+    clusters = cluster_rates(cfg, st, step_s, wan, variant, h) if tp.cluster_speed and cfg.sync.mode == "hier" else None
     slow = {
         # bytes on the slow (cross-cluster) links per local step, all ranks together
         "hier": c * tp.ranks_per_replica * variant.fragments * outer_round["bytes"] / (h["inner"] * h["outer"]) if c > 1 else 0.0,
@@ -258,6 +288,7 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
         "step_time_source": "measured (plan.hardware.step_time_s)" if pc.hardware.step_time_s > 0 else "FLOPs / (peak x MFU)",
         "sync": asdict(st),
         "outer_round": outer_round,
+        "clusters": clusters,
         "outer_pick": pick_outer(st, step_s, tp.clusters, wan, pc.round_overhead_s, h["inner"], h["outer"], variant,
                                  steps=cfg.train.steps, topk2_step_cost=pc.topk2_step_cost),
         "unlimited_links": [k for k, spec in (("links.inner", lan), ("links.outer", wan)) if unlimited(spec)],

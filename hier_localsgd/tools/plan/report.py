@@ -136,6 +136,17 @@ def _sync_lines(p: Dict[str, Any]) -> List[str]:
             ],
         ),
     ]
+    cl = p.get("clusters")
+    if cl:
+        rate = lambda v: f"{v:.3g}"  # noqa: E731
+        out += ["", f"Clusters of different speeds (topology.cluster_speed; configured: the {cl['configured']} outer level; steady state, "
+                "no grace window, no failures: `simulate` models those)",
+                table(["cluster", "speed", "compute/step", "steps/s synchronous", "of its own rate", "steps/s asynchronous", "of its own rate"],
+                      [[k, f"{sp:g}", fmt_time(cs), rate(cl["synchronous"]["steps_per_s"][k]), f"{cl['synchronous']['of_own_rate'][k]:.1%}",
+                        rate(cl["asynchronous"]["steps_per_s"][k]), f"{cl['asynchronous']['of_own_rate'][k]:.1%}"]
+                       for k, (sp, cs) in enumerate(zip(cl["speeds"], cl["compute_s"]))]),
+                f"goodput without failures: synchronous {cl['synchronous']['goodput_no_failures']:.3f}, "
+                f"asynchronous {cl['asynchronous']['goodput_no_failures']:.3f}"]
     for variant, vol in p.get("tensor_parallel", {}).items():
         out.append(f"tensor parallel over the group's {tp['ranks_per_replica']} ranks ({variant}): {fmt_bytes(vol['per_step']['total'])} per rank "
                    f"and step, {fmt_bytes(sum(vol['per_layer'].values()))} per layer ("

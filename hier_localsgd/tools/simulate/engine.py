@@ -144,7 +144,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from hier_localsgd import costs
 from hier_localsgd.sync.global_schedule import is_push_step, next_round_step
-from hier_localsgd.tools.plan.network import comm_fraction
+from hier_localsgd.tools.plan.network import cluster_paces, comm_fraction
 from hier_localsgd.tools.simulate.barrier import OuterBarrier
 from hier_localsgd.tools.simulate.batches import Batches
 from hier_localsgd.tools.simulate.config import INF
@@ -638,10 +638,8 @@ def expected_goodput(p: SimParams, sync_per_step: float) -> float:
     then idle until the slowest finishes, which gives the synchronous figure again."""
     if not p.speeds or len(set(p.speeds)) == 1 and p.speeds[0] == 1.0:
         return 1.0 - comm_fraction(p.step_s, sync_per_step)
-    steps = [p.step_s / p.speed(c) for c in range(p.clusters)]
-    if p.asynchronous and p.steps == 0:
-        return sum(s / (s + sync_per_step) for s in steps) / p.clusters
-    return sum(steps) / p.clusters / (p.slowest_step_s + sync_per_step)
+    paces = cluster_paces(p.step_s, p.speeds, sync_per_step, p.asynchronous and p.steps == 0)
+    return sum(p.step_s / sp / pace for sp, pace in zip(p.speeds, paces)) / p.clusters
 
 
 def simulate_once(p: SimParams, seed: int) -> RunResult:
