@@ -96,7 +96,7 @@ def main() -> None:
                     help="run the asynchronous arm alone (compare with a synchronous arm run before: say so where you report it)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="async_outer_"))
-    print(f"debugmodel 2 x 2, WAN {args.wan_gbps} Gbit/s ({'emulated' if args.emulated else 'kernel tbf'}), target {args.target}, "
+    print(f"debugmodel (2 x 2 unless --extra sets topology.*), WAN {args.wan_gbps} Gbit/s ({'emulated' if args.emulated else 'kernel tbf'}), target {args.target}, "
           f"extra {args.extra}, runs in {out}", flush=True)
     print("| speeds | seed | arm | s to target | global model: s to target | cluster 0 steps/s | final eval loss | loss at equal wall time (s) "
           "| global model's loss then | wall s | slow MB | consistent |")

@@ -100,6 +100,9 @@ def main() -> int:
     ap.add_argument("--save", type=Path)
     a = ap.parse_args()
     if a.set == "target":
+        if a.file is not None or a.measure is not None:
+            print("validate_simulate: --set target replays the recorded runs in experiments/target_validation.py: no FILE, no --measure", file=sys.stderr)
+            return 2
         rows = target_validation.validate(target_validation.RECORDED)
         print(target_validation.table(rows))
         if a.save is not None:

@@ -608,9 +608,10 @@ def test_clusters_of_different_speeds_by_hand():
     """``topology.cluster_speed`` (planner.py cluster_rates): 0.5 s steps at speeds 1 and 0.5.
     With syncs that cost nothing the synchronous level runs both clusters at the slow one's
     1 step/s (the fast one computes half of it: 50 %), the asynchronous one each at its own
-    (2 and 1 steps/s); goodput 0.75 and 1. With a 0.1 s inner all-reduce every 10 steps and a
-    1.2 s outer exchange every 30 (both levels alike here: round_overhead_s only), 0.01 + 0.04
-    = 0.05 s per step more: 1/1.05 for both clusters, 1/0.55 and 1/1.05 asynchronous."""
+    (2 and 1 steps/s); goodput 0.75 and 1. With ``round_overhead_s`` 0.1 s (the links are
+    unlimited: each sync costs that alone, the outer all-reduce and the push alike), an inner
+    sync every 10 steps and an outer one every 30 add 0.1/10 + 0.1/30 s per step: 1/(1 + that)
+    for both clusters synchronous, 1/(0.5 + that) and 1/(1 + that) asynchronous."""
     def plan(overhead: float) -> dict:
         cfg = load_config(["topology.cluster_speed=[1.0,0.5]", "plan.hardware.step_time_s=0.5", "sync.inner.every=10", "sync.outer.every=3",
                            f"plan.round_overhead_s={overhead}"], validate_for="plan")

@@ -431,11 +431,15 @@ def test_time_to_the_target_counts_each_steps_share_of_a_round_by_hand():
     (a = 1, w = 1/2) and cluster 1's one version stale (λ(1) = 1/2, w = 1/4); from then on
     each adopted the other's version before it, so every push is one version stale (w = 1/4):
     2.25 rounds in all, the target not reached. With max_staleness 0 the stale pushes are
-    refused and add nothing: 0.5 a period, 2.0."""
+    refused and add nothing: 0.5 a period, 2.0. Overlapped pushes (``sync.outer.delay=1``)
+    merge the same, but a cluster holds a version from its apply round on, the next inner
+    round (10 steps later): the target at 100 s."""
     fast = ["links.inner.bandwidth_gbps=1e12", "links.inner.latency_ms=0", "links.outer.bandwidth_gbps=1e12", "links.outer.latency_ms=0"]
     cases = [
         ([], [1.0] * 4, 90.0),
         (["sync.async_outer.enabled=true"], [1.0] * 4, 90.0),
+        # overlapped: the third version is out at step 90 but held from its apply round, step 100
+        (["sync.async_outer.enabled=true", "sync.outer.delay=1"], [1.0] * 4, 100.0),
         (["sync.async_outer.enabled=true", "sync.async_outer.grace_s=0"], [0.5, 0.25] + [0.25] * 6, None),
         (["sync.async_outer.enabled=true", "sync.async_outer.grace_s=0", "sync.async_outer.max_staleness=0"], [0.5] * 4, None),
     ]
@@ -445,7 +449,7 @@ def test_time_to_the_target_counts_each_steps_share_of_a_round_by_hand():
         sim = engine.Simulation(params.resolve(cfg), 0)
         seen = []
         step = sim.progress.step
-        sim.progress.step = lambda t, share: (seen.append(share), step(t, share))  # type: ignore[method-assign]
+        sim.progress.step = lambda version, share: (seen.append(share), step(version, share))  # type: ignore[method-assign]
         r = sim.run()
         assert seen == shares, (extra, seen)
         assert r.progress_rounds == pytest.approx(sum(shares)) and r.target_s == reached, (extra, r.target_s)

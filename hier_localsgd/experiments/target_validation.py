@@ -5,8 +5,9 @@ The runs are ``benchmarks/async_outer.py``'s (docs/benchmarks.md, "The asynchron
 level on the demo workload"): debugmodel, 2 x 2, H 10/3, 360 steps, steps padded to 0.5 s
 (``train.min_step_time_s``, divided by the cluster's speed), int8, matched paces, a 100
 Mbit/s WAN with 20 ms latency shaped by the kernel, one ``hier-localsgd bench`` invocation
-per seed with a synchronous arm (``hier``) and an asynchronous one (``hier_async``). Their
-figures are in :data:`RECORDED` as the tables give them; the run directories were not kept.
+per seed with a synchronous arm (``hier``) and an asynchronous one (``hier_async``); a
+record's ``overrides`` change the deployment (another topology). Their figures are in
+:data:`RECORDED` as the tables give them; the run directories were not kept.
 
 Per run, two figures are **fitted on the synchronous arm** (a calibration):
 
@@ -66,7 +67,8 @@ def sync_rounds(rec: Dict[str, Any]) -> int:
 
 def simulated_target_s(rec: Dict[str, Any], rounds: float, overhead_s: float, asynchronous: bool) -> Optional[float]:
     """The simulator's time to ``rounds`` of merged work for the record's deployment."""
-    ov = [*DEPLOYMENT, f"simulate.target_rounds={rounds}", f"plan.round_overhead_s={overhead_s}", *(ASYNC if asynchronous else [])]
+    ov = [*DEPLOYMENT, *rec.get("overrides", []), f"simulate.target_rounds={rounds}", f"plan.round_overhead_s={overhead_s}",
+          *(ASYNC if asynchronous else [])]
     if rec["speeds"]:
         ov.append(f"topology.cluster_speed={rec['speeds']}".replace(" ", ""))
     p = params.resolve(load_config(ov, validate_for="simulate"))
@@ -75,11 +77,18 @@ def simulated_target_s(rec: Dict[str, Any], rounds: float, overhead_s: float, as
 
 def fit_overhead(rec: Dict[str, Any], rounds: int, hi: float = 5.0, iters: int = 30) -> float:
     """``plan.round_overhead_s`` at which the simulated synchronous arm reaches ``rounds``
-    when the measured one reached the target (bisection; 0 if even none is too slow)."""
+    when the measured one reached the target (bisection; 0 if even none is too slow).
+
+    Raises:
+        ValueError: even ``hi`` seconds per collective is too fast (a record that cannot be fitted).
+    """
     lo = 0.0
     t0 = simulated_target_s(rec, rounds, 0.0, False)
     if t0 is None or t0 >= rec["sync_s"]:
         return 0.0
+    t_hi = simulated_target_s(rec, rounds, hi, False)
+    if t_hi is not None and t_hi < rec["sync_s"]:
+        raise ValueError(f"{rec['label']}: even an overhead of {hi} s per collective reaches {rounds} rounds before the measured {rec['sync_s']} s")
     for _ in range(iters):
         mid = (lo + hi) / 2
         t = simulated_target_s(rec, rounds, mid, False)

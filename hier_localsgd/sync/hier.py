@@ -107,7 +107,7 @@ from hier_localsgd.sync.final import FinalWait
 from hier_localsgd.sync.group_vote import GroupVote
 from hier_localsgd.sync.inner_quorum import InnerQuorum
 from hier_localsgd.sync.outer_round import OuterLevel
-from hier_localsgd.sync.overlap import OuterStage, is_apply_round, is_launch_round
+from hier_localsgd.sync.overlap import is_apply_round, is_launch_round
 from hier_localsgd.sync.poison import PoisonRecord
 from hier_localsgd.sync.state import HierSettings, SyncState, consistency, fault_point, lighthouse_ok, manager, outage, reduce, screen_norm
 from hier_localsgd.sync.user_state import UserState
@@ -354,11 +354,6 @@ class HierarchicalSync:
     def fragment_ranges(self, fragment: Optional[int]) -> Optional[Ranges]:
         """The ranges of this rank's slice an outer round of ``fragment`` syncs (None: all of it)."""
         return self.outer_level.fragment_ranges(fragment)
-
-    @property
-    def stage(self) -> Optional[OuterStage]:
-        """The leader's overlapped outer stage (outer_stage.py; None without ``sync.outer.delay``)."""
-        return self.outer_level.leader_stage.stage
 
     @property
     def leader(self) -> bool:

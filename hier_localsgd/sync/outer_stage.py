@@ -9,8 +9,9 @@ compression state, the counters at the launch, and where an outer heal loads mea
 OuterLevel runs the round itself (its ``run`` is what the stage thread calls) and reads
 that state through the public names here: ``level``, ``comp`` (the copies, until the
 apply round adopts them), ``target``/``view`` (what an outer heal loads and serves).
-Without the overlap there is no stage (``stage`` None): every method here is then a no-op,
-and ``target`` is the outer level itself.
+Without the overlap there is no stage (``stage`` None): ``busy``, ``await_stage`` and
+``drop`` do nothing, ``launch`` and ``collect`` are not called (they assert a stage), and
+``target`` is the outer level itself.
 
 Failure semantics (overlap.py): a stage that fails or runs past its deadline costs only
 the outer stage: :meth:`LeaderStage.collect` returns an INNER_ONLY result and, for a stage

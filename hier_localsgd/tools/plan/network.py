@@ -129,8 +129,13 @@ def async_push_s(up_bytes: float, down_bytes: float, wan: LinkSpec, round_overhe
     or its steps back (``down_bytes``: :func:`async_down_bytes`), one WAN transfer each (no ring, nobody waited for), plus a round's overhead. Not
     modelled here: the server's own link shared by the clusters' pushes, and the grace window
     (sync/global_server.py; the simulator models the window: tools/simulate/batches.py)."""
-    return (costs.transfer_time(up_bytes, wan.latency_s, wan.bandwidth_Bps)
-            + costs.transfer_time(down_bytes, wan.latency_s, wan.bandwidth_Bps) + round_overhead_s)
+    return async_leg_s(up_bytes, wan, round_overhead_s) + async_leg_s(down_bytes, wan, round_overhead_s)
+
+
+def async_leg_s(nbytes: float, wan: LinkSpec, round_overhead_s: float) -> float:
+    """One way of :func:`async_push_s`: ``nbytes`` over the WAN and half the round's overhead
+    (the simulator times the upload and the download apart)."""
+    return costs.transfer_time(nbytes, wan.latency_s, wan.bandwidth_Bps) + round_overhead_s / 2
 
 
 def outer_round_bytes(sync_bytes: float, clusters: int, v: OuterVariant) -> float:
@@ -174,6 +179,12 @@ def cluster_paces(step_s: float, speeds: Sequence[float], sync_per_step: float, 
     if asynchronous:
         return [s + sync_per_step for s in steps]
     return [max(steps) + sync_per_step] * len(steps)
+
+
+def paced_shares(step_s: float, speeds: Sequence[float], paces: Sequence[float]) -> List[float]:
+    """Each cluster's compute share of its wall time at its pace (:func:`cluster_paces`); their
+    mean is the goodput without failures."""
+    return [step_s / sp / pace for sp, pace in zip(speeds, paces)]
 
 
 def comm_fraction(step_s: float, sync_s: float) -> float:

@@ -80,15 +80,15 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict
 
+from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.tools.deployment import check_shared, links, unlimited
 from hier_localsgd.tools.plan.config import PlanConfig, REPORT_ORDER, SHARDINGS, ScalingConfig
 from hier_localsgd.tools.plan.model import ModelDims, dtype_bytes, flops_per_token, memory_per_rank, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.pick import pick_outer
 from hier_localsgd.tools.plan.network import (
     OuterVariant, SyncTimes, async_down_bytes, async_push_bytes, async_push_s, cluster_paces, comm_fraction, h_values, hier_variant_sync_per_step, outer_round_bytes,
-    outer_round_s, recommend_h, sync_per_step, sync_times,
+    outer_round_s, paced_shares, recommend_h, sync_per_step, sync_times,
 )
-from hier_localsgd.core.links.lossy import LinkSpec
 
 if TYPE_CHECKING:
     from hier_localsgd.config import Config
@@ -195,30 +195,36 @@ def deployment_of(cfg: "Config") -> Dict[str, Any]:
     }
 
 
+def async_exchange(cfg: "Config", st: SyncTimes, variant: OuterVariant, wan: LinkSpec) -> Dict[str, float]:
+    """One asynchronous push: its bytes up and down (``sync.outer.compression``,
+    ``sync.async_outer.compress_down``) and its seconds (network.py ``async_push_s``)."""
+    up = async_push_bytes(st.sync_bytes, variant)
+    down = async_down_bytes(st.sync_bytes, variant, cfg.sync.async_outer.compress_down)
+    return {"up": up, "down": down, "s": async_push_s(up, down, wan, cfg.plan.round_overhead_s)}
+
+
 def cluster_rates(cfg: "Config", st: SyncTimes, step_s: float, wan: LinkSpec, variant: OuterVariant, h: Dict[str, int]) -> Dict[str, Any]:
     """``topology.cluster_speed`` (hier): each cluster's steps per second with the synchronous
     outer level (every cluster at the slowest's pace) and the asynchronous one (its own pace,
     a push per outer period: :func:`~hier_localsgd.tools.plan.network.async_push_s`), as a
     share of its own rate with an outer level that costs nothing, and the goodput without
-    failures (its compute over its wall time, averaged over clusters). Modelled, steady
+    failures (its compute over its wall time, averaged over clusters; the asynchronous one
+    over a fixed duration: over a fixed number of steps the faster clusters finish first
+    and idle, as the simulator counts it). Modelled, steady
     state: no grace window (the server's wait for a slower cluster's push, at most
     ``sync.async_outer.grace_s`` a push), no matched paces, no failures; the simulator models
     them (``hier-localsgd simulate``)."""
     tp, pc = cfg.topology, cfg.plan
     speeds = [tp.speed(k) for k in range(tp.clusters)]
     outer_sync = outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)
-    up, down = async_push_bytes(st.sync_bytes, variant), async_down_bytes(st.sync_bytes, variant, cfg.sync.async_outer.compress_down)
-    outer_async = async_push_s(up, down, wan, pc.round_overhead_s)
+    outer_async = async_exchange(cfg, st, variant, wan)["s"]
     levels = {}
     for name, outer_s, asynchronous in (("synchronous", outer_sync, False), ("asynchronous", outer_async, True)):
         per_step = hier_variant_sync_per_step(st, outer_s, step_s, h["inner"], h["outer"], variant)
         paces = cluster_paces(step_s, speeds, per_step, asynchronous)
-        levels[name] = {
-            "sync_per_step_s": per_step,
-            "steps_per_s": [1.0 / x for x in paces],
-            "of_own_rate": [(step_s / sp) / x for sp, x in zip(speeds, paces)],  # its compute's share of its wall time
-            "goodput_no_failures": sum(step_s / sp / x for sp, x in zip(speeds, paces)) / len(speeds),
-        }
+        shares = paced_shares(step_s, speeds, paces)  # its compute's share of its wall time
+        levels[name] = {"sync_per_step_s": per_step, "steps_per_s": [1.0 / x for x in paces], "of_own_rate": shares,
+                        "goodput_no_failures": sum(shares) / len(speeds)}
     return {"speeds": speeds, "compute_s": [step_s / sp for sp in speeds], "configured": "asynchronous" if cfg.sync.async_outer.enabled else "synchronous",
             **levels}
 
@@ -247,9 +253,8 @@ def make_plan(cfg: "Config") -> Dict[str, Any]:
                    "bytes": outer_round_bytes(st.sync_bytes, tp.clusters, variant),
                    "s": outer_round_s(st.sync_bytes, tp.clusters, wan, variant, pc.round_overhead_s)}
     if cfg.sync.async_outer.enabled and tp.clusters > 1:  # a push and the model back, nobody waited for
-        up = async_push_bytes(st.sync_bytes, variant)
-        down = async_down_bytes(st.sync_bytes, variant, cfg.sync.async_outer.compress_down)
-        outer_round.update(asynchronous=True, bytes=up + down, s=async_push_s(up, down, wan, pc.round_overhead_s))
+        ex = async_exchange(cfg, st, variant, wan)
+        outer_round.update(asynchronous=True, bytes=ex["up"] + ex["down"], s=ex["s"])
     modes: Dict[str, Any] = {}
     for mode in REPORT_ORDER:
         per_step = sync_per_step(st, mode, h["inner"], h["outer"], h["flat"], pc.hardware.ddp_overlap)

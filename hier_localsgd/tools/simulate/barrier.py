@@ -134,7 +134,7 @@ class OuterBarrier:
         if weight > 0:
             self.round_no += 1
             # the round's share: the clusters whose full periods it merged (target.py)
-            self.progress.step(t, sum(1 for ci in parts if self.clusters[ci].outer_weight > 0) / self.p.clusters)
+            self.progress.step(self.round_no, sum(1 for ci in parts if self.clusters[ci].outer_weight > 0) / self.p.clusters)
         self.outer_rounds += 1
         horizon = self.p.steps == 0 and t >= self.p.duration_s
         for ci in parts:

@@ -128,7 +128,8 @@ clusters, the result), engine.py (this: the event loop, the round, the accountin
 barrier.py (the outer barrier at the global lighthouse), failures.py (failure processes
 and their consequences), pushes.py (the asynchronous level's pushes, blocking and
 overlapped), batches.py (the server's grace window), paces.py (match_pace's push schedule),
-report.py (many runs, the report, validation set-ups). :class:`Simulation` is one class
+target.py (the time to a target, as merged work), results.py (the books closed at the
+run's end, the no-failure goodput), report.py (many runs, the report, validation set-ups). :class:`Simulation` is one class
 whose outer-barrier, failure and push handlers come from the mixins of barrier.py,
 failures.py and pushes.py: every handler works on the whole state of the run
 (clusters, members, the event queue, the counters), so they share it through ``self``
@@ -144,7 +145,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from hier_localsgd import costs
 from hier_localsgd.sync.global_schedule import is_push_step, next_round_step
-from hier_localsgd.tools.plan.network import cluster_paces, comm_fraction
 from hier_localsgd.tools.simulate.barrier import OuterBarrier
 from hier_localsgd.tools.simulate.batches import Batches
 from hier_localsgd.tools.simulate.config import INF
@@ -152,10 +152,11 @@ from hier_localsgd.tools.simulate.failures import Failures
 from hier_localsgd.tools.simulate.paces import PaceServer
 from hier_localsgd.tools.simulate.params import SimParams
 from hier_localsgd.tools.simulate.pushes import Pushes
+from hier_localsgd.tools.simulate.results import finish
 from hier_localsgd.tools.simulate.target import Progress
 from hier_localsgd.tools.simulate.state import (  # noqa: F401  (lighthouse_forms_at: re-exported)
     ABORT, APPLY, BARRIER, BATCH_END, CLUSTER_FAIL, CLUSTER_START, COMMIT, COMPUTE_DONE, FAIL, KILL, OUTER_DONE, OUTER_TIMEOUT, PUSH_ARRIVE, PUSH_DONE, PUSH_UP, QUORUM, RESTART,
-    S_COMMIT, S_COMPUTE, S_DONE, S_DOWN, S_OUTER, S_QUORUM, S_SYNC, SYNC_DONE, WATCHDOG, Cluster, RunResult, lighthouse_forms_at,
+    S_COMMIT, S_COMPUTE, S_DONE, S_OUTER, S_QUORUM, S_SYNC, SYNC_DONE, WATCHDOG, Cluster, RunResult, lighthouse_forms_at,
 )
 
 
@@ -439,7 +440,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
             c.pushed_step = max(c.pushed_step, c.step)
             self.enter(c, t, "sync")
             self.fire(c, t, ("OUTER_QUORUM",))
-            self.push(t + self.p.push_time() / 2, PUSH_UP, c.idx, 0, c.epoch)  # the upload: half the exchange
+            self.push(t + self.p.upload_s, PUSH_UP, c.idx, 0, c.epoch)  # the upload
         elif self.is_outer_round(c):
             c.state = S_OUTER
             c.phase_start = t
@@ -492,7 +493,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
                     self.committed += c.pending
                 else:
                     self.lose("discarded", c.pending, c.stale_cause)
-                    self.steps_discarded += n * c.outer_acc - c.acc0_sum + c.carried_steps
+                    self.steps_discarded += c.group_steps()
                 c.pending = 0.0
                 self.adopt(c)
             elif outcome == "launch":
@@ -524,6 +525,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
         c.period_t0, c.period_step0 = self.now, c.step
         c.base = self.round_no if c.answer_version < 0 else c.answer_version  # an asynchronous answer's version
         c.answer_version = -1
+        self.progress.adopted(self.now, c.base)
         c.step = max(c.step, c.pushed_step if self.p.asynchronous else self.global_step)
         c.outer_acc = 0
         c.acc0_sum = c.carried_steps = 0
@@ -569,77 +571,7 @@ class Simulation(OuterBarrier, Failures, Pushes):
 
     # ------------------------------------------------------------------ results
     def finish(self) -> RunResult:
-        p = self.p
-        end = self.end if self.end is not None else self.now
-        uncommitted = 0.0
-        for c in self.clusters:
-            if c.state != S_DOWN:
-                self.book(c, end)
-                if c.state == S_COMPUTE:
-                    # the round in progress: computed so far, not committed
-                    uncommitted += len(c.active) * max(0.0, end - c.round_start)
-                else:
-                    uncommitted += c.round_compute
-                uncommitted += c.pending
-                if c.flight is not None and not c.flight["arrived"]:  # not at the server yet
-                    uncommitted += c.flight["work"]
-            for m in c.members:
-                if not m.alive:
-                    self.totals["down"] += end - m.down_at
-                    self.ledger[m.fid]["down"] += end - m.down_at
-                elif m.hung:
-                    self.totals["down"] += end - m.down_at
-                    self.ledger[m.fid]["down"] += end - m.down_at
-                elif m.joining:
-                    self.totals["wait"] += end - m.back_at
-                    self.ledger[m.fid]["down"] += end - m.down_at
-        capacity = p.clusters * p.replicas * end
-        compute = self.totals["compute"]
-        balance = capacity - (compute + self.totals["sync"] + self.totals["wait"] + self.totals["down"])
-        balance_compute = compute - (self.committed + sum(self.lost.values()) + uncommitted)
-        by_role: Dict[str, Dict[str, float]] = {}
-        for f in self.failures:
-            lg = self.ledger.get(f["id"], {})
-            f["lost_replica_s"] = {k: v for k, v in lg.items()}
-            f["lost_replica_s_total"] = sum(lg.values())
-            agg = by_role.setdefault(f["role"], defaultdict(float))
-            agg["count"] += 1
-            for k, v in lg.items():
-                agg[k] += v
-            agg["total"] += sum(lg.values())
-        for role, agg in by_role.items():
-            n = agg["count"]
-            by_role[role] = {"count": n, **{k: v / n for k, v in agg.items() if k != "count"}}
-        sync = p.no_failure_sync_per_step()
-        slow = self.slow_bytes
-        return RunResult(
-            seed=self.seed, end_s=end, capacity=capacity,
-            goodput=self.committed / capacity if capacity else 0.0,
-            expected_no_failure_goodput=expected_goodput(p, sync),
-            committed=self.committed, compute=compute, lost=dict(self.lost), uncommitted_at_end=uncommitted,
-            sync=self.totals["sync"], wait=self.totals["wait"], down=self.totals["down"],
-            balance_error=max(abs(balance), abs(balance_compute)) / capacity if capacity else 0.0,
-            failures=self.failures, by_role=by_role, unattributed_stall=self.unattributed_stall,
-            slow_link_bytes=slow, steps_run=self.steps_run, steps_discarded=self.steps_discarded,
-            efficiency=(self.steps_run - self.steps_discarded) / self.steps_run if self.steps_run else None,
-            outer_rounds=self.outer_rounds, failed_outer_rounds=self.failed_outer,
-            inner_rounds=sum(c.inner_rounds for c in self.clusters), final_step=max(c.step for c in self.clusters),
-            truncated=self.truncated, cluster_end_s=tuple(self.cluster_end), target_rounds=p.target_rounds, target_s=self.progress.reached_at,
-            progress_rounds=self.progress.rounds,
-        )
-
-
-def expected_goodput(p: SimParams, sync_per_step: float) -> float:
-    """Goodput without failures: ``1 - comm_fraction`` (the planner's); with clusters of
-    different speeds and the synchronous outer level, every cluster's steps at the slowest's
-    pace: the mean over clusters of its compute per step over ``slowest step + sync``. With
-    the asynchronous outer level each cluster keeps its own pace: over a fixed duration the
-    mean of ``own step / (own step + sync)``; over a fixed number of steps the faster ones
-    then idle until the slowest finishes, which gives the synchronous figure again."""
-    if not p.speeds or len(set(p.speeds)) == 1 and p.speeds[0] == 1.0:
-        return 1.0 - comm_fraction(p.step_s, sync_per_step)
-    paces = cluster_paces(p.step_s, p.speeds, sync_per_step, p.asynchronous and p.steps == 0)
-    return sum(p.step_s / sp / pace for sp, pace in zip(p.speeds, paces)) / p.clusters
+        return finish(self)
 
 
 def simulate_once(p: SimParams, seed: int) -> RunResult:

@@ -405,7 +405,7 @@ class Failures:
             if asynchronous:
                 c.push_start = t
                 self.enter(c, t, "sync")
-                self.push(t + self.p.push_time() / 2, PUSH_UP, c.idx, 0, c.epoch)  # pushes.py on_push_up
+                self.push(t + self.p.upload_s, PUSH_UP, c.idx, 0, c.epoch)  # pushes.py on_push_up
             else:
                 self.enter(c, t, "wait")
                 self.arrive(c, t)

@@ -11,7 +11,7 @@ from hier_localsgd.core.tensors.fragments import outer_period
 from hier_localsgd.core.runtime.faults import ROLES
 from hier_localsgd.core.links.lossy import LinkSpec
 from hier_localsgd.tools.deployment import check_shared, links
-from hier_localsgd.tools.plan.network import OuterVariant, async_down_bytes, async_push_bytes, async_push_s, hier_sync_per_step, outer_round_s
+from hier_localsgd.tools.plan.network import OuterVariant, async_down_bytes, async_leg_s, async_push_bytes, hier_sync_per_step, outer_round_s
 from hier_localsgd.tools.plan.model import dtype_bytes, flops_per_token, param_counts, resolve_model, shard_factor
 from hier_localsgd.tools.plan.planner import check_plan_section, step_time, sync_bytes
 from hier_localsgd.tools.simulate.config import FAILURE_MODELS, SimulateConfig
@@ -114,10 +114,19 @@ class SimParams:
         version behind)."""
         return async_down_bytes(self.sync_bytes, self.compression, self.compress_down)
 
+    @property
+    def upload_s(self) -> float:
+        """A push's way up (tools/plan/network.py async_leg_s)."""
+        return async_leg_s(self.push_bytes, self.outer_link, self.round_overhead_s)
+
+    @property
+    def download_s(self) -> float:
+        """Its answer's way down."""
+        return async_leg_s(self.answer_bytes, self.outer_link, self.round_overhead_s)
+
     def push_time(self) -> float:
-        """The asynchronous outer level's exchange, up and down (tools/plan/network.py
-        async_push_s). The simulator splits it in halves (up, down) where it times them."""
-        return async_push_s(self.push_bytes, self.answer_bytes, self.outer_link, self.round_overhead_s)
+        """The asynchronous outer level's exchange, up and down (network.py async_push_s)."""
+        return self.upload_s + self.download_s
 
     def broadcast_time(self, n: int) -> float:
         return self.inner_link.broadcast_time(self.sync_bytes, n)
@@ -289,8 +298,7 @@ def resolve(cfg: "Config") -> SimParams:
         match_pace=hier and s.async_outer.enabled and s.async_outer.match_pace,
         overlap=hier and s.async_outer.enabled and s.outer.delay > 0,
         grace_s=s.async_outer.grace_s, async_min_clusters=s.async_outer.min_clusters,
-        compression=OuterVariant(compression=s.outer.compression, block=s.outer.compression_block, topk=s.outer.topk,
-                                 elem_bytes=int(dtype_bytes(pt.sync_dtype, "plan.train.sync_dtype"))) if hier else OuterVariant(),
+        compression=replace(OuterVariant.of(s, int(dtype_bytes(pt.sync_dtype, "plan.train.sync_dtype"))), delay=0, fragments=1) if hier else OuterVariant(),
         compress_down=s.async_outer.compress_down, target_rounds=sim.target_rounds,
     )
     check_size(p)

@@ -59,7 +59,7 @@ class Pushes:
         if c.outer_join:  # a restarted cluster's join push (no steps): it marks the cluster alive, merges nothing
             self.batches.arrive(ci, t, 0.0)
             c.answer_version = self.round_no
-            self.push(t + p.push_time() / 2, PUSH_DONE, ci, 0, c.epoch)
+            self.push(t + p.download_s, PUSH_DONE, ci, 0, c.epoch)
             self.check_batch(t)
             return
         period_s = c.push_start - c.period_t0
@@ -71,7 +71,7 @@ class Pushes:
         c.push_merged = self.merges(c, c.base)
         if c.push_merged:
             self.batches.join(ci, t, ("blocking", epoch))
-            self.weigh(ci, len(c.active) * (c.step - c.period_step0), c.base)
+            self.weigh(ci, c.group_steps(c.round_len), c.base)
         else:
             self.answer_blocking(c, t)
         self.check_batch(t)  # its arrival moved what the server expects of it
@@ -124,8 +124,8 @@ class Pushes:
     def close_batch(self, t: float) -> None:
         """The open batch becomes one version; every push in it is answered."""
         self.round_no += 1
-        # its share of a round, held by its clusters once the answers are down (target.py)
-        self.progress.step(t + self.p.push_time() / 2, min(1.0, sum(self.batch_weights.values()) / self.p.clusters))
+        # its share of a round (target.py)
+        self.progress.step(self.round_no, min(1.0, sum(self.batch_weights.values()) / self.p.clusters))
         self.batch_weights = {}
         for k, (kind, token) in self.batches.close():
             c = self.clusters[k]
@@ -142,7 +142,7 @@ class Pushes:
         if p.match_pace:
             c.answer_push_in = self.paces.answer(c.idx, t, self.running)
             self.batches.expect(c.idx, self.paces.expected_at(c.idx, t, c.answer_push_in))
-        self.push(t + p.push_time() / 2, PUSH_DONE, c.idx, 0, c.epoch)
+        self.push(t + p.download_s, PUSH_DONE, c.idx, 0, c.epoch)
 
     def on_push_done(self, t: float, ci: int, _b: int, epoch: int) -> None:
         """The asynchronous outer level: the answer to this cluster's push is back with the
@@ -178,7 +178,7 @@ class Pushes:
         p = self.p
         self.seq += 1
         c.flight = {"id": self.seq, "t": t, "step": c.step, "base": c.base, "work": c.pending,
-                    "steps": len(c.active) * c.outer_acc - c.acc0_sum + c.carried_steps,
+                    "steps": c.group_steps(),
                     "period_t0": c.period_t0, "period_step0": c.period_step0,
                     "answer": None, "lost": False, "arrived": False, "version": None, "push_in": 0, "apply_epoch": None}
         c.pending = 0.0
@@ -190,7 +190,7 @@ class Pushes:
         self.pushes_at[c.idx].append(t)
         c.pushed_step = max(c.pushed_step, c.step)
         self.slow_bytes += p.ranks * (p.push_bytes + p.answer_bytes)
-        self.push(t + p.push_time() / 2, PUSH_ARRIVE, c.idx, 0, c.flight["id"])
+        self.push(t + p.upload_s, PUSH_ARRIVE, c.idx, 0, c.flight["id"])
 
     def on_push_arrive(self, t: float, ci: int, _b: int, token: int) -> None:
         """The push reaches the server: merged if at most ``max_staleness`` versions behind
@@ -225,7 +225,7 @@ class Pushes:
         fl = c.flight
         assert fl is not None
         p = self.p
-        fl["version"], fl["answer"] = version, t + p.push_time() / 2
+        fl["version"], fl["answer"] = version, t + p.download_s
         if p.match_pace:  # the server's schedule, from the push's own period, counted from its arrival
             lo = overlap_floor(fl["step"], c.due, c.push_period, p.h_inner, p.period)  # async_outer.py floor_for
             fl["push_in"] = self.paces.answer(c.idx, t, self.running, lo=lo, ref=fl["arrived_t"], transit=0.0)
@@ -278,6 +278,7 @@ class Pushes:
             c.carried_steps += fl["steps"]
         else:
             c.base = fl["version"]
+            self.progress.adopted(t, c.base)
             c.stale_cause = -1
             if p.match_pace and fl["push_in"] > 0:  # async_outer.py adopted(merge=True)
                 c.push_period = fl["push_in"]

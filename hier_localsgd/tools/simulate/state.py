@@ -132,6 +132,13 @@ class Cluster:
         self.restart_cause = -1
         self.first_back = INF
 
+    def group_steps(self, pending_round: int = 0) -> int:
+        """The group-steps of work its model holds since it last adopted one (the ``tokens``
+        of its push: every active member's steps since it joined, and a dropped push's
+        carried along); ``pending_round``: the steps of a round not committed yet (a blocking
+        push leaves before its round's commit)."""
+        return len(self.active) * (self.outer_acc + pending_round) - self.acc0_sum + self.carried_steps
+
 
 @dataclass
 class RunResult:

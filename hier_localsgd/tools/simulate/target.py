@@ -22,9 +22,10 @@ between versions, and whether one cluster's data or several made it (k batches o
 round count as one round). benchmarks/validate_simulate.py ``--set target`` checks it
 against recorded runs (docs/planner.md).
 
-The crossing is timed when the clusters hold that model: a synchronous round's end, or an
-asynchronous version's answer back at its clusters (the server's close plus the download,
-half an exchange as pushes.py counts it), where the bench evaluates the global model.
+The crossing is timed when a cluster first holds that model (or a later one): the commit
+that ends a synchronous round or adopts a blocking push's answer (after the broadcast in
+the cluster), or an overlapped push's apply round, where the bench evaluates the global
+model.
 """
 
 from __future__ import annotations
@@ -43,17 +44,25 @@ def contribution_weight(group_steps: float, full_group_steps: float, staleness: 
 
 
 class Progress:
-    """The global model's progress in synchronous rounds' worth, and when it reached
-    ``target_rounds`` (0: no target, nothing recorded)."""
+    """The global model's progress in synchronous rounds' worth; the version at which it
+    reached ``target_rounds`` (0: no target, nothing recorded), and when a cluster first
+    held that version or a later one."""
 
     def __init__(self, target_rounds: float) -> None:
         self.target_rounds = target_rounds
         self.rounds = 0.0
+        self.version: Optional[int] = None  # the version whose step reached the target
         self.reached_at: Optional[float] = None
 
-    def step(self, t: float, share: float) -> None:
-        """The global model took a step worth ``share`` of a round, held by the clusters at ``t``."""
+    def step(self, version: int, share: float) -> None:
+        """The global model's step to ``version`` is worth ``share`` of a round."""
         self.rounds += share
         # a tolerance for shares summed in floating point (three thirds are one round)
-        if self.target_rounds > 0 and self.reached_at is None and self.rounds >= self.target_rounds - 1e-9:
+        if self.target_rounds > 0 and self.version is None and self.rounds >= self.target_rounds - 1e-9:
+            self.version = version
+
+    def adopted(self, t: float, version: int) -> None:
+        """A cluster holds ``version`` from ``t`` on (its commit after the broadcast, or an
+        overlapped push's apply round): where the bench evaluates the global model."""
+        if self.version is not None and self.reached_at is None and version >= self.version:
             self.reached_at = t
