@@ -457,15 +457,8 @@ def test_time_to_the_target_counts_each_steps_share_of_a_round_by_hand():
         params.resolve(small("hier", target_rounds=-1.0))
 
 
-def test_the_modelled_time_to_the_target_predicts_recorded_asynchronous_runs():
-    """benchmarks/measured/simulate_validation_target.json (``validate_simulate.py --set
-    target``): per recorded bench run, the rounds to the target and the per-collective
-    overhead fitted on its synchronous arm (a calibration), and the asynchronous arm
-    predicted (experiments/target_validation.py). Replayed here with the saved calibration
-    (the fit's bisection takes a minute): the synchronous arm must still land on its
-    measured time, and the predictions where they were on 2026-12-01: equal speeds -0.7,
-    +1.1, -1.1 %; cluster 1 at half speed -16.3, -7.0, +5.0 % (the measured half-speed runs
-    spread 147-164 s around the seeds' batches meeting or not, docs/planner.md)."""
+def _target_errors() -> dict:
+    """The saved target validation replayed: (predicted - measured) / measured per record."""
     from pathlib import Path
 
     from hier_localsgd.experiments import target_validation as tv
@@ -479,11 +472,33 @@ def test_the_modelled_time_to_the_target_predicts_recorded_asynchronous_runs():
         assert sync == pytest.approx(rec["sync_s"], rel=0.01), rec["label"]
         pred = tv.simulated_target_s(rec, row["target_rounds"], row["round_overhead_s"], True)
         errors[rec["label"]] = (pred - rec["async_s"]) / rec["async_s"]
+    return errors
+
+
+def test_the_modelled_time_to_the_target_predicts_recorded_asynchronous_runs():
+    """benchmarks/measured/simulate_validation_target.json (``validate_simulate.py --set
+    target``): per recorded bench run, the rounds to the target and the per-collective
+    overhead fitted on its synchronous arm (a calibration), and the asynchronous arm
+    predicted (experiments/target_validation.py). Replayed here with the saved calibration
+    (the fit's bisection takes a minute): the synchronous arm must still land on its
+    measured time, and the predictions where they were on 2026-12-01: equal speeds -0.7,
+    +1.1, -1.1 %; cluster 1 at half speed -16.3, -7.0, +5.0 % (the measured half-speed runs
+    spread 147-164 s around the seeds' batches meeting or not, docs/planner.md)."""
+    errors = _target_errors()
     equal = [e for k, e in errors.items() if k.startswith("equal")]
     half = [e for k, e in errors.items() if k.startswith("half")]
     assert len(equal) == 3 and len(half) == 3
     assert max(abs(e) for e in equal) <= 0.03, errors
     assert max(abs(e) for e in half) <= 0.20 and abs(sum(half) / 3) <= 0.10, errors
+
+
+@pytest.mark.xfail(strict=True, reason="measured 2026-12-01: three clusters at 1.0/0.7/0.4 predicted +49.7, +21.8, +81.6 % "
+                   "(docs/planner.md: their global models reached the target at 3.0-6.3 rounds' worth of merged work where the "
+                   "synchronous arms needed 6-10); strict: passing means the docs must change")
+def test_the_modelled_time_to_the_target_predicts_three_clusters_of_different_speeds_within_20_percent():
+    errors = _target_errors()
+    three = [e for k, e in errors.items() if k.startswith("three")]
+    assert len(three) == 3 and max(abs(e) for e in three) <= 0.20, errors
 
 
 def test_a_failure_free_runs_step_is_its_groups_commits_over_steps_and_the_slowest_clusters_at_speed_1(tmp_path):

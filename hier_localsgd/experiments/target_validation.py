@@ -54,6 +54,11 @@ RECORDED: List[Dict[str, Any]] = [
     # "The first push's registration moved off the critical path": equal speeds, 2026-11-30 21:04-21:40, code 7d849a2
     *({"label": f"equal_s{s}", "code": "7d849a2", "speeds": [], "seed": s, "sync_s": a, "sync_rate": r, "async_s": b}
       for s, a, r, b in ((0, 84.8, 1.735, 87.9), (1, 84.1, 1.779, 85.7), (2, 99.4, 1.786, 103.6))),
+    # Three clusters of one group at 1.0 / 0.7 / 0.4, run after the rule and the records above
+    # were committed (2df1039): 2026-12-01 06:30-07:22, the training path of 2bf9522 (later commits: docs, tools)
+    *({"label": f"three_s{s}", "code": "2bf9522", "speeds": [1.0, 0.7, 0.4], "seed": s, "sync_s": a, "sync_rate": r, "async_s": b,
+       "overrides": ["topology.clusters=3", "topology.replicas_per_cluster=1"]}
+      for s, a, r, b in ((0, 235.8, 0.759, 128.5), (1, 235.3, 0.760, 142.8), (2, 393.5, 0.758, 220.5))),
 ]
 
 PERIOD = 30  # H_inner · H_outer of DEPLOYMENT
