@@ -1,6 +1,7 @@
 """The deployment simulator (hier_localsgd/tools/simulate/engine.py): the no-failure identity, hand-worked
 single failures, conservation of time, reproducibility, and the validation figures."""
 
+import functools
 import json
 import time
 from dataclasses import asdict
@@ -457,6 +458,7 @@ def test_time_to_the_target_counts_each_steps_share_of_a_round_by_hand():
         params.resolve(small("hier", target_rounds=-1.0))
 
 
+@functools.lru_cache(maxsize=None)  # the two tests below share one replay
 def _target_errors() -> dict:
     """The saved target validation replayed: (predicted - measured) / measured per record."""
     from pathlib import Path
@@ -464,10 +466,10 @@ def _target_errors() -> dict:
     from hier_localsgd.experiments import target_validation as tv
 
     saved = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "measured" / "simulate_validation_target.json").read_text())
-    assert saved["records"] == tv.RECORDED
+    assert saved["records"] == tv.RECORDED and len(saved["result"]) == len(tv.RECORDED)
     errors = {}
     for rec, row in zip(tv.RECORDED, saved["result"]):
-        assert row["target_rounds"] == tv.sync_rounds(rec)
+        assert row["label"] == rec["label"] and row["target_rounds"] == tv.sync_rounds(rec)
         sync = tv.simulated_target_s(rec, row["target_rounds"], row["round_overhead_s"], False)
         assert sync == pytest.approx(rec["sync_s"], rel=0.01), rec["label"]
         pred = tv.simulated_target_s(rec, row["target_rounds"], row["round_overhead_s"], True)

@@ -49,7 +49,7 @@ stream), then
 With the asynchronous outer level (``sync.async_outer.enabled``) step 3 is instead a push:
 the leader sends its pseudo-gradient to the global model server and gets the newest model
 back (two WAN transfers, compressed as ``sync.outer.compression`` says, ``SimParams.push_time``:
-the push reaches the server half-way), and the cluster keeps its own step count. The push is merged if the cluster's
+the push reaches the server after its upload, ``upload_s``), and the cluster keeps its own step count. The push is merged if the cluster's
 base is at most ``sync.async_outer.max_staleness`` versions behind when it arrives; beyond
 that its work since its last push is discarded (sync/global_model.py) and it is answered
 at once. A merged push waits in the server's open batch until the grace window closes it
@@ -124,7 +124,7 @@ group's start-up join rounds, and ``max_quorum_failures`` exits.
 
 Layout: config.py (``simulate.*``), params.py (the shared deployment, ``plan.*`` and
 ``simulate.*`` resolved into one run's figures), state.py (the lighthouse rule, event kinds,
-clusters, the result), engine.py (this: the event loop, the round, the accounting),
+clusters, the result), engine.py (this: the event loop, the round, the time categories),
 barrier.py (the outer barrier at the global lighthouse), failures.py (failure processes
 and their consequences), pushes.py (the asynchronous level's pushes, blocking and
 overlapped), batches.py (the server's grace window), paces.py (match_pace's push schedule),

@@ -5,15 +5,15 @@ model: engine.py's docstring).
 exchange later (:meth:`Pushes.on_push_up`), where it is merged if at most
 ``max_staleness`` versions behind, and then waits in the open batch until the grace window
 closes it (batches.py, :meth:`Pushes.close_batch`: one version), or refused and answered at
-once. The answer is back half an exchange after it left (:meth:`Pushes.on_push_done`).
+once. The answer is back its download later (``SimParams.download_s``; the upload took ``upload_s``) (:meth:`Pushes.on_push_done`).
 
 **Overlapped** (``sync.outer.delay`` > 0), as sync/async_outer.py runs them: at a push
 round the cluster commits its inner round and goes on training while its leader's push is
-out (:meth:`Pushes.launch`). The push reaches the server half an exchange later
+out (:meth:`Pushes.launch`). The push reaches the server its upload later
 (:meth:`Pushes.on_push_arrive`), where it is merged (it joins the open batch) or refused as
 too stale, as a blocking push would be; the work it carries is committed (or discarded)
 there, since the global model holds it from then on whatever happens to the cluster. The
-answer is back half an exchange after its batch closed (or after it was refused); the
+answer is back its download after its batch closed (or after it was refused); the
 cluster's next round (the apply round) merges it (``θ ← θ_v + (θ_now − θ_s)``), waiting for
 it if it is not back yet, then broadcasts it inside the cluster (:meth:`Pushes.apply_round`).
 The steps since the launch ride on the next push. The run's last push is blocking.
@@ -136,7 +136,7 @@ class Pushes:
 
     def answer_blocking(self, c: Cluster, t: float) -> None:
         """The server answers a blocking push at ``t`` (match_pace: with the cluster's next
-        push, global_server.py ``_answer_push``); the answer is back half an exchange later."""
+        push, global_server.py ``_answer_push``); the answer is back its download later."""
         p = self.p
         c.answer_version = self.round_no  # the version the answer carries (the cluster's base once adopted)
         if p.match_pace:
