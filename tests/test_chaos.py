@@ -506,7 +506,8 @@ def test_mixed_faults_hang_phase_and_multi_kill_each_recover(tmp_path):
             assert len(k["targets"]) == 2 and len({t[:2] for t in k["targets"]}) == 2, k
         else:
             # handed a stop for the phase, the target stopped itself as the phase began: killed in it
-            assert k["armed_phase"] == "INNER_REDUCE" and k["phase_hit"] is True and k["stopped_itself"] is True, k
+            assert k["armed_phase"] == "INNER_REDUCE" and k["stop_sent"] is True, k
+            assert k["phase_hit"] is True and k["stopped_itself"] is True, k
             assert list(k["phase"].values()) == ["INNER_REDUCE"], k
     assert r["recovered"] == len(r["kills"]), r["kills"]
     assert r["consistent"] is True
@@ -726,6 +727,74 @@ def test_a_hang_and_a_phase_kill_never_share_a_target(tmp_path):
         assert monkey._fire_planned(pf, running, monkey._continuous_now(), 23.0, 50) is True and monkey.armed["target"] == (1, 0)
     finally:
         chaos_mod.signal_group = saved
+
+
+def test_a_drawn_phase_kill_waits_for_a_target_and_hands_the_stop_to_the_next_eligible_one(tmp_path):
+    """With stops (a hierarchical job with inboxes), a drawn phase kill that finds no process
+    of its role (the leaders restarting) waits for one up to chaos.phase_arm_s rather than
+    arming without a target and killing whatever phase a status poll sees (a CI run: a leader
+    killed in LOCAL). An arm whose target is gone hands its stop to the next eligible process
+    and kills it only once it stopped itself at the phase; the record says so."""
+    from types import SimpleNamespace
+
+    from hier_localsgd.config import load_config
+    from hier_localsgd.core.runtime.faults import phase_inbox
+    from hier_localsgd.core.runtime.status import inbox_path
+    from hier_localsgd.experiments.chaos_monkey import ChaosMonkey
+
+    cfg = load_config([f"run.dir={tmp_path}", "chaos.kinds=[phase_kill]", "chaos.phase_targets=[leader:INNER_REDUCE]",
+                       "chaos.phase_arm_s=5", "run.fault_inbox=true"], validate_for="chaos")
+    assert cfg.sync.mode == "hier"
+    keys = [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+    class Job:
+        run_dir, history, netns = tmp_path, [], None
+
+        def __init__(self):
+            self.replicas = {k: SimpleNamespace(popen=SimpleNamespace(pid=100 + i, poll=lambda: None)) for i, k in enumerate(keys)}
+            self.killed = []
+
+        def keys(self):
+            return keys
+
+        def status(self, key):
+            return {"step": 50, "state": "running", "leader": key[1] == 0, "pid": self.replicas[key].popen.pid, "phase": "LOCAL"}
+
+        def kill(self, key, sig):
+            self.killed.append(key)
+
+    job = Job()
+    for c, r in keys:  # (the launcher makes each group's directory)
+        inbox_path(tmp_path, c, r).parent.mkdir(parents=True)
+    monkey = ChaosMonkey(job, cfg)  # type: ignore[arg-type]
+    continuous = [SimpleNamespace(key=k) for k in keys]
+    monkey._continuous_now = lambda: continuous  # type: ignore[method-assign]
+    everyone = {k: job.status(k) for k in keys}
+    no_leaders = {k: everyone[k] for k in [(0, 1), (1, 1)]}
+    assert monkey._draw_phase_kill(no_leaders, continuous, 10.0) is False and monkey.armed is None
+    assert monkey._draw_phase_kill(no_leaders, continuous, 14.0) is False and monkey.armed is None  # 4 s < 5 s
+    assert monkey._draw_phase_kill(everyone, continuous, 15.0) is True
+    assert monkey.armed["target"] == (0, 0) and monkey.armed["stop_sent"] is True
+    stop = phase_inbox(inbox_path(tmp_path, 0, 0))
+    assert json.loads(stop.read_text())["pid"] == 100
+    # its target restarts (gone past chaos.phase_arm_s): the stop is taken back and handed to c1r0
+    monkey._running = lambda continuous: no_leaders | {(1, 0): everyone[(1, 0)]}  # type: ignore[method-assign]
+    monkey._phase_kill(21.0)
+    assert not stop.exists() and monkey.armed["target"] == (1, 0) and monkey.armed["since"] == 21.0
+    assert json.loads(phase_inbox(inbox_path(tmp_path, 1, 0)).read_text())["pid"] == 102
+    # its status shows the phase, but no fault event yet: not killed on a poll (it would race the stop)
+    monkey._running = lambda continuous: {**everyone, (1, 0): {**everyone[(1, 0)], "phase": "INNER_REDUCE"}}  # type: ignore[method-assign]
+    monkey._phase_kill(22.0)
+    assert job.killed == []
+    monkey._events[(1, 0)] = [{"kind": "fault", "action": "stop", "phase": "INNER_REDUCE", "t": 22.5}]
+    monkey._phase_kill(23.0)
+    assert job.killed == [(1, 0)] and monkey.armed is None
+    k = monkey.kills[-1]
+    assert (k["stop_sent"], k["stopped_itself"], k["phase_hit"], k["retargeted"]) == (True, True, True, 1), k
+    assert k["phase"] == {"c1r0": "INNER_REDUCE"}, k
+    # without stops (a flat baseline) a drawn one arms at once, target or not
+    cfg.run.fault_inbox = False
+    assert monkey._draw_phase_kill(no_leaders, continuous, 30.0) is True and "target" not in monkey.armed
 
 
 def test_discarded_steps_are_broken_down_by_the_reason_the_processes_gave():

@@ -104,7 +104,8 @@ def test_a_store_host_that_accepts_but_never_answers_fails_configure_by_the_phas
         pg = LinkProcessGroup("outer", timedelta(seconds=30))
         pg.configure_deadline = time.monotonic() + 3.0
         t0 = time.monotonic()
-        with pytest.raises(StoreUnreachable, match="did not complete a connection within 3s"):
+        # the time left of the deadline when configure starts: 3 s, or a hair under on a busy machine
+        with pytest.raises(StoreUnreachable, match=r"did not complete a connection within (3|2\.9\d*)s"):
             pg.configure(f"127.0.0.1:{port}/torchft/3/0", "r0", 0, 2, quorum_id=3)
         assert time.monotonic() - t0 < 20.0  # 3 s and one attempt (≤ 2 x 2 s plus a backoff)
     finally:

@@ -8,7 +8,11 @@ Kinds (``chaos.kinds``; the schedule draws one per fault, seeded by ``chaos.seed
   own, else the role's first process); in a hierarchical job the target is handed a
   ``stop`` for that phase through its inbox (core/runtime/faults.py ``phase_inbox``): it
   SIGSTOPs itself as the phase starts, however short the phase, and the driver kills it
-  there (its ``fault`` event says so; the record's ``stopped_itself``). A baseline has no
+  there (its ``fault`` event says so; the record's ``stop_sent`` and ``stopped_itself``).
+  A drawn one that finds no process to take (the role's all restarting or held by a hang)
+  waits up to ``chaos.phase_arm_s`` for one; a target that is gone, or withdrawn as the last
+  process continuing from the start, gives way to the next eligible one, which is handed
+  the stop (``retargeted``, ``stop_withdrawn`` in the record). A baseline has no
   fault points: there it fires when the target's status shows the phase (the driver polls
   every 0.2 s, so a shorter phase can be missed). After ``chaos.phase_arm_s`` it fires in
   whatever phase the target is in, and the record says which phase it hit;

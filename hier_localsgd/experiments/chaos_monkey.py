@@ -65,6 +65,7 @@ class ChaosMonkey:
         self.pending = PendingFaults()
         self._freed: Dict[int, float] = {}  # a hung process's pid -> when its SIGCONT went (:meth:`_hung`)
         self.armed: Optional[Dict[str, Any]] = None  # a phase_kill waiting for its phase
+        self.unarmed_since: Optional[float] = None  # a drawn phase_kill waiting for a target
         self._events: Dict[Key, List[Dict[str, Any]]] = {}  # the processes' events at the last read
         self.kinds_done: List[str] = []
         # chaos.draw=plan: the whole schedule drawn now (chaos_plan.py), fired in order.
@@ -101,11 +102,22 @@ class ChaosMonkey:
         ``stop`` for that phase (core/runtime/faults.py ``phase_inbox``): it stops itself as
         the phase starts, however short the phase, and :meth:`_phase_kill` kills it there."""
         self.armed = {"role": role, "phase": phase, "since": now, **({"target": target} if target is not None else {}), **extra}
-        pid = (self.job.status(target) or {}).get("pid") if target is not None else None
-        if pid is not None and self.cfg.sync.mode == "hier" and self.cfg.run.fault_inbox and phase in SYNC_FAULT_PHASES:
-            # for this process only (its pid): a restart of the group drops it
-            deliver(phase_inbox(inbox_path(self.job.run_dir, *target)), {"action": "stop", "phase": phase, "pid": pid})  # type: ignore[misc]
-            self.armed["stop_sent"] = True
+        self._send_stop(self.armed, now)
+
+    def _stops(self, phase: str) -> bool:
+        """Whether a phase kill in ``phase`` hands its target a stop (a hierarchical job with
+        inboxes, a phase with a fault point)."""
+        return self.cfg.sync.mode == "hier" and bool(self.cfg.run.fault_inbox) and phase in SYNC_FAULT_PHASES
+
+    def _send_stop(self, arm: Dict[str, Any], now: float) -> None:
+        """Hands the arm's target a stop for the arm's phase (:meth:`_arm`), for its current
+        process only (its pid: a restart of the group drops it). The arm's clock restarts: a
+        stop taken before (then withdrawn) is no evidence for this one."""
+        tgt = arm.get("target")
+        pid = (self.job.status(tgt) or {}).get("pid") if tgt is not None else None
+        if pid is not None and self._stops(arm["phase"]):
+            deliver(phase_inbox(inbox_path(self.job.run_dir, *tgt)), {"action": "stop", "phase": arm["phase"], "pid": pid})  # type: ignore[misc]
+            arm["stop_sent"], arm["since"] = True, now
 
     def _hung(self, now: float) -> Set[Key]:
         """Replica groups a hang holds stopped now (their SIGCONT still pending), or held until
@@ -133,6 +145,30 @@ class ChaosMonkey:
         return bool(arm.get("stop_sent")) and any(
             e.get("kind") == "fault" and e.get("action") == "stop" and e.get("phase") == arm["phase"] and e["t"] >= arm["since"]
             for e in self._events.get(key, []))
+
+    @staticmethod
+    def _of_role(role: str, running: Dict[Key, dict], continuous: Sequence["Incarnation"], hung: Set[Key]) -> List[Key]:
+        """The processes a drawn phase kill of ``role`` may take: running, of the role, not
+        the last continuous one, not held by a hang."""
+        return sorted(k for k, st in running.items() if bool(st.get("leader")) == (role == "leader")
+                      and keeps_continuous([k], continuous) and k not in hung)
+
+    def _draw_phase_kill(self, running: Dict[Key, dict], continuous: Sequence["Incarnation"], now: float) -> bool:
+        """Arms a drawn phase kill on the role's first eligible process. With stops, one that
+        finds none (the role's processes restarting or held by a hang) waits, drawn again
+        each retry, up to ``chaos.phase_arm_s`` for one to hand the stop to (a status poll
+        alone misses a short phase: a CI run killed a leader outside its INNER_REDUCE that
+        way); then it arms without, and :meth:`_phase_kill` takes the first that becomes
+        eligible. Returns whether it armed."""
+        role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
+        of_role = self._of_role(role, running, continuous, self._hung(now))
+        if self.unarmed_since is None:
+            self.unarmed_since = now
+        if of_role or not self._stops(phase) or now - self.unarmed_since > self.cfg.chaos.phase_arm_s:
+            self._arm(role, phase, now, of_role[0] if of_role else None)
+            self.unarmed_since = None
+            return True
+        return False
 
     def _armed_target(self) -> Optional[Key]:
         """The armed phase kill's target, which no other fault takes meanwhile: a kill would
@@ -191,12 +227,7 @@ class ChaosMonkey:
         if kind == "kill":
             done = self._kill_role(running, continuous, now)
         elif kind == "phase_kill":
-            role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
-            hung = self._hung(now)
-            of_role = sorted(k for k, st in running.items() if bool(st.get("leader")) == (role == "leader") and keeps_continuous([k], continuous)
-                             and k not in hung)
-            self._arm(role, phase, now, of_role[0] if of_role else None)
-            done = True
+            done = self._draw_phase_kill(running, continuous, now)
         elif kind == "multi_kill":
             done = self._multi_kill(running, continuous, now)
         elif kind is not None:
@@ -205,6 +236,7 @@ class ChaosMonkey:
             self.next_kill = now + 1.0  # nothing eligible right now (restarting); try again soon
             return
         self.kinds_done.append(kind)
+        self.unarmed_since = None  # (a wait for a phase kill's target ends with any fault drawn)
         self.schedule_next(now)
 
     def interval(self) -> float:
@@ -265,16 +297,27 @@ class ChaosMonkey:
         if stopped and tgt not in running:
             running = {**running, tgt: self.job.status(tgt) or {}}
         if stopped and not keeps_continuous(stopped, continuous):
-            # the last process whose model continues from the start: never killed; let it go on
+            # the last process whose model continues from the start: never killed; let it go
+            # on, and hand it the stop again once another process continues (below)
             signal_group(self.job.replicas[tgt].popen.pid, signal.SIGCONT)  # type: ignore[index]
             arm["stop_sent"], stopped = False, []
+            arm["withdrawn"] = arm.get("withdrawn", 0) + 1
+        hung = self._hung(now)
         if tgt is not None and "planned" not in arm and tgt not in running and now - arm["since"] > self.cfg.chaos.phase_arm_s:
-            # a drawn (not planned) arm whose target is gone: any process of the role will do
+            # a drawn (not planned) arm whose target is gone: another process of the role
             if arm.pop("stop_sent", False):
                 self._disarm_stop(tgt)
             del arm["target"]
             tgt = None
-        hung = self._hung(now)
+        if self._stops(arm["phase"]) and "planned" not in arm and tgt is None:
+            # a drawn arm without a target takes the role's first eligible process (a status
+            # poll alone misses a short phase: the stop makes the hit certain)
+            of_role = self._of_role(arm["role"], running, continuous, hung)
+            if of_role:
+                arm["target"] = tgt = of_role[0]
+                arm["retargeted"] = arm.get("retargeted", 0) + 1
+        if tgt is not None and not arm.get("stop_sent") and tgt in running and tgt not in hung and keeps_continuous([tgt], continuous):
+            self._send_stop(arm, now)
         cands = sorted(k for k, st in running.items() if (k == arm["target"] if "target" in arm else bool(st.get("leader")) == (arm["role"] == "leader"))
                        and keeps_continuous([k], continuous) and k not in hung)
         phase = arm.get("phase_as", arm["phase"])  # a planned one in a mode with other phase names
@@ -288,8 +331,9 @@ class ChaosMonkey:
             extra = {k: arm[k] for k in ("planned", "planned_at", "phase_as") if k in arm}
             if "planned" in arm:
                 extra.update(progress=self.progress(), armed_at_progress=arm["progress"])
-            if arm.get("stop_sent"):
-                extra["stopped_itself"] = bool(stopped)
+            # what became of the stop: the evidence that the kill met its phase by itself
+            extra.update(stop_sent=bool(arm.get("stop_sent")), stopped_itself=bool(stopped),
+                         stop_withdrawn=arm.get("withdrawn", 0), retargeted=arm.get("retargeted", 0))
             self._kill([target], running, now, arm["role"], kind="phase_kill", armed_phase=arm["phase"], phase_hit=bool(hits), **extra)
             if stopped:  # its status may show the training thread's phase (an overlapped push stops on its stage thread)
                 self.kills[-1]["phase"][name(target)] = phase
