@@ -108,6 +108,18 @@ def staleness_factor(staleness: int, max_staleness: int) -> float:
     return 1.0 / (1.0 + staleness)
 
 
+def contribution_weight(tokens: float, full_tokens: float, staleness: int, max_staleness: int) -> float:
+    """``a_i = min(1, n_i / n_full) · λ(s_i)`` of the module doc (0 for ``n_full <= 0``)."""
+    if full_tokens <= 0:
+        return 0.0
+    return min(1.0, max(0.0, float(tokens)) / full_tokens) * staleness_factor(staleness, max_staleness)
+
+
+def batch_share(total_weight: float, clusters: int) -> float:
+    """``w = min(1, Σ a_i / C)`` of the module doc: a batch's share of a synchronous round."""
+    return min(1.0, total_weight / clusters)
+
+
 def checksum(params: torch.Tensor) -> int:
     """CRC-32 of an fp32 host model's bytes: a leader's check that the updates it added
     gave the server's model bit for bit (not a security check: the answer is MAC'ed)."""
@@ -169,8 +181,7 @@ class GlobalModel:
     def weigh(self, cluster: int, base: int, tokens: float) -> Contribution:
         """``a_i`` for a contribution from ``base`` worth ``tokens`` group-steps, now."""
         s = self.version - base
-        lam = staleness_factor(s, self.max_staleness)
-        return Contribution(cluster, base, s, float(tokens), min(1.0, max(0.0, float(tokens)) / self.full_tokens) * lam)
+        return Contribution(cluster, base, s, float(tokens), contribution_weight(tokens, self.full_tokens, s, self.max_staleness))
 
     def add(self, cluster: int, base: int, tokens: float, delta: Optional[torch.Tensor]) -> Contribution:
         """Weighs a contribution and, if its weight is positive, puts it in the open batch."""
@@ -201,7 +212,7 @@ class GlobalModel:
             assert c.delta is not None
             g.add_(c.delta, alpha=c.weight)
         g.div_(max(total, float(self.clusters)))
-        share = min(1.0, total / self.clusters)  # w of the module doc: the batch's share of a round
+        share = batch_share(total, self.clusters)
         for c in batch:
             c.applied = True
         prev = self.params.clone() if self.down is not None else None

@@ -39,8 +39,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from hier_localsgd.sync.global_schedule import min_push_steps, overlap_floor, overlap_free_s
-from hier_localsgd.sync.global_model import staleness_factor
-from hier_localsgd.tools.simulate.target import contribution_weight
+from hier_localsgd.sync.global_model import batch_share, contribution_weight, staleness_factor
 from hier_localsgd.tools.simulate.state import APPLY, BATCH_END, COMMIT, PUSH_ARRIVE, PUSH_DONE, S_COMMIT, S_OUTER, Cluster
 
 
@@ -125,7 +124,7 @@ class Pushes:
         """The open batch becomes one version; every push in it is answered."""
         self.round_no += 1
         # its share of a round (target.py)
-        self.progress.step(self.round_no, min(1.0, sum(self.batch_weights.values()) / self.p.clusters))
+        self.progress.step(self.round_no, batch_share(sum(self.batch_weights.values()), self.p.clusters))
         self.batch_weights = {}
         for k, (kind, token) in self.batches.close():
             c = self.clusters[k]

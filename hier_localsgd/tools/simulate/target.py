@@ -7,8 +7,9 @@ holds, and that is what this rule counts:
   a share ``k / C`` of a round for ``k`` of ``C`` clusters (1 without failures);
 * an asynchronous version steps the model by its batch's share of a round,
   ``w = min(1, Σ a_i / C)`` with ``a_i = min(1, n_i / n_full) · λ(s_i)``, the weights the
-  global model server gives its contributions (sync/global_model.py, whose
-  :func:`~hier_localsgd.sync.global_model.staleness_factor` this imports).
+  global model server gives its contributions (sync/global_model.py's
+  :func:`~hier_localsgd.sync.global_model.contribution_weight` and ``batch_share``, which
+  the simulator's pushes.py imports).
 
 The global model's **progress** is the sum of its steps' shares, and it reaches the target
 when the progress reaches ``target_rounds``, a number of synchronous rounds. That number
@@ -34,16 +35,6 @@ model.
 from __future__ import annotations
 
 from typing import Optional
-
-from hier_localsgd.sync.global_model import staleness_factor
-
-
-def contribution_weight(group_steps: float, full_group_steps: float, staleness: int, max_staleness: int) -> float:
-    """``a_i`` of sync/global_model.py: the work's share of a full cluster period (at most 1)
-    times λ of its staleness."""
-    if full_group_steps <= 0:
-        return 0.0
-    return min(1.0, max(0.0, group_steps) / full_group_steps) * staleness_factor(staleness, max_staleness)
 
 
 class Progress:
