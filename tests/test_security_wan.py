@@ -403,6 +403,65 @@ def _tx_bytes(ns: str, iface: str) -> int:
     return json.loads(out)[0]["stats64"]["tx"]["bytes"]
 
 
+SLOW_WIREGUARD_GO = """#!/usr/bin/env bash
+# wireguard-go's order, slowed: the interface at once, the control socket a second later
+set -e
+ip tuntap add dev "$1" mode tun
+sleep 1
+exec "$PYTHON" -c '
+import os, socket, sys
+path = "/var/run/wireguard/%s.sock" % sys.argv[1]
+os.makedirs(os.path.dirname(path), exist_ok=True)
+srv = socket.socket(socket.AF_UNIX); srv.bind(path); srv.listen()
+while True:
+    c, _ = srv.accept(); got = b""
+    while not got.endswith(b"\\n\\n"):
+        chunk = c.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    if got:  # wg set: answer as wireguard-go does
+        c.sendall(b"errno=0\\n\\n")
+    c.close()
+' "$1"
+"""
+
+
+def test_the_tunnel_waits_for_wireguard_gos_control_socket_before_configuring_it(tmp_path, monkeypatch):
+    """wireguard-go creates its interface, then opens its control socket; a `wg set` in
+    between finds no socket, falls back to the kernel's WireGuard and fails ("Unable to
+    modify interface: Protocol not supported", a CI run). A stand-in wireguard-go that waits
+    a second between the two (and answers `wg set` as wireguard-go does): the tunnel comes up
+    all the same, and going down leaves no socket behind."""
+    import secrets
+
+    from hier_localsgd.launch.tunnel import Site, down, up, uapi_socket
+
+    fake = tmp_path / "bin" / "wireguard-go"
+    fake.parent.mkdir()
+    fake.write_text(SLOW_WIREGUARD_GO)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHON", sys.executable)
+    hosts = Hosts("u")
+    iface = f"hlt{os.getpid() % 100000}u"
+    proc = None
+    try:
+        me, peer = Site("a", hosts.wan[0], "198.19.0.1"), Site("b", hosts.wan[1], "198.19.0.2")
+        proc = up(hosts.ns[0], iface, "eth0", me, [peer], secrets.token_bytes(32), tmp_path / "wg.log")
+        assert proc.poll() is None and uapi_socket(iface).exists()
+        assert "198.19.0.1/24" in subprocess.run(["ip", "-n", hosts.ns[0], "addr", "show", iface], capture_output=True, text=True,
+                                                   check=True, timeout=20).stdout
+        down(hosts.ns[0], proc, iface)
+        assert proc.poll() is not None and not uapi_socket(iface).exists()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        uapi_socket(iface).unlink(missing_ok=True)
+        subprocess.run(["ip", "-n", hosts.ns[0], "link", "del", iface], capture_output=True, timeout=20)
+        hosts.close()
+
+
 @pytest.mark.parametrize("mtu", [1280, 1440])
 def test_the_tunnel_runs_at_the_configured_mtu_up_to_the_largest_the_wan_carries(mtu):
     """security.tunnel_mtu: every site's WireGuard interface has it, the WAN veths keep

@@ -62,6 +62,9 @@ WG_PORT = 51820
 OVERLAY_PREFIX = 24
 TOOLS = ("wireguard-go", "wg", "nft")
 START_TIMEOUT = timedelta(seconds=10)
+# wireguard-go's control (UAPI) socket for an interface: one directory that network
+# namespaces share, so interface names are unique per host (netns.py tunnel_iface).
+UAPI_DIR = Path("/var/run/wireguard")
 # What WireGuard adds to a packet: the outer IP header (20 bytes IPv4, 40 IPv6), UDP (8), its
 # own header (16) and the authentication tag (16).
 WG_OVERHEAD = {4: 60, 6: 80}
@@ -232,6 +235,14 @@ def _configure(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: L
         if proc.poll() is not None or time.monotonic() > deadline:
             raise TunnelError(f"wireguard-go {iface}{f' in {ns}' if ns else ''} did not create its interface (log: {log})")
         time.sleep(0.05)
+    # wireguard-go opens its control socket after the interface: a `wg set` in between finds
+    # no socket, falls back to the kernel's WireGuard and fails ("Protocol not supported";
+    # seen in CI)
+    while not _uapi_answers(iface):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise TunnelError(f"wireguard-go {iface}{f' in {ns}' if ns else ''} did not open its control socket "
+                              f"{uapi_socket(iface)} (log: {log})")
+        time.sleep(0.05)
     keydir = Path(tempfile.mkdtemp(prefix="hl-wg-"))  # mode 0700
     try:
         keyfile = keydir / "key"
@@ -252,8 +263,25 @@ def _configure(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: L
     firewall(ns, iface, wan_iface, me.overlay, strict)
 
 
+def uapi_socket(iface: str) -> Path:
+    """wireguard-go's control socket for ``iface``."""
+    return UAPI_DIR / f"{iface}.sock"
+
+
+def _uapi_answers(iface: str) -> bool:
+    """Whether ``iface``'s control socket accepts a connection (``wg`` talks to it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(uapi_socket(iface)))
+        except OSError:
+            return False
+    return True
+
+
 def down(ns: Optional[str], proc: subprocess.Popen, iface: str) -> None:
-    """Ends ``wireguard-go`` (its interface goes with it) and removes its firewall table."""
+    """Ends ``wireguard-go`` (its interface goes with it), removes its firewall table and
+    its control socket (a killed wireguard-go leaves it behind)."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -262,6 +290,7 @@ def down(ns: Optional[str], proc: subprocess.Popen, iface: str) -> None:
             proc.kill()
             proc.wait(timeout=5)
     subprocess.run(_in(ns, ["nft", "delete", "table", "inet", table(iface)]), capture_output=True, timeout=20)
+    uapi_socket(iface).unlink(missing_ok=True)
 
 
 def table(iface: str) -> str:
