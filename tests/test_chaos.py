@@ -732,8 +732,8 @@ def test_a_hang_and_a_phase_kill_never_share_a_target(tmp_path):
 def test_a_drawn_phase_kill_waits_for_a_target_and_hands_the_stop_to_the_next_eligible_one(tmp_path):
     """With stops (a hierarchical job with inboxes), a drawn phase kill that finds no process
     of its role (the leaders restarting) waits for one up to chaos.phase_arm_s rather than
-    arming without a target and killing whatever phase a status poll sees (a CI run: a leader
-    killed in LOCAL). An arm whose target is gone hands its stop to the next eligible process
+    arming without a target and killing on a status poll, with no stop handed (a CI run: a
+    leader killed that way, no evidence that it stopped itself at the phase). An arm whose target is gone hands its stop to the next eligible process
     and kills it only once it stopped itself at the phase; the record says so."""
     from types import SimpleNamespace
 

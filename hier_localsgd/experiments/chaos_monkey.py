@@ -157,8 +157,8 @@ class ChaosMonkey:
         """Arms a drawn phase kill on the role's first eligible process. With stops, one that
         finds none (the role's processes restarting or held by a hang) waits, drawn again
         each retry, up to ``chaos.phase_arm_s`` for one to hand the stop to (a status poll
-        alone misses a short phase: a CI run killed a leader outside its INNER_REDUCE that
-        way); then it arms without, and :meth:`_phase_kill` takes the first that becomes
+        alone misses a short phase, and shows no evidence that the kill met it: a CI run
+        killed a leader on a poll, with no stop handed); then it arms without, and :meth:`_phase_kill` takes the first that becomes
         eligible. Returns whether it armed."""
         role, phase = self.rng.choice(list(self.cfg.chaos.phase_targets)).split(":")
         of_role = self._of_role(role, running, continuous, self._hung(now))
