@@ -231,18 +231,16 @@ def _session_and_deathsig() -> None:
 def _configure(ns: Optional[str], iface: str, wan_iface: str, me: Site, peers: List[Site], secret: bytes, log: Path,
                proc: subprocess.Popen, strict: bool, mtu: int) -> None:
     deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-    while subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True, timeout=20).returncode != 0:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise TunnelError(f"wireguard-go {iface}{f' in {ns}' if ns else ''} did not create its interface (log: {log})")
-        time.sleep(0.05)
     # wireguard-go opens its control socket after the interface: a `wg set` in between finds
     # no socket, falls back to the kernel's WireGuard and fails ("Protocol not supported";
     # seen in CI)
-    while not _uapi_answers(iface):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise TunnelError(f"wireguard-go {iface}{f' in {ns}' if ns else ''} did not open its control socket "
-                              f"{uapi_socket(iface)} (log: {log})")
-        time.sleep(0.05)
+    for ready, what in ((lambda: subprocess.run(_in(ns, ["ip", "link", "show", iface]), capture_output=True, timeout=20).returncode == 0,
+                         "create its interface"),
+                        (lambda: _uapi_answers(iface), f"open its control socket {uapi_socket(iface)}")):
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise TunnelError(f"wireguard-go {iface}{f' in {ns}' if ns else ''} did not {what} (log: {log})")
+            time.sleep(0.05)
     keydir = Path(tempfile.mkdtemp(prefix="hl-wg-"))  # mode 0700
     try:
         keyfile = keydir / "key"
