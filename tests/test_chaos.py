@@ -423,15 +423,16 @@ def test_a_stall_is_recorded_when_no_group_steps_for_longer_than_the_limit():
 HB_S, PHASE_S = 2.0, 30.0  # the run below: lighthouse.heartbeat_timeout_ms, every phase timeout
 # Seed 219 at a mean of 8 s draws a whole-cluster kill (cluster 0) about 3 s into training
 # and a non-leader kill (c1r1) about 15 s in; the next draw (46 s) comes after the last kill
-# step (step 150: 37.5 % of 400 steps of >= 0.1 s). Each restart (1 s delay, a warm spare's
-# start or 5 to 20 s of imports for a cold one under CI's load, a heal) then has at least 25 s
+# step (step 150: 18.75 % of 800 steps of >= 0.1 s). Each restart (1 s delay, a warm spare's
+# start or 5 to 40 s of imports for a cold one under CI's load, a heal) then has at least 65 s
 # before the others finish: a kill whose restart cannot rejoin in time would fail the test
 # for a reason that is not recovery (seen with 65 % of 300 steps when other work loaded the
-# machine; 300 steps left 12.6 s on CI).
+# machine; 300 steps left 12.6 s on CI; 400 steps left ~35 s after the kill at step 110, and
+# on a CI run that took 69 min the restarted c1r1's spare was ready only 38 s after the kill).
 CHAOS_RUN = [
-    "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=400",
+    "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=800",
     "sync.inner.every=5", "sync.outer.every=2", "sync.min_clusters=1",
-    "chaos.kill_every_s=8", "chaos.seed=219", "chaos.kinds=[kill]", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.375",
+    "chaos.kill_every_s=8", "chaos.seed=219", "chaos.kinds=[kill]", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.1875",
     "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50", "lighthouse.join_timeout_ms=10000",
     "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30", "timeouts.outer_reduce=30",
     "timeouts.broadcast=30", "timeouts.inner_commit=30", "timeouts.outer_commit=30",
@@ -961,7 +962,8 @@ def test_poisoned_groups_are_kept_out_of_the_shared_model_and_recover(tmp_path):
     report_path = tmp_path / "report.json"
     p = subprocess.run(
         [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}",
-         *[o for o in CHAOS_RUN if not o.startswith(("chaos.kinds", "chaos.kill_every_s"))],
+         *[o for o in CHAOS_RUN if not o.startswith(("chaos.kinds", "chaos.kill_every_s", "train.steps", "chaos.stop_kills_at"))],
+         "train.steps=400", "chaos.stop_kills_at=0.375",  # no restart to wait for: the shorter run
          "chaos.kinds=[poison]", "chaos.draw=cycle", "chaos.kill_every_s=6", "chaos.baseline=false", "train.eval_every=10"],
         capture_output=True, text=True, timeout=600,
     )
