@@ -228,7 +228,7 @@ JOB = ["train.min_step_time_s=0.05", "sync.inner.every=5", "sync.outer.every=2",
 @pytest.mark.slow
 @pytest.mark.parametrize("eager", [False, True], ids=["plain", "eager"])
 def test_a_leader_dying_with_its_outer_round_in_flight_hands_over_and_the_job_ends_consistent(tmp_path, eager):
-    """c0r0 (cluster 0's leader) exits inside the background OUTER_REDUCE of the round
+    """c0r0 (cluster 0's leader) exits inside the background OUTER_QUORUM of the round
     launched at step 10. c0r1 leads at the apply round (step 15): it has no result, so
     cluster 0 merges nothing there and trains on; the restarted c0r0 heals; the outer
     rounds after it include cluster 0 again; every group that finishes ends on the same
@@ -236,7 +236,13 @@ def test_a_leader_dying_with_its_outer_round_in_flight_hands_over_and_the_job_en
     exits 0 without a result: both are correct, so only finished groups are compared.)
     Eager updates: c0r1 took its stand-in step at step 10 and takes it out at step 15 (no
     result); the restarted c0r0 heals with the cluster's stand-in and outer momentum."""
-    run = run_job(tmp_path, [*JOB, f"sync.outer.eager={eager}", "faults=[{cluster:0,replica:0,step:10,action:exit,phase:OUTER_REDUCE}]"],
+    # At OUTER_QUORUM: the fault fires as the stage thread starts, while the training thread
+    # has 5 steps (>= 0.25 s) to go before step 15's round. At OUTER_REDUCE it fired only
+    # once cluster 1's leader had joined the outer quorum; with that leader late (a loaded
+    # CI machine; here by SIGSTOPping c1r0 for 2.5 s from step 5) c0r0 had joined step 15's
+    # inner round first, whose commit vote then failed: c0r1 rolled back at step 15, with
+    # no commit there. At OUTER_QUORUM the same stop leaves c0r1's commit at step 15.
+    run = run_job(tmp_path, [*JOB, f"sync.outer.eager={eager}", "faults=[{cluster:0,replica:0,step:10,action:exit,phase:OUTER_QUORUM}]"],
                   restart=True)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     sums = run.summary["checksums"]
