@@ -251,8 +251,9 @@ def test_a_push_waiting_when_a_restarted_server_takes_a_newer_version_is_merged_
     (the server had restarted, and cluster 0 registered its older copy first). The server
     adopts version 3 and keeps the batch: cluster 0's push, now 3 versions stale (bound 4),
     is merged on top of it as version 4. Before, the batch was dropped with the push, and
-    with it all the work cluster 0 had done while the server was down."""
-    srv = _server(grace_s=1.0)
+    with it all the work cluster 0 had done while the server was down. (A grace window of
+    5 s: cluster 1's version must reach the server while the batch is still open.)"""
+    srv = _server(grace_s=5.0)
     try:
         _push(srv, 0, 0, None, model=torch.zeros(2))  # the server holds version 0
         out = {}

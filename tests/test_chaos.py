@@ -916,12 +916,12 @@ def test_hier_and_flat_meet_the_same_planned_faults_end_to_end(tmp_path):
     report_path = tmp_path / "report.json"
     p = subprocess.run(
         [sys.executable, "-m", "hier_localsgd", "chaos", f"run.dir={tmp_path}", f"chaos.report={report_path}",
-         # The plan ends at step 180 (450 x 0.4: the same 4 faults as 300 x 0.6 drew); 270 paced steps
-         # after it leave a cluster killed last ~27 s to restart cold (CI: 300 steps left 12 s, and its
-         # imports under load took longer: the cluster came back after the end).
-         "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=450", "sync.inner.every=5",
+         # The plan ends at step 180 (750 x 0.24: the same 4 faults as 300 x 0.6 drew); 570 paced steps
+         # after it leave a cluster killed last ~57 s to restart cold (CI: 300 steps left 12 s, and its
+         # imports under load took longer: the cluster came back after the end; 450 left ~18 s).
+         "model=tiny", "train.batch_size=16", "train.min_step_time_s=0.1", "train.steps=750", "sync.inner.every=5",
          "sync.outer.every=2", "sync.min_clusters=1", "chaos.kinds=[kill,hang]", "chaos.draw=plan", "chaos.kill_every_steps=40",
-         "chaos.seed=3", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.4", "chaos.hang_s=5", "chaos.baseline=false",
+         "chaos.seed=3", "chaos.restart_delay_s=1", "chaos.stop_kills_at=0.24", "chaos.hang_s=5", "chaos.baseline=false",
          "chaos.compare_flat=true", "lighthouse.heartbeat_timeout_ms=2000", "lighthouse.quorum_tick_ms=50",
          "lighthouse.join_timeout_ms=10000", "timeouts.inner_quorum=30", "timeouts.outer_quorum=30", "timeouts.inner_reduce=30",
          "timeouts.outer_reduce=30", "timeouts.broadcast=30"],

@@ -12,9 +12,12 @@ HB_S = 2.0  # lighthouse.heartbeat_timeout_ms in harness.FAST_JOB
 PHASE_S = 30.0  # the longest single phase timeout in harness.FAST_JOB (quorum, reduce, broadcast)
 PACED = ["train.min_step_time_s=0.05", "sync.inner.every=5", "sync.outer.every=2"]
 # Tests that restart a process need training left after the kill for the restart (delay +
-# its imports: ~3 s on an idle machine, up to 20 s measured under CI's load) to rejoin
-# before the others finish: 300 paced steps leave about 28 s after a kill at step 12.
-LONG = ["train.min_step_time_s=0.1", "sync.inner.every=5", "sync.outer.every=2", "train.steps=300"]
+# its imports: ~3 s on an idle machine; under CI's load a cold restart took 15-35 s to its
+# first phase) to rejoin before the others finish, or it finds the job ended and has no
+# result: 600 paced steps leave at least 58 s after a kill at step 12 (300 left 8 s to spare
+# in one CI run, when both of cluster 1's groups restarted at once).
+PACED_SLOW = ["train.min_step_time_s=0.1", "sync.inner.every=5", "sync.outer.every=2"]
+LONG = [*PACED_SLOW, "train.steps=600"]
 ALL = [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
@@ -91,7 +94,7 @@ def test_sigkill_non_leader_is_restarted_in_a_warm_spare_and_heals_from_a_peer(t
 def test_hang_inside_a_phase_is_ended_by_the_watchdog(tmp_path):
     run = run_job(
         tmp_path,
-        [*LONG, *WAIT_FOR_RESTART, "timeouts.inner_reduce=5", "timeouts.watchdog_grace=3",
+        [*PACED_SLOW, "train.steps=300", *WAIT_FOR_RESTART, "timeouts.inner_reduce=5", "timeouts.watchdog_grace=3",
          "faults=[{cluster:0,replica:1,step:10,action:hang,phase:INNER_REDUCE}]"],
         restart=True,
     )
@@ -168,7 +171,9 @@ def test_whole_cluster_lost_others_carry_on_and_it_heals_on_return(tmp_path):
 def test_start_order_does_not_matter(tmp_path, name, order):
     """Seed 004: starting replica group 1 before 0 locked the HTTP checkpoint transport, and
     starting cluster 1 before 0 failed healing with "rank not found"."""
-    run = run_job(tmp_path, [*PACED, "train.steps=40"], order=order, stagger_s=3.0, gate=False)
+    # The first cluster's leader waits in the step-10 outer quorum for the other cluster's
+    # cold start (9 s in one CI run): a deadline that outlasts any start-up under load.
+    run = run_job(tmp_path, [*PACED, "train.steps=40", "timeouts.outer_quorum=240"], order=order, stagger_s=3.0, gate=False)
     assert all(code == 0 for code in run.codes.values()), logs_tail(run)
     logs = "".join((run.job.run_dir / "logs" / f"c{c}r{r}.log").read_text() for c, r in ALL)
     for bad in ("rank not found", "Exception in checkpoint server", "got exception in recovery", "TimeoutError"):
@@ -203,7 +208,7 @@ def test_a_round_a_dead_peer_fails_keeps_the_survivors_steps_with_keep_local(tmp
     sync.failed_round=rollback restores c0r0's step-0 commit: its 5 steps are discarded.
     keep_local keeps them in the model: c0r0's next commit (step 10) carries 10 steps and it
     discards none. Either way the restarted c0r1 heals and the job ends consistent."""
-    run = run_job(tmp_path, [*LONG, "train.steps=60", f"sync.failed_round={policy}",
+    run = run_job(tmp_path, [*PACED_SLOW, "train.steps=60", f"sync.failed_round={policy}",
                              "faults=[{cluster:0,replica:1,step:5,action:exit,phase:INNER_REDUCE}]"],
                   restart=True)
     assert all(run.codes[k] == 0 for k in ALL), logs_tail(run)

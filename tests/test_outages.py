@@ -388,7 +388,8 @@ def test_a_replica_group_restarted_during_its_lighthouses_outage_waits_for_it(tm
             seen["kill"] = time.time()
             job.kill_lighthouse("cluster0")
             job.kill((0, 1))
-        elif "kill" in seen and "back" not in seen and log.exists() and "waiting for it" in log.read_text():
+        elif ("kill" in seen and "back" not in seen and log.exists() and "waiting for it" in log.read_text()
+              and all(process_state(job.replicas[k].popen.pid) == "T" for k in others)):  # a fast restart waits for the stops
             seen["back"] = time.time()
             job.start_lighthouse("cluster0")
             for k in others:
