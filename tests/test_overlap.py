@@ -239,7 +239,7 @@ def test_a_leader_dying_with_its_outer_round_in_flight_hands_over_and_the_job_en
     # At OUTER_QUORUM: the fault fires as the stage thread starts, while the training thread
     # has 5 steps (>= 0.25 s) to go before step 15's round. At OUTER_REDUCE it fired only
     # once cluster 1's leader had joined the outer quorum; with that leader late (a loaded
-    # CI machine; here by SIGSTOPping c1r0 for 2.5 s from step 5) c0r0 had joined step 15's
+    # CI machine; in a one-off run, by SIGSTOPping c1r0 for 2.5 s from step 5) c0r0 had joined step 15's
     # inner round first, whose commit vote then failed: c0r1 rolled back at step 15, with
     # no commit there. At OUTER_QUORUM the same stop leaves c0r1's commit at step 15.
     run = run_job(tmp_path, [*JOB, f"sync.outer.eager={eager}", "faults=[{cluster:0,replica:0,step:10,action:exit,phase:OUTER_QUORUM}]"],
